@@ -1,0 +1,245 @@
+"""The client face: ``run(query)`` and the ``Job`` handle.
+
+Owns: starting (or joining) Ray, shipping the compiled plan and source data
+to a new JobMaster, and the ``Job`` handle users wait on. Imports the master
+lazily so the core package never imports it at module load (no cycle).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from chronostream.dag import JobPlan, Query, compile_query
+from chronostream.errors import JobFailed
+from chronostream.serial import SerialResult, _SerialRun
+from chronostream.sinks import ParquetSink, read_parquet_sink
+
+_OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Start Ray in this process (default) or connect to ``address`` / ``$RAY_ADDRESS``."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=True)
+        return
+    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, logging_level="WARNING",
+             object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
+             log_to_driver=True)
+
+
+def _pickle_user_code_by_value(plan: JobPlan) -> None:
+    # Operators and functions defined in a script or a test module are not
+    # importable on Ray workers: ship their modules by value.
+    from ray import cloudpickle
+
+    fns: list[Any] = []
+    for st in plan.stages:
+        if st.factory is not None:
+            fns.append(st.factory[0])
+    for sp in plan.streams:
+        fns.extend(getattr(step, "fn", None) for step in sp.chain)
+    for fn in fns:
+        mod_name = getattr(fn, "__module__", None)
+        if not mod_name or mod_name == "__main__" or mod_name.split(".")[0] in _OWN_PACKAGES:
+            continue
+        mod = sys.modules.get(mod_name)
+        if mod is None:
+            continue
+        path = getattr(mod, "__file__", "") or ""
+        if "site-packages" in path:
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(mod)
+        except ValueError:
+            pass
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's state: ``running``, ``finished``, ``failed`` or ``stopped``."""
+
+    state: str
+    containers: int
+    done_containers: int
+    elapsed_s: float
+    error: BaseException | None = None
+
+
+class Job:
+    """Handle of a running job.
+
+    ``wait()`` blocks until it finishes (raising ``JobFailed`` on failure),
+    ``results(name)`` returns a memory sink's rows, ``sink_path(name)`` a
+    Parquet sink's directory, ``stop()`` releases its actors.
+    """
+
+    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any]) -> None:
+        self.plan = plan
+        self.master = master
+        self._placement = placement
+        self._result_cache: dict[str, pa.Table] = {}
+
+    def status(self) -> JobStatus:
+        """Current status (one call to the master)."""
+        import ray
+
+        s = ray.get(self.master.status.remote())
+        return JobStatus(s["state"], s["containers"], s["done"], s["elapsed_s"], s["error"])
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
+        """Block until the job finishes; raise ``JobFailed`` (with the cause) if it failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if st.state == "failed":
+                err = st.error
+                raise JobFailed(f"job failed: {err}", err) from err
+            if st.state in ("finished", "stopped"):
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job still {st.state} after {timeout_s}s ({st.done_containers}/{st.containers} containers done)")
+            time.sleep(poll_s)
+
+    def results(self, sink_name: str) -> pa.Table:
+        """Rows of a sink, sorted by (producer slice, out_seq) (waits for the job)."""
+        import ray
+
+        self.wait()
+        spec = next((s.sink for s in self.plan.sinks if s.name == sink_name), None)
+        if isinstance(spec, ParquetSink):
+            return read_parquet_sink(spec.path)
+        if sink_name not in self._result_cache:
+            self._result_cache[sink_name] = ray.get(self.master.collect.remote(sink_name))
+        return self._result_cache[sink_name]
+
+    def dead_letters(self) -> pa.Table:
+        """Poison events routed to the dead-letter sink."""
+        if self.plan.dead_letter_sink is None:
+            raise ValueError("this query has no dead-letter sink (see Query.dead_letters)")
+        return self.results(self.plan.dead_letter_sink.name)
+
+    def sink_path(self, sink_name: str) -> str:
+        """Directory of a Parquet sink."""
+        spec = next((s.sink for s in self.plan.sinks if s.name == sink_name), None)
+        if not isinstance(spec, ParquetSink):
+            raise ValueError(f"sink {sink_name!r} is not a ParquetSink")
+        return spec.path
+
+    def placement(self) -> dict[str, Any]:
+        """Stage name -> container id -> slices, and container -> node id."""
+        import ray
+
+        return ray.get(self.master.placement_view.remote())
+
+    def statistics(self) -> dict[int, Any]:
+        """Per-container statistics (``ContainerStatistics``)."""
+        import ray
+
+        return ray.get(self.master.statistics.remote())
+
+    def stop(self) -> None:
+        """Stop the job and release its containers and master."""
+        import ray
+
+        try:
+            ray.get(self.master.stop.remote())
+        finally:
+            ray.kill(self.master)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class CompletedJob:
+    """A job run by the serial or local executor: already finished."""
+
+    def __init__(self, plan: JobPlan, results: Any, dead: Any = None) -> None:
+        self.plan = plan
+        self._results = results
+        self._dead = dead
+
+    def wait(self, timeout_s: float | None = None) -> JobStatus:
+        """Return at once: the job is finished."""
+        return JobStatus("finished", 0, 0, 0.0)
+
+    def status(self) -> JobStatus:
+        """Always finished."""
+        return self.wait()
+
+    def results(self, sink_name: str) -> pa.Table:
+        """Rows of a sink, sorted by (producer slice, out_seq)."""
+        spec = next((s.sink for s in self.plan.sinks if s.name == sink_name), None)
+        if isinstance(spec, ParquetSink):
+            return read_parquet_sink(spec.path)
+        return self._results(sink_name)
+
+    def dead_letters(self) -> pa.Table:
+        """Poison events routed to the dead-letter sink."""
+        return self._dead()
+
+    def stop(self) -> None:
+        """Nothing to release."""
+
+
+def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
+        address: str | None = None, workdir: str | None = None, max_inflight_epochs: int = 4,
+        heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0) -> Job | CompletedJob:
+    """Run ``query`` and return its job handle.
+
+    ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
+    ``address=`` or ``$RAY_ADDRESS`` points at a cluster), ``"serial"`` (one
+    process, one event at a time: the oracle and debug mode) or ``"local"``
+    (the runtime's containers in one process, no Ray). ``containers``: per
+    stage, one number or ``{stage name: number}``.
+
+    >>> import chronostream as cs
+    >>> q = cs.Query()
+    >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    >>> cs.run(q, executor="serial").results("c")["count"].to_pylist()
+    [1, 2]
+    """
+    plan, sources = compile_query(query)
+    if executor == "serial":
+        res: SerialResult = _SerialRun(plan, sources).run()
+        dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
+        return CompletedJob(plan, res.results, dl)
+    from master.placement import containers_per_stage, initial_placement
+
+    per_stage = containers_per_stage(plan, containers)
+    if executor == "local":
+        from master.local import collect, run_local
+
+        cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed)
+        return CompletedJob(plan, lambda name: collect(plan, cores, name),
+                            lambda: collect(plan, cores, plan.dead_letter_sink.name))
+    if executor != "ray":
+        raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
+    import ray
+
+    from master.actor import JobMaster
+
+    ensure_ray(address)
+    _pickle_user_code_by_value(plan)
+    workdir = workdir or os.path.join(tempfile.gettempdir(), "chronostream", f"job-{uuid.uuid4().hex[:12]}")
+    os.makedirs(workdir, exist_ok=True)
+    refs = {sid: [ray.put(t)] for sid, t in sources.items()}
+    master = JobMaster.options(max_concurrency=1000).remote(
+        plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log)
+    placement = ray.get(master.deploy.remote(refs))
+    return Job(plan, master, placement)

@@ -1,0 +1,479 @@
+"""The query DAG builder and its compiled, executor-neutral plan.
+
+Owns: ``Query`` and ``Stream`` (what users build), the stateless transforms
+fused into the producing stage (map, filter, flat_map and their vectorized
+``*_batches`` forms, key_by), and ``compile_query`` which turns a query into
+a ``JobPlan`` of stages, physical streams and sinks. Knows no executor.
+
+A *stage* is a source or a stateful operator with a fixed slice count. A
+*physical stream* is a stage output plus a chain of stateless transforms,
+applied by the producing slice before it numbers the rows (``out_seq``) and
+routes them by key to the consumer slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import pyarrow as pa
+
+from chronostream.errors import QueryError
+from chronostream.operators import AGGREGATES, KeyedAggregate, KeyedJoin, Operator
+from chronostream.sinks import MemorySink, Sink
+from chronostream.sources import SourceData, assign_global_order, to_table
+
+#: Slices of a stateful stage when ``slices=`` is not given. Slices are the
+#: unit of migration and recovery: more slices = finer elasticity, at a small
+#: per-slice cost per epoch.
+DEFAULT_SLICES = 32
+#: Slices of a source stage (its stateless transforms run with that parallelism).
+DEFAULT_SOURCE_SLICES = 4
+#: Source events per epoch (the unit of progress, batching and backpressure).
+DEFAULT_EPOCH_EVENTS = 16384
+
+
+# --- stateless transforms (fused into the producing stage) -----------------
+
+
+@dataclass(frozen=True)
+class Map:
+    """Per-event map: ``fn(event) -> event``."""
+
+    fn: Callable[[dict], dict]
+    schema: pa.Schema | None = None
+    fan_out = False
+
+
+@dataclass(frozen=True)
+class Filter:
+    """Per-event filter: keep events where ``fn(event)`` is true."""
+
+    fn: Callable[[dict], bool]
+    fan_out = False
+
+
+@dataclass(frozen=True)
+class FlatMap:
+    """Per-event flat map: ``fn(event) -> iterable of events``."""
+
+    fn: Callable[[dict], Iterable[dict]]
+    schema: pa.Schema | None = None
+    fan_out = True
+
+
+@dataclass(frozen=True)
+class MapBatches:
+    """Vectorized map: ``fn(table) -> table`` with the same number of rows."""
+
+    fn: Callable[[pa.Table], pa.Table]
+    fan_out = False
+
+
+@dataclass(frozen=True)
+class FilterBatches:
+    """Vectorized filter: ``fn(table) -> boolean array`` (true = keep)."""
+
+    fn: Callable[[pa.Table], Any]
+    fan_out = False
+
+
+@dataclass(frozen=True)
+class FlatMapBatches:
+    """Vectorized flat map: ``fn(table) -> (table, parent_index)``.
+
+    ``parent_index[i]`` is the input row output row ``i`` comes from; it must
+    be non-decreasing (outputs grouped by parent, in parent order).
+    """
+
+    fn: Callable[[pa.Table], tuple[pa.Table, Any]]
+    fan_out = True
+
+
+Transform = Map | Filter | FlatMap | MapBatches | FilterBatches | FlatMapBatches
+
+
+# --- builder ----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class StageNode:
+    """A stage being built: a source or an operator with its inputs."""
+
+    name: str
+    kind: str  # "source" | "operator"
+    slices: int
+    outputs: tuple[str, ...]
+    factory: tuple[type, tuple, dict] | None = None
+    inputs: dict[str, "Stream"] = field(default_factory=dict)
+    source: SourceData | None = None
+    output_schemas: dict[str, pa.Schema] = field(default_factory=dict)
+
+
+class Stream:
+    """A stream of events in a query: transform it, key it, aggregate it, sink it.
+
+    Streams are immutable: every method returns a new stream.
+    """
+
+    def __init__(self, query: "Query", stage: StageNode, output: str,
+                 chain: tuple = (), key: tuple[str, ...] | None = None, name: str | None = None) -> None:
+        self.query = query
+        self.stage = stage
+        self.output = output
+        self.chain = chain
+        self.key = key
+        self.name = name or (stage.name if output == "out" else f"{stage.name}.{output}")
+
+    def _derive(self, step: Any = None, key: tuple[str, ...] | None = None, name: str | None = None) -> "Stream":
+        chain = self.chain + ((step,) if step is not None else ())
+        return Stream(self.query, self.stage, self.output, chain, key, name or self.name)
+
+    # stateless, per event (user Python per event)
+    def map(self, fn: Callable[[dict], dict], schema: pa.Schema | None = None) -> "Stream":
+        """Transform each event with ``fn(event) -> event`` (dict in, dict out)."""
+        return self._derive(Map(fn, schema))
+
+    def filter(self, fn: Callable[[dict], bool]) -> "Stream":
+        """Keep the events for which ``fn(event)`` is true."""
+        return self._derive(Filter(fn), key=self.key)
+
+    def flat_map(self, fn: Callable[[dict], Iterable[dict]], schema: pa.Schema | None = None) -> "Stream":
+        """Replace each event with the events ``fn(event)`` yields (zero or more)."""
+        return self._derive(FlatMap(fn, schema))
+
+    # stateless, vectorized (the fast path)
+    def map_batches(self, fn: Callable[[pa.Table], pa.Table]) -> "Stream":
+        """Transform whole batches: ``fn(table) -> table`` with as many rows."""
+        return self._derive(MapBatches(fn))
+
+    def filter_batches(self, fn: Callable[[pa.Table], Any]) -> "Stream":
+        """Filter whole batches: ``fn(table)`` returns a boolean mask."""
+        return self._derive(FilterBatches(fn), key=self.key)
+
+    def flat_map_batches(self, fn: Callable[[pa.Table], tuple[pa.Table, Any]]) -> "Stream":
+        """Fan out whole batches: ``fn(table) -> (table, parent_index)``.
+
+        >>> import pyarrow.compute as pc
+        >>> def split(t):
+        ...     words = pc.utf8_split_whitespace(t["line"])
+        ...     return pa.table({"word": pc.list_flatten(words)}), pc.list_parent_indices(words)
+        """
+        return self._derive(FlatMapBatches(fn))
+
+    def key_by(self, key: str | Sequence[str] | Callable[[dict], Any], name: str = "key") -> "Stream":
+        """Key the stream by column(s), or by ``fn(event)`` stored in column ``name``.
+
+        The key decides the slice of the next stateful stage:
+        ``slice = stable_hash(key) % slices``.
+        """
+        if callable(key):
+            fn = key
+            return self._derive(Map(lambda e, _fn=fn, _n=name: {**e, _n: _fn(e)}), key=(name,))
+        cols = (key,) if isinstance(key, str) else tuple(key)
+        if not cols:
+            raise QueryError("key_by needs at least one column")
+        return self._derive(None, key=cols)
+
+    # stateful
+    def apply(self, operator: type[Operator], *args: Any, outputs: Sequence[str] = ("out",),
+              slices: int | None = None, name: str | None = None, input_name: str = "in",
+              output_schemas: Mapping[str, pa.Schema] | None = None, **kwargs: Any) -> "Stream | dict[str, Stream]":
+        """Run a user ``Operator`` over this stream (its input is called ``input_name``)."""
+        return self.query.operator(operator, {input_name: self}, *args, outputs=outputs, slices=slices,
+                                   name=name, output_schemas=output_schemas, **kwargs)
+
+    def aggregate(self, *, count: bool = False, sum: Sequence[str] = (), min: Sequence[str] = (),
+                  max: Sequence[str] = (), mean: Sequence[str] = (), slices: int | None = None,
+                  name: str | None = None) -> "Stream":
+        """Running keyed aggregates, vectorized: one update row per input row.
+
+        Output columns: the key columns, then ``count``, ``sum_<col>``,
+        ``min_<col>``, ``max_<col>``, ``mean_<col>`` as asked.
+        """
+        if self.key is None:
+            raise QueryError("aggregate() needs a keyed stream: call key_by() first")
+        specs: list[tuple[str, str | None]] = [("count", None)] if count else []
+        for agg, cols in (("sum", sum), ("min", min), ("max", max), ("mean", mean)):
+            for c in ([cols] if isinstance(cols, str) else cols):
+                specs.append((agg, c))
+        if not specs:
+            raise QueryError(f"aggregate() needs at least one of {AGGREGATES}")
+        return self.query.operator(KeyedAggregate, {"in": self}, list(self.key), specs,
+                                   slices=slices, name=name or f"{self.name}.aggregate")
+
+    def count(self, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Running count per key."""
+        return self.aggregate(count=True, slices=slices, name=name)
+
+    def sum(self, column: str, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Running sum of ``column`` per key."""
+        return self.aggregate(sum=[column], slices=slices, name=name)
+
+    def min(self, column: str, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Running minimum of ``column`` per key."""
+        return self.aggregate(min=[column], slices=slices, name=name)
+
+    def max(self, column: str, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Running maximum of ``column`` per key."""
+        return self.aggregate(max=[column], slices=slices, name=name)
+
+    def mean(self, column: str, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Running mean of ``column`` per key."""
+        return self.aggregate(mean=[column], slices=slices, name=name)
+
+    def sink(self, sink: Sink | None = None, name: str | None = None) -> Sink:
+        """Send this stream to ``sink`` (default: a ``MemorySink`` named ``name``)."""
+        if sink is None:
+            sink = MemorySink(name or self.name)
+        self.query.sinks.append((self, sink))
+        return sink
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name!r}, key={self.key})"
+
+
+class Query:
+    """A query DAG under construction.
+
+    >>> q = Query()
+    >>> words = q.source("words", [{"word": "a"}, {"word": "b"}, {"word": "a"}])
+    >>> sink = words.key_by("word").count().sink(name="counts")
+    >>> [s.name for s in q.stages]
+    ['words', 'words.aggregate']
+    """
+
+    def __init__(self, epoch_events: int = DEFAULT_EPOCH_EVENTS) -> None:
+        if epoch_events < 1:
+            raise QueryError("epoch_events must be >= 1")
+        self.epoch_events = epoch_events
+        self.stages: list[StageNode] = []
+        self.sinks: list[tuple[Stream, Sink]] = []
+        self.dead_letter_sink: Sink | None = None
+
+    def _unique_name(self, name: str) -> str:
+        taken = {s.name for s in self.stages}
+        if name not in taken:
+            return name
+        i = 2
+        while f"{name}#{i}" in taken:
+            i += 1
+        return f"{name}#{i}"
+
+    def source(self, name: str, data: Any, *, schema: pa.Schema | None = None,
+               order_by: str | None = None, slices: int = DEFAULT_SOURCE_SLICES) -> Stream:
+        """Add a source: an Arrow table or an iterable of dicts (bounded).
+
+        ``order_by`` names an event-time column that sets the global order
+        over all sources (ties: source declaration order, then row); without
+        it rows keep their position. Rows that break ``schema`` raise an
+        error naming the source and row, or become dead letters when
+        ``dead_letters()`` was configured.
+        """
+        if any(s.name == name for s in self.stages):
+            raise QueryError(f"a stage named {name!r} already exists")
+        if slices < 1:
+            raise QueryError(f"source {name!r}: slices must be >= 1")
+        table, dead = to_table(name, data, schema, dead_letter=self.dead_letter_sink is not None)
+        if order_by is not None and order_by not in table.schema.names:
+            raise QueryError(f"source {name!r}: order_by column {order_by!r} not in {table.schema.names}")
+        node = StageNode(name, "source", slices, ("out",), source=SourceData(name, table, order_by, dead))
+        self.stages.append(node)
+        return Stream(self, node, "out")
+
+    def operator(self, operator: type[Operator], inputs: Mapping[str, Stream], *args: Any,
+                 outputs: Sequence[str] = ("out",), slices: int | None = None, name: str | None = None,
+                 output_schemas: Mapping[str, pa.Schema] | None = None,
+                 **kwargs: Any) -> "Stream | dict[str, Stream]":
+        """Add a stateful operator stage consuming ``inputs`` (name -> stream).
+
+        Returns the output stream, or a dict of them when there are several.
+        ``slices`` is fixed for the life of the job (default ``DEFAULT_SLICES``).
+        """
+        if not (isinstance(operator, type) and issubclass(operator, Operator)):
+            raise QueryError(f"{operator!r} is not an Operator subclass")
+        if not inputs:
+            raise QueryError("an operator needs at least one input stream")
+        for n, s in inputs.items():
+            if not isinstance(s, Stream) or s.query is not self:
+                raise QueryError(f"input {n!r} is not a stream of this query")
+        if not outputs:
+            raise QueryError("an operator needs at least one output")
+        n_slices = DEFAULT_SLICES if slices is None else slices
+        if n_slices < 1:
+            raise QueryError("slices must be >= 1")
+        node = StageNode(self._unique_name(name or operator.__name__), "operator", n_slices, tuple(outputs),
+                         factory=(operator, tuple(args), dict(kwargs)), inputs=dict(inputs),
+                         output_schemas=dict(output_schemas or getattr(operator, "output_schemas", {}) or {}))
+        self.stages.append(node)
+        streams = {o: Stream(self, node, o) for o in outputs}
+        return streams[outputs[0]] if len(outputs) == 1 else streams
+
+    def dead_letters(self, sink: Sink | None = None) -> Sink:
+        """Route poison events (a user function raised, a row broke the schema) to ``sink``.
+
+        Without this, the first poison event fails the job with an error naming
+        stage, slice and source order. Call it before adding sources.
+        """
+        self.dead_letter_sink = sink or MemorySink("dead_letters")
+        return self.dead_letter_sink
+
+
+def join(left: Stream, right: Stream, *, slices: int | None = None, name: str | None = None) -> Stream:
+    """Symmetric keyed equi-join of two keyed streams (inputs ``left`` and ``right``).
+
+    Each pair of events with equal keys is emitted once, when the later of
+    the two arrives (in the deterministic merge order).
+    """
+    if left.key is None or right.key is None:
+        raise QueryError("join() needs two keyed streams: call key_by() on both")
+    if len(left.key) != len(right.key):
+        raise QueryError("join keys must have the same number of columns")
+    return left.query.operator(KeyedJoin, {"left": left, "right": right}, list(left.key), list(right.key),
+                               slices=slices, name=name or "join")
+
+
+# --- the compiled plan ------------------------------------------------------
+
+
+@dataclass
+class StreamPlan:
+    """A physical stream: a stage output plus a stateless chain, numbered per producer slice."""
+
+    stream_id: int
+    name: str
+    stage_id: int
+    output: str
+    chain: tuple
+    key: tuple[str, ...] | None
+    consumers: list[tuple[int, str]] = field(default_factory=list)  # (stage id, input name)
+    sinks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class InputPlan:
+    """One input of a stage: its name, the physical stream and the input's index."""
+
+    name: str
+    stream_id: int
+    index: int
+
+
+@dataclass
+class StagePlan:
+    """One stage of the plan: a source or an operator, with its fixed slice count."""
+
+    stage_id: int
+    name: str
+    kind: str
+    num_slices: int
+    outputs: tuple[str, ...]
+    factory: tuple[type, tuple, dict] | None
+    inputs: list[InputPlan]
+    produced: list[int]  # physical stream ids this stage numbers and routes
+    output_schemas: dict[str, pa.Schema]
+    source_rows: int = 0
+
+
+@dataclass
+class SinkPlan:
+    """A sink and the physical stream it reads."""
+
+    sink_id: int
+    name: str
+    sink: Sink
+    stream_id: int
+
+
+@dataclass
+class JobPlan:
+    """Everything an executor needs, minus the source data (kept aside, see ``source_tables``)."""
+
+    stages: list[StagePlan]
+    streams: list[StreamPlan]
+    sinks: list[SinkPlan]
+    epoch_events: int
+    total_events: int
+    dead_letter_sink: Sink | None
+    source_dead_letters: list[dict]
+
+    @property
+    def num_epochs(self) -> int:
+        """Number of epochs of the bounded input (at least one)."""
+        return max(1, -(-self.total_events // self.epoch_events))
+
+    def upstream_stages(self, stage_id: int) -> list[int]:
+        """Stages whose streams feed ``stage_id`` (sorted)."""
+        st = self.stages[stage_id]
+        return sorted({self.streams[i.stream_id].stage_id for i in st.inputs})
+
+    def downstream_stages(self, stage_id: int) -> list[int]:
+        """Stages fed by the streams of ``stage_id`` (sorted)."""
+        out: set[int] = set()
+        for sid in self.stages[stage_id].produced:
+            out.update(c for c, _ in self.streams[sid].consumers)
+        return sorted(out)
+
+    def stage(self, name: str) -> StagePlan:
+        """The stage called ``name``."""
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+
+def compile_query(query: Query) -> tuple[JobPlan, dict[int, pa.Table]]:
+    """Compile ``query`` into a ``JobPlan`` and the source tables by stage id.
+
+    Source tables get the global ``_order``/``_sub`` columns here.
+    """
+    if not query.sinks:
+        raise QueryError("the query has no sink: add .sink(...) to at least one stream")
+    stage_ids = {id(node): i for i, node in enumerate(query.stages)}
+    streams: list[StreamPlan] = []
+    stream_of: dict[int, int] = {}
+
+    def physical(s: Stream) -> int:
+        if id(s) not in stream_of:
+            sid = len(streams)
+            streams.append(StreamPlan(sid, s.name, stage_ids[id(s.stage)], s.output, s.chain, s.key))
+            stream_of[id(s)] = sid
+        return stream_of[id(s)]
+
+    stages: list[StagePlan] = []
+    for i, node in enumerate(query.stages):
+        inputs = []
+        for idx, (in_name, s) in enumerate(node.inputs.items()):
+            if id(s.stage) not in stage_ids or stage_ids[id(s.stage)] >= i:
+                raise QueryError(f"stage {node.name!r}: input {in_name!r} comes from a later stage")
+            sid = physical(s)
+            streams[sid].consumers.append((i, in_name))
+            inputs.append(InputPlan(in_name, sid, idx))
+        stages.append(StagePlan(i, node.name, node.kind, node.slices, node.outputs, node.factory, inputs, [],
+                                dict(node.output_schemas)))
+    sinks: list[SinkPlan] = []
+    names: set[str] = set()
+    for k, (s, sink) in enumerate(query.sinks):
+        if sink.name in names:
+            raise QueryError(f"two sinks are named {sink.name!r}; sink names must be unique")
+        names.add(sink.name)
+        sid = physical(s)
+        streams[sid].sinks.append(k)
+        sinks.append(SinkPlan(k, sink.name, sink, sid))
+    for sp in streams:
+        stages[sp.stage_id].produced.append(sp.stream_id)
+        if sp.consumers and stages[sp.consumers[0][0]].num_slices > 1 and sp.key is None:
+            pass  # unkeyed input: spread by source order (documented in docs/design.md)
+    source_nodes = [n for n in query.stages if n.kind == "source"]
+    tables = assign_global_order([n.source for n in source_nodes])  # type: ignore[misc]
+    source_tables: dict[int, pa.Table] = {}
+    total = 0
+    dead: list[dict] = []
+    for node, table in zip(source_nodes, tables):
+        sid = stage_ids[id(node)]
+        source_tables[sid] = table
+        stages[sid].source_rows = table.num_rows
+        total += table.num_rows
+        dead.extend(node.source.dead_letters)  # type: ignore[union-attr]
+    plan = JobPlan(stages, streams, sinks, query.epoch_events, total, query.dead_letter_sink, dead)
+    return plan, source_tables

@@ -1,0 +1,48 @@
+"""Errors the user sees. Each names the stage, slice and source order it concerns.
+
+Owns: the exception types. Must not import any executor.
+"""
+
+from __future__ import annotations
+
+
+class ChronoStreamError(Exception):
+    """Base class of every error the runtime raises on purpose."""
+
+
+class QueryError(ChronoStreamError):
+    """The query DAG is malformed (caught when it is built or compiled)."""
+
+
+class EventError(ChronoStreamError):
+    """One event could not be processed: a user function raised, or it broke the schema.
+
+    Attributes name exactly where: ``stage``, ``slice_id``, ``order`` (the
+    source order of the input event it derives from) and the original
+    ``cause`` as text.
+    """
+
+    def __init__(self, stage: str, slice_id: int, order: int, cause: str, event: object = None) -> None:
+        self.stage = stage
+        self.slice_id = slice_id
+        self.order = order
+        self.cause = cause
+        self.event = event
+        super().__init__(
+            f"stage {stage!r} slice {slice_id} failed on the event with source order {order}: {cause}"
+            + (f" (event: {event!r})" if event is not None else "")
+        )
+
+    def __reduce__(self):  # keep the attributes across Ray's pickling
+        return (EventError, (self.stage, self.slice_id, self.order, self.cause, self.event))
+
+
+class JobFailed(ChronoStreamError):
+    """The job stopped because of an error; ``__cause__``/``error`` holds it."""
+
+    def __init__(self, message: str, error: BaseException | None = None) -> None:
+        self.error = error
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (JobFailed, (self.args[0], self.error))

@@ -1,0 +1,133 @@
+"""Stable, vectorized hashing of key columns to slices.
+
+Owns: the one function that maps keys to slices. The hash is the same in
+every process, machine, Python version and run (never Python's ``hash()``),
+and it hashes a whole Arrow column at once: FNV-1a over the UTF-8 / binary
+bytes (one numpy pass per byte position, not per row), splitmix64 over
+integers, and a final splitmix64 mix. Knows nothing of slices' contents.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_NULL_HASH = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64, copy=True)
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _hash_binary(arr: pa.Array) -> np.ndarray:
+    """FNV-1a of each value's bytes, vectorized over rows (loop over byte positions)."""
+    if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
+        offset_dtype = np.int64
+    else:
+        offset_dtype = np.int32
+    n = len(arr)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=offset_dtype, count=arr.offset + n + 1)[arr.offset :]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    starts = offsets[:-1].astype(np.int64)
+    lengths = (offsets[1:] - offsets[:-1]).astype(np.int64)
+    h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
+    if n == 0:
+        return h
+    # Rows sorted by length let each byte position touch only rows that long.
+    order = np.argsort(lengths, kind="stable")
+    sorted_len = lengths[order]
+    sorted_start = starts[order]
+    hs = h[order]
+    max_len = int(sorted_len[-1]) if n else 0
+    first_live = 0
+    with np.errstate(over="ignore"):
+        for j in range(max_len):
+            first_live = int(np.searchsorted(sorted_len, j, side="right"))
+            if first_live >= n:
+                break
+            live = slice(first_live, n)
+            byte = data[sorted_start[live] + j].astype(np.uint64)
+            hs[live] = (hs[live] ^ byte) * _FNV_PRIME
+    h[order] = hs
+    # Mix in the length so "" and a value of zero bytes hash apart from prefixes.
+    return h ^ _splitmix64(lengths.astype(np.uint64))
+
+
+def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Return a stable uint64 hash per value of an Arrow array.
+
+    >>> int(hash_array(pa.array(["a"]))[0]) == int(hash_array(pa.array(["x", "a"]))[1])
+    True
+    """
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr = arr.cast(t.value_type)
+        t = arr.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        if len(arr) > 256:
+            # Keys repeat (that is why they are keys): hash each distinct value once.
+            encoded = pc.dictionary_encode(arr)
+            if len(encoded.dictionary) * 2 < len(arr):
+                dict_hash = _hash_binary(encoded.dictionary)
+                idx = np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
+                h = dict_hash[idx] if len(dict_hash) else np.zeros(len(arr), np.uint64)
+            else:
+                h = _hash_binary(arr)
+        else:
+            h = _hash_binary(arr)
+    elif pa.types.is_boolean(t):
+        h = _splitmix64(np.asarray(arr.fill_null(False).cast(pa.uint8()), dtype=np.uint64))
+    elif pa.types.is_integer(t) or pa.types.is_temporal(t):
+        vals = arr.cast(pa.int64()) if not pa.types.is_temporal(t) else arr.view(pa.int64()) if t.bit_width == 64 else arr.cast(pa.int64())
+        h = _splitmix64(np.asarray(vals.fill_null(0), dtype=np.int64).view(np.uint64))
+    elif pa.types.is_floating(t):
+        f = np.asarray(arr.cast(pa.float64()).fill_null(0.0), dtype=np.float64)
+        f = np.where(f == 0.0, 0.0, f)  # -0.0 and 0.0 are one key
+        h = _splitmix64(f.view(np.uint64))
+    else:
+        raise TypeError(f"cannot hash key column of type {t}; use a string, integer, float, bool or timestamp key")
+    if arr.null_count:
+        valid = np.asarray(pc.is_valid(arr), dtype=bool)
+        h = np.where(valid, h, _NULL_HASH)
+    return h
+
+
+def hash_columns(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray:
+    """Combine the stable hashes of several key columns (order matters)."""
+    if not columns:
+        raise ValueError("hash_columns needs at least one key column")
+    h = hash_array(columns[0])
+    with np.errstate(over="ignore"):
+        for col in columns[1:]:
+            h = _splitmix64(h * np.uint64(31) ^ hash_array(col))
+    return h
+
+
+def slice_of(columns: Sequence[pa.Array | pa.ChunkedArray], num_slices: int) -> np.ndarray:
+    """Return the slice (0..num_slices-1) of each row, as int64.
+
+    >>> slice_of([pa.array([1, 2, 3])], 1).tolist()
+    [0, 0, 0]
+    """
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64)
+
+
+def slice_of_scalar(values: Sequence[object], num_slices: int) -> int:
+    """The slice of one key given as Python values (used by the serial executor)."""
+    cols = [pa.array([v]) for v in values]
+    return int(slice_of(cols, num_slices)[0])

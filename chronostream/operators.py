@@ -1,0 +1,418 @@
+"""The operator model: the ``Operator`` base class and the built-in operators.
+
+Owns: what a user subclasses (``consume``/``consume_batch``, ``produce``,
+``register_state``), the per-slice ``OperatorContext`` that collects produced
+events with their lineage, the built-in vectorized keyed aggregation and the
+keyed stream join. Knows no executor: the runtime slice and the serial
+executor both drive operators through ``OperatorContext``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from chronostream.state import KeyValueState
+from chronostream.types import ORDER, SUB, extend_sub_order
+
+
+class OperatorContext:
+    """Collects what one slice's operator produces while it consumes an epoch.
+
+    Per-event produce() calls are stamped with the lineage of the event being
+    consumed (its source order and sub-order) and a counter ``k`` of outputs
+    made from it, which becomes the output's sub-order position.
+    """
+
+    def __init__(self, stage: str, slice_id: int, output_names: Sequence[str]) -> None:
+        self.stage = stage
+        self.slice_id = slice_id
+        self.output_names = tuple(output_names)
+        self.states: dict[str, Any] = {}
+        self._order = 0
+        self._sub = 0
+        self._k = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop collected outputs (start of an epoch)."""
+        self.events: dict[str, list[dict]] = {n: [] for n in self.output_names}
+        self.lineage: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.output_names}
+        self.batches: dict[str, list[pa.RecordBatch | pa.Table]] = {n: [] for n in self.output_names}
+
+    def begin_event(self, order: int, sub: int) -> None:
+        """Set the lineage stamped on the next produce() calls."""
+        self._order = order
+        self._sub = sub
+        self._k = 0
+
+    def produce(self, stream_id: str, event: dict) -> None:
+        """Record one produced event under the current lineage."""
+        if stream_id not in self.events:
+            raise KeyError(
+                f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
+                f"declared outputs: {list(self.output_names)}"
+            )
+        # Per-stream outputs keep production order; mixing per-event and batch
+        # produce on one stream is refused in take_outputs().
+        self.events[stream_id].append(event)
+        self.lineage[stream_id].append((self._order, self._sub, self._k))
+        self._k += 1
+
+    def produce_batch(self, stream_id: str, batch: pa.RecordBatch | pa.Table) -> None:
+        """Record a produced batch; it must carry the ``_order``/``_sub`` columns."""
+        if stream_id not in self.batches:
+            raise KeyError(
+                f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
+                f"declared outputs: {list(self.output_names)}"
+            )
+        names = batch.schema.names
+        if ORDER not in names or SUB not in names:
+            raise ValueError(
+                f"stage {self.stage!r}: produce_batch() needs the {ORDER!r} and {SUB!r} columns "
+                "of the input rows each output row derives from (keep them when you take/filter, "
+                "or compute them with chronostream.extend_sub_order for fan-out)"
+            )
+        self.batches[stream_id].append(batch)
+
+    def take_outputs(self, schemas: dict[str, pa.Schema | None]) -> dict[str, pa.Table]:
+        """Return each output stream's produced rows as a table with lineage columns."""
+        out: dict[str, pa.Table] = {}
+        for name in self.output_names:
+            events, batches = self.events[name], self.batches[name]
+            if events and batches:
+                raise ValueError(
+                    f"stage {self.stage!r} mixed produce() and produce_batch() on output {name!r}"
+                )
+            if batches:
+                tables = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
+                out[name] = pa.concat_tables(tables, promote_options="permissive")
+            elif events:
+                table = pa.Table.from_pylist(events, schema=schemas.get(name))
+                lin = np.array(self.lineage[name], dtype=np.int64).reshape(-1, 3)
+                table = table.append_column(ORDER, pa.array(lin[:, 0], pa.int64()))
+                table = table.append_column(SUB, pa.array(extend_sub_order(lin[:, 1], lin[:, 2]), pa.int64()))
+                out[name] = table
+        self.reset()
+        return out
+
+
+class Operator:
+    """Base class of user operators (the ChronoStream operator model).
+
+    Subclass it and implement ``consume(stream_id, event)`` (per event) or
+    ``consume_batch(stream_id, batch)`` (vectorized, Arrow in and out). Call
+    ``self.produce(stream_id, event)`` / ``self.produce_batch(...)`` to emit,
+    and ``self.register_state(name)`` in ``setup()`` for keyed state.
+
+    Call order per slice: ``__init__(*args)`` once, ``setup()`` once, then
+    ``consume``/``consume_batch`` for every input event in the deterministic
+    merge order. Rules that keep the runtime exact:
+
+    - never read wall-clock time or unseeded randomness (use event time);
+    - keep all state in registered state (it is what checkpoints and migration move);
+    - ``consume_batch`` must be row-wise: its output for a batch must equal the
+      concatenation of its outputs for each row alone, in order.
+
+    >>> class Count(Operator):
+    ...     def setup(self):
+    ...         self.counts = self.register_state("counts")
+    ...     def consume(self, stream_id, event):
+    ...         n = self.counts.get(event["word"], 0) + 1
+    ...         self.counts.set(event["word"], n)
+    ...         self.produce("out", {"word": event["word"], "n": n})
+    """
+
+    #: Output schemas by output name (optional; inferred per epoch otherwise).
+    output_schemas: dict[str, pa.Schema] = {}
+
+    _ctx: OperatorContext
+
+    def bind(self, ctx: OperatorContext) -> None:
+        """Attach the slice context (done by the executor before ``setup``)."""
+        self._ctx = ctx
+
+    def setup(self) -> None:
+        """Register state here. Called once per slice before any input."""
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        """Handle one input event from input ``stream_id``."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither consume nor consume_batch")
+
+    def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        """Handle a batch of input events (with ``_order``/``_sub`` columns) from ``stream_id``."""
+        raise NotImplementedError
+
+    def produce(self, stream_id: str, event: dict) -> None:
+        """Emit ``event`` (a dict of plain values) to output ``stream_id``."""
+        self._ctx.produce(stream_id, event)
+
+    def produce_batch(self, stream_id: str, batch: pa.Table | pa.RecordBatch) -> None:
+        """Emit a batch that keeps the ``_order``/``_sub`` columns of its input rows."""
+        self._ctx.produce_batch(stream_id, batch)
+
+    def register_state(self, name: str) -> KeyValueState:
+        """Return this slice's key-value state called ``name`` (created on first call)."""
+        states = self._ctx.states
+        if name not in states:
+            states[name] = KeyValueState(name)
+        return states[name]
+
+    @classmethod
+    def is_vectorized(cls) -> bool:
+        """True when the class overrides ``consume_batch`` (the fast path)."""
+        return cls.consume_batch is not Operator.consume_batch
+
+    @classmethod
+    def is_per_event(cls) -> bool:
+        """True when the class overrides ``consume``."""
+        return cls.consume is not Operator.consume
+
+
+AGGREGATES = ("count", "sum", "min", "max", "mean")
+
+
+def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) -> np.ndarray:
+    """Inclusive scan of ``op`` (min/max) restarting at each group start; rows sorted by group.
+
+    Hillis-Steele doubling: log2(n) vectorized passes, exact for any dtype
+    because min/max do not depend on evaluation order.
+    """
+    v = values.copy()
+    n = len(v)
+    seg = np.cumsum(group_starts) - 1  # segment id per row
+    d = 1
+    while d < n:
+        same = seg[d:] == seg[:-d]
+        cand = op(v[d:], v[:-d])
+        v[d:] = np.where(same, cand, v[d:])
+        d *= 2
+    return v
+
+
+class KeyedAggregate(Operator):
+    """Built-in vectorized running aggregation per key (count, sum, min, max, mean).
+
+    For every input row it emits one update row: the key columns and the
+    running aggregates of that key including the row. Build it with
+    ``stream.key_by(...).aggregate(...)`` or the ``count()``/``sum()``/...
+    shortcuts rather than directly.
+    """
+
+    def __init__(self, key_columns: Sequence[str], specs: Sequence[tuple[str, str | None]]) -> None:
+        self.key_columns = list(key_columns)
+        self.specs = list(specs)
+        for agg, col in self.specs:
+            if agg not in AGGREGATES:
+                raise ValueError(f"unknown aggregate {agg!r}; choose from {AGGREGATES}")
+            if agg != "count" and col is None:
+                raise ValueError(f"aggregate {agg!r} needs a column")
+
+    @staticmethod
+    def output_name(agg: str, col: str | None) -> str:
+        """Column name of one aggregate in the output (``count``, ``sum_amount``...)."""
+        return agg if agg == "count" else f"{agg}_{col}"
+
+    def setup(self) -> None:
+        # Dense per-slice arrays indexed by a key number; the dict maps keys to numbers.
+        # Per *distinct key per epoch* Python work, never per event.
+        self.key_index: dict[Any, int] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.key_state = self.register_state("__keys__")  # key -> index (for checkpoints)
+
+    def _value_columns(self) -> list[str]:
+        return sorted({c for a, c in self.specs if c is not None})
+
+    def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        n = batch.num_rows
+        if n == 0:
+            return
+        keys = [batch.column(c) for c in self.key_columns]
+        # Group codes: dictionary-encode each key column, combine codes.
+        combined = np.zeros(n, dtype=np.int64)
+        encs = []
+        for col in keys:
+            enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+            size = len(enc.dictionary) + 1
+            codes = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
+            combined = combined * size + codes
+            encs.append(enc)
+        uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
+        key_values = [batch.column(c).take(pa.array(first)).to_pylist() for c in self.key_columns]
+        key_tuples = list(zip(*key_values)) if len(key_values) > 1 else key_values[0]
+        key_index = self.key_index
+        idx_of_uniq = np.empty(len(uniq), dtype=np.int64)
+        for u, key in enumerate(key_tuples):
+            i = key_index.get(key)
+            if i is None:
+                i = len(key_index)
+                key_index[key] = i
+                self.key_state.set(key, i)
+            idx_of_uniq[u] = i
+        self._grow(len(key_index))
+        # Sort rows by group (stable: keeps merge order within a key).
+        order = np.argsort(inverse, kind="stable")
+        g_sorted = inverse[order]
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = g_sorted[1:] != g_sorted[:-1]
+        state_idx = idx_of_uniq[g_sorted]
+        # Running count.
+        start_pos = np.flatnonzero(starts)
+        seg = np.cumsum(starts) - 1
+        pos_in_group = np.arange(n) - start_pos[seg]
+        count_arr = self.arrays["count"]
+        running_count = count_arr[state_idx] + pos_in_group + 1
+        results: dict[str, np.ndarray] = {}
+        last_rows = np.append(start_pos[1:] - 1, n - 1)
+        for col in self._value_columns():
+            arr = batch.column(col)
+            if arr.null_count:
+                raise ValueError(f"column {col!r} has a null value; aggregates need non-null values")
+            vals = np.asarray(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr)
+            vals = vals.astype(np.float64) if vals.dtype.kind == "f" else vals.astype(np.int64)
+            v_sorted = vals[order]
+            kind = "f" if vals.dtype.kind == "f" else "i"
+            sums_key, mins_key, maxs_key = f"sum_{col}_{kind}", f"min_{col}_{kind}", f"max_{col}_{kind}"
+            if kind == "i":
+                cs = np.cumsum(v_sorted)
+                base = np.where(start_pos > 0, cs[start_pos - 1], 0)
+                run_sum = self.arrays[sums_key][state_idx] + cs - base[seg]
+            else:
+                # Floats: sequential per key so the result is bit-identical to
+                # one-at-a-time addition (per distinct key, not per event).
+                run_sum = np.empty(n, dtype=np.float64)
+                prior = self.arrays[sums_key]
+                for s, e in zip(start_pos, np.append(start_pos[1:], n)):
+                    chunk = np.concatenate(([prior[state_idx[s]]], v_sorted[s:e]))
+                    run_sum[s:e] = np.cumsum(chunk)[1:]
+            first_seen = self.arrays["count"][state_idx] == 0
+            prior_min = np.where(first_seen, v_sorted, self.arrays[mins_key][state_idx].astype(v_sorted.dtype))
+            prior_max = np.where(first_seen, v_sorted, self.arrays[maxs_key][state_idx].astype(v_sorted.dtype))
+            run_min = _segmented_scan(np.minimum(v_sorted, prior_min), starts, np.minimum)
+            run_max = _segmented_scan(np.maximum(v_sorted, prior_max), starts, np.maximum)
+            results[f"sum_{col}"] = run_sum
+            results[f"min_{col}"] = run_min
+            results[f"max_{col}"] = run_max
+            li = state_idx[last_rows]
+            self.arrays[sums_key][li] = run_sum[last_rows]
+            self.arrays[mins_key][li] = run_min[last_rows]
+            self.arrays[maxs_key][li] = run_max[last_rows]
+        count_arr[state_idx[last_rows]] = running_count[last_rows]
+        inv = np.empty(n, dtype=np.int64)
+        inv[order] = np.arange(n)
+        cols: dict[str, pa.Array] = {c: batch.column(c) for c in self.key_columns}
+        for agg, col in self.specs:
+            name = self.output_name(agg, col)
+            if agg == "count":
+                cols[name] = pa.array(running_count[inv], pa.int64())
+            elif agg == "mean":
+                cols[name] = pa.array(results[f"sum_{col}"][inv] / running_count[inv], pa.float64())
+            else:
+                cols[name] = pa.array(results[f"{agg}_{col}"][inv])
+        cols[ORDER] = batch.column(ORDER)
+        cols[SUB] = batch.column(SUB)
+        self.produce_batch("out", pa.table(cols))
+
+    def _grow(self, size: int) -> None:
+        cur = len(self.arrays.get("count", ()))
+        if size <= cur:
+            return
+        new = max(size, cur * 2, 64)
+        def grow(a: np.ndarray | None, dtype) -> np.ndarray:
+            out = np.zeros(new, dtype=dtype)
+            if a is not None:
+                out[: len(a)] = a
+            return out
+        self.arrays["count"] = grow(self.arrays.get("count"), np.int64)
+        for col in self._value_columns():
+            for kind, dtype in (("i", np.int64), ("f", np.float64)):
+                for agg in ("sum", "min", "max"):
+                    k = f"{agg}_{col}_{kind}"
+                    self.arrays[k] = grow(self.arrays.get(k), dtype)
+
+    def consume_serial(self, stream_id: str, event: dict) -> None:
+        """Reference per-event implementation used by the serial executor (the oracle)."""
+        key = tuple(event[c] for c in self.key_columns)
+        key = key if len(key) > 1 else key[0]
+        st = self.register_state("__serial__")
+        cur = st.get(key)
+        if cur is None:
+            cur = {"count": 0}
+        cur = dict(cur)
+        cur["count"] += 1
+        for col in self._value_columns():
+            v = event[col]
+            if v is None:
+                raise ValueError(f"column {col!r} has a null value; aggregates need non-null values")
+            cur[f"sum_{col}"] = cur.get(f"sum_{col}", 0.0 if isinstance(v, float) else 0) + v
+            cur[f"min_{col}"] = v if f"min_{col}" not in cur else min(cur[f"min_{col}"], v)
+            cur[f"max_{col}"] = v if f"max_{col}" not in cur else max(cur[f"max_{col}"], v)
+        st.set(key, cur)
+        out = {c: event[c] for c in self.key_columns}
+        for agg, col in self.specs:
+            name = self.output_name(agg, col)
+            if agg == "count":
+                out[name] = cur["count"]
+            elif agg == "mean":
+                out[name] = cur[f"sum_{col}"] / cur["count"]
+            else:
+                out[name] = cur[f"{agg}_{col}"]
+        # One update per input row: the output keeps the input's lineage (no fan-out).
+        out[ORDER] = self._ctx._order
+        out[SUB] = self._ctx._sub
+        self.produce_batch("out", pa.Table.from_pylist([out]))
+
+
+class KeyedJoin(Operator):
+    """Built-in symmetric keyed equi-join of two input streams, ``left`` and ``right``.
+
+    Every event is stored under its key; it is joined with every event of the
+    other side seen so far for that key and each pair is emitted as one row:
+    the left columns, then the right columns prefixed ``right_`` when names
+    clash. Build it with ``cs.join(left.key_by(k), right.key_by(k))``.
+    """
+
+    def __init__(self, left_key: Sequence[str], right_key: Sequence[str], how: str = "inner") -> None:
+        if how != "inner":
+            raise ValueError("only inner joins are supported")
+        self.left_key = list(left_key)
+        self.right_key = list(right_key)
+
+    def setup(self) -> None:
+        self.left = self.register_state("left")
+        self.right = self.register_state("right")
+
+    @staticmethod
+    def _key(event: dict, cols: list[str]) -> Any:
+        return event[cols[0]] if len(cols) == 1 else tuple(event[c] for c in cols)
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        if stream_id == "left":
+            key = self._key(event, self.left_key)
+            rows = self.left.get(key) or []
+            rows.append(event)
+            self.left.set(key, rows)
+            for other in self.right.get(key) or ():
+                self.produce("out", _merge(event, other))
+        else:
+            key = self._key(event, self.right_key)
+            rows = self.right.get(key) or []
+            rows.append(event)
+            self.right.set(key, rows)
+            for other in self.left.get(key) or ():
+                self.produce("out", _merge(other, event))
+
+
+def _merge(left: dict, right: dict) -> dict:
+    out = dict(left)
+    for k, v in right.items():
+        out[f"right_{k}" if k in left else k] = v
+    return out
+
+
+def iter_rows(table: pa.Table, columns: Iterable[str]) -> list[dict]:
+    """Rows of ``table`` restricted to ``columns`` as dicts (one to_pylist call)."""
+    return table.select(list(columns)).to_pylist()

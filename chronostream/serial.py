@@ -1,0 +1,209 @@
+"""The serial executor: the oracle of the test suite and the local debug mode.
+
+Owns: running a query in one process, one source event at a time in global
+source order, with plain Python dicts. It shares the plan, the operators and
+the hash with the runtime, and nothing else: no Arrow batching, no merge
+code, no containers. Within one source event, derived events reach each
+slice in the order (sub-order, input index, producer slice, out_seq): the
+depth-first order of their lineage, which is the order the runtime's merge
+reproduces.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pyarrow as pa
+
+from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, JobPlan, Map, MapBatches,
+                              Query, compile_query)
+from chronostream.errors import EventError
+from chronostream.hashing import slice_of_scalar
+from chronostream.operators import Operator, OperatorContext
+from chronostream.sinks import sort_output
+from chronostream.types import ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
+
+
+class SerialResult:
+    """Output of a serial run: sink tables and dead letters."""
+
+    def __init__(self, plan: JobPlan, rows: dict[str, list[dict]], dead: list[dict]) -> None:
+        self.plan = plan
+        self._rows = rows
+        self._dead = dead
+
+    def results(self, name: str) -> pa.Table:
+        """The rows of sink ``name`` sorted by (producer slice, out_seq)."""
+        if name not in self._rows:
+            raise KeyError(f"no sink named {name!r}; sinks: {sorted(self._rows)}")
+        rows = self._rows[name]
+        return sort_output(pa.Table.from_pylist(rows)) if rows else pa.table({})
+
+    def rows(self, name: str) -> list[dict]:
+        """The rows of sink ``name`` as dicts, in (producer slice, out_seq) order."""
+        return sorted(self._rows[name], key=lambda r: (r[SLICE], r[SEQ]))
+
+    def dead_letters(self) -> list[dict]:
+        """Poison events, when the query routes them to a dead-letter sink."""
+        return list(self._dead)
+
+
+def _sub_child(sub: int, k: int) -> int:
+    return (sub << SUB_FANOUT_BITS) | k
+
+
+class _SerialRun:
+    def __init__(self, plan: JobPlan, sources: dict[int, pa.Table]) -> None:
+        self.plan = plan
+        self.sources = sources
+        self.dead_mode = plan.dead_letter_sink is not None
+        self.ops: dict[tuple[int, int], tuple[Operator, OperatorContext]] = {}
+        self.seq: dict[tuple[int, int], int] = defaultdict(int)
+        self.sink_rows: dict[str, list[dict]] = {s.name: [] for s in plan.sinks}
+        self.dead: list[dict] = list(plan.source_dead_letters)
+
+    def op(self, stage_id: int, slice_id: int) -> tuple[Operator, OperatorContext]:
+        key = (stage_id, slice_id)
+        if key not in self.ops:
+            st = self.plan.stages[stage_id]
+            cls, args, kwargs = st.factory  # type: ignore[misc]
+            ctx = OperatorContext(st.name, slice_id, st.outputs)
+            op = cls(*args, **kwargs)
+            op.bind(ctx)
+            op.setup()
+            self.ops[key] = (op, ctx)
+        return self.ops[key]
+
+    def fail(self, stage: str, slice_id: int, order: int, sub: int, exc: BaseException, event: Any) -> None:
+        if not self.dead_mode:
+            raise EventError(stage, slice_id, order, f"{type(exc).__name__}: {exc}", event) from exc
+        self.dead.append({"stage": stage, "slice": slice_id, "order": order, "sub": sub,
+                          "error": f"{type(exc).__name__}: {exc}", "event": repr(event)})
+
+    def chain(self, stage: str, slice_id: int, order: int, events: list[tuple[dict, int]],
+              chain: tuple) -> list[tuple[dict, int]]:
+        for step in chain:
+            out: list[tuple[dict, int]] = []
+            for ev, sub in events:
+                try:
+                    if isinstance(step, Map):
+                        out.append((step.fn(ev), sub))
+                    elif isinstance(step, Filter):
+                        if step.fn(ev):
+                            out.append((ev, sub))
+                    elif isinstance(step, FlatMap):
+                        out.extend((e, _sub_child(sub, k)) for k, e in enumerate(list(step.fn(ev))))
+                    elif isinstance(step, MapBatches):
+                        out.append((_one_row(step.fn(pa.Table.from_pylist([ev]))), sub))
+                    elif isinstance(step, FilterBatches):
+                        mask = step.fn(pa.Table.from_pylist([ev]))
+                        if pa.array(mask)[0].as_py():
+                            out.append((ev, sub))
+                    elif isinstance(step, FlatMapBatches):
+                        t, _parents = step.fn(pa.Table.from_pylist([ev]))
+                        out.extend((e, _sub_child(sub, k)) for k, e in enumerate(_rows(t)))
+                    else:
+                        raise TypeError(f"unknown transform {step!r}")
+                except Exception as exc:  # noqa: BLE001 - user code
+                    self.fail(stage, slice_id, order, sub, exc, ev)
+            events = out
+        return events
+
+    def emit(self, stage_id: int, slice_id: int, output: str, order: int, events: list[tuple[dict, int]],
+             pending: dict[int, dict[int, list]]) -> None:
+        st = self.plan.stages[stage_id]
+        for sid in st.produced:
+            sp = self.plan.streams[sid]
+            if sp.output != output:
+                continue
+            rows = self.chain(st.name, slice_id, order, events, sp.chain)
+            for ev, sub in rows:
+                seq = self.seq[(sid, slice_id)]
+                self.seq[(sid, slice_id)] = seq + 1
+                for k in sp.sinks:
+                    self.sink_rows[self.plan.sinks[k].name].append(
+                        {**ev, ORDER: order, SUB: sub, SLICE: slice_id, SEQ: seq})
+                for consumer, in_name in sp.consumers:
+                    cst = self.plan.stages[consumer]
+                    if sp.key is None:
+                        target = slice_of_scalar([order], cst.num_slices)
+                    else:
+                        target = slice_of_scalar([ev[c] for c in sp.key], cst.num_slices)
+                    idx = next(i.index for i in cst.inputs if i.stream_id == sid)
+                    pending[consumer][target].append((sub, idx, slice_id, seq, in_name, ev))
+
+    def run(self) -> SerialResult:
+        plan = self.plan
+        feed: list[tuple[int, int, dict]] = []
+        for stage_id, table in self.sources.items():
+            user = table.select([c for c in table.schema.names if not c.startswith("_")]).to_pylist()
+            for o, ev in zip(table.column(ORDER).to_pylist(), user):
+                feed.append((o, stage_id, ev))
+        feed.sort(key=lambda x: x[0])
+        for order, stage_id, ev in feed:
+            pending: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+            n_src = plan.stages[stage_id].num_slices
+            self.emit(stage_id, order % n_src, "out", order, [(ev, 0)], pending)
+            for st in plan.stages:
+                if st.kind != "operator" or st.stage_id not in pending:
+                    continue
+                for slice_id in sorted(pending[st.stage_id]):
+                    items = sorted(pending[st.stage_id][slice_id], key=lambda x: x[:4])
+                    self.consume(st.stage_id, slice_id, order, items, pending)
+        return SerialResult(plan, self.sink_rows, self.dead)
+
+    def consume(self, stage_id: int, slice_id: int, order: int, items: list, pending) -> None:
+        st = self.plan.stages[stage_id]
+        op, ctx = self.op(stage_id, slice_id)
+        cls = type(op)
+        for sub, _idx, _ps, _seq, in_name, ev in items:
+            ctx.reset()
+            ctx.begin_event(order, sub)
+            try:
+                if hasattr(op, "consume_serial"):
+                    op.consume_serial(in_name, ev)
+                elif cls.is_per_event():
+                    op.consume(in_name, ev)
+                else:
+                    one = pa.Table.from_pylist([{**ev, ORDER: order, SUB: sub}])
+                    op.consume_batch(in_name, one)
+            except Exception as exc:  # noqa: BLE001 - user code
+                ctx.reset()
+                self.fail(st.name, slice_id, order, sub, exc, ev)
+                continue
+            for out_name in st.outputs:
+                produced: list[tuple[dict, int]] = []
+                for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
+                    produced.append((e, _sub_child(s, k)))
+                for b in ctx.batches[out_name]:
+                    t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
+                    subs = t.column(SUB).to_pylist()
+                    user = t.select([c for c in t.schema.names if not c.startswith("_")]).to_pylist()
+                    produced.extend(zip(user, subs))
+                if produced:
+                    self.emit(stage_id, slice_id, out_name, order, produced, pending)
+            ctx.reset()
+
+
+def _rows(t: pa.Table | pa.RecordBatch) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in t.to_pylist()]
+
+
+def _one_row(t: pa.Table | pa.RecordBatch) -> dict:
+    rows = _rows(t)
+    if len(rows) != 1:
+        raise ValueError(f"map_batches returned {len(rows)} rows for 1")
+    return rows[0]
+
+
+def run_serial(query: Query) -> SerialResult:
+    """Run ``query`` in this process, one source event at a time, and return its output.
+
+    >>> q = Query()
+    >>> _ = q.source("w", [{"word": "a"}, {"word": "a"}]).key_by("word").count(slices=1).sink(name="c")
+    >>> [r["count"] for r in run_serial(q).rows("c")]
+    [1, 2]
+    """
+    plan, sources = compile_query(query)
+    return _SerialRun(plan, sources).run()

@@ -1,0 +1,195 @@
+"""The pure protocol core of a ResourceContainer: epochs in, messages out. No Ray here.
+
+Owns: the container's local slices (input routing table), its output
+routing table, the inbox of epoch messages from upstream containers, the
+output log and the sink writers. The actor shell (``containers.actor``)
+only moves the messages this core returns.
+
+An epoch is processed once every upstream container has delivered its
+message for it (one message per container pair per epoch, empty or not),
+strictly in epoch order. Processing one epoch:
+
+1. gather: split each message's parts by local slice;
+2. process: each local slice admits, merges, runs and numbers (``slices``);
+3. persist: the epoch's outputs go to the output log in one transaction,
+   and to the sinks;
+4. route: each produced stream is split by destination container, giving
+   exactly one message per downstream container.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from chronostream.dag import JobPlan
+from chronostream.sinks import SinkWriter
+from chronostream.types import ORDER, SEQ, SLICE
+from containers.output_log import OutputLog
+from containers.routing import OutputRoute, RoutedPart, route, rows_of_slice
+from slices.slice import SliceRuntime
+
+log = logging.getLogger("chronostream.container")
+
+#: One container-to-container message of one epoch: stream id -> routed part.
+Message = dict[int, RoutedPart]
+
+
+@dataclass(frozen=True)
+class ContainerStatistics:
+    """Counters of one container (read by the master, metrics and benchmarks)."""
+
+    container_id: int
+    stage: str
+    slices: tuple[int, ...]
+    next_epoch: int
+    num_epochs: int
+    events_in: int
+    events_out: int
+    duplicates_dropped: int
+    messages_dropped: int
+    buffered_epochs: int
+    busy_s: float
+    rss_bytes: int
+
+
+class ContainerCore:
+    """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
+
+    def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
+                 routes: dict[int, OutputRoute], senders: set[int], *, source_table: pa.Table | None = None,
+                 output_log: OutputLog | None = None, sink_writers: dict[int, SinkWriter] | None = None,
+                 dead_letter_writer: SinkWriter | None = None) -> None:
+        self.plan = plan
+        self.stage = plan.stages[stage_id]
+        self.container_id = container_id
+        dead = plan.dead_letter_sink is not None
+        self.slices: dict[int, SliceRuntime] = {s: SliceRuntime(plan, stage_id, s, dead) for s in sorted(local_slices)}
+        self.routes = routes
+        self.senders = set(senders)
+        self.output_log = output_log
+        self.sink_writers = sink_writers or {}
+        self.dead_letter_writer = dead_letter_writer
+        self.inbox: dict[int, dict[int, Message]] = {}
+        self.next_epoch = 0  # invariant: only grows; every epoch below it is fully processed
+        self.num_epochs = plan.num_epochs
+        self.messages_dropped = 0
+        self.busy_s = 0.0
+        self.dead_letter_rows = 0
+        if self.stage.kind == "source":
+            assert source_table is not None, f"source stage {self.stage.name} needs its table"
+            self.source = source_table
+            self.source_order = np.asarray(source_table.column(ORDER))
+        self.destinations = sorted({c for r in routes.values() for c in r.containers()})
+
+    # -- inbox -----------------------------------------------------------------
+
+    def deliver(self, epoch: int, sender: int, message: Message) -> bool:
+        """Accept an upstream message; False when it is a duplicate (already had or processed)."""
+        if sender not in self.senders:
+            raise ValueError(f"container {self.container_id} got a message from unknown sender {sender}")
+        if epoch < self.next_epoch or sender in self.inbox.get(epoch, {}):
+            self.messages_dropped += 1
+            return False
+        self.inbox.setdefault(epoch, {})[sender] = message
+        return True
+
+    def ready(self) -> bool:
+        """True when the next epoch can be processed."""
+        if self.done:
+            return False
+        if self.stage.kind == "source":
+            return True
+        return len(self.inbox.get(self.next_epoch, {})) == len(self.senders)
+
+    @property
+    def done(self) -> bool:
+        """True when every epoch of the bounded input is processed."""
+        return self.next_epoch >= self.num_epochs
+
+    # -- one epoch ---------------------------------------------------------------
+
+    def step(self) -> dict[int, Message]:
+        """Process the next epoch; return one message per downstream container."""
+        assert self.ready(), f"container {self.container_id}: epoch {self.next_epoch} not ready"
+        epoch = self.next_epoch
+        outputs = self._process(epoch)
+        self._persist(epoch, outputs)
+        messages = self._route(outputs)
+        self.next_epoch = epoch + 1
+        return messages
+
+    def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
+        results: dict[int, dict[int, pa.Table]] = {}
+        if self.stage.kind == "source":
+            e0 = epoch * self.plan.epoch_events
+            lo = int(np.searchsorted(self.source_order, e0, side="left"))
+            hi = int(np.searchsorted(self.source_order, e0 + self.plan.epoch_events, side="left"))
+            rows = self.source.slice(lo, hi - lo)
+            owner = self.source_order[lo:hi] % self.stage.num_slices
+            for s, rt in self.slices.items():
+                mine = rows.filter(pa.array(owner == s)) if self.stage.num_slices > 1 else rows
+                results[s] = rt.process_source(epoch, mine)
+            return results
+        messages = self.inbox.pop(epoch)
+        for s, rt in self.slices.items():
+            inputs: dict[int, list[pa.Table]] = {}
+            for sender in sorted(messages):
+                for stream_id, part in messages[sender].items():
+                    rows = rows_of_slice(part, s)
+                    if rows is not None:
+                        inputs.setdefault(stream_id, []).append(rows)
+            if inputs:
+                results[s] = rt.process(epoch, inputs)
+        return results
+
+    def _persist(self, epoch: int, outputs: dict[int, dict[int, pa.Table]]) -> None:
+        if self.output_log is not None:
+            self.output_log.append_epoch({(sid, s): t for s, per in outputs.items() for sid, t in per.items()})
+        for s, per in outputs.items():
+            for sid, t in per.items():
+                for k in self.plan.streams[sid].sinks:
+                    writer = self.sink_writers.get(k)
+                    if writer is not None:
+                        writer.write(epoch, s, t)
+        if self.dead_letter_writer is not None:
+            for s, rt in self.slices.items():
+                dead = rt.take_dead_letters()
+                if dead:
+                    self.dead_letter_rows += len(dead)
+                    self.dead_letter_writer.write(epoch, s, pa.Table.from_pylist(dead))
+
+    def _route(self, outputs: dict[int, dict[int, pa.Table]]) -> dict[int, Message]:
+        messages: dict[int, Message] = {c: {} for c in self.destinations}
+        for sid in self.stage.produced:
+            sp = self.plan.streams[sid]
+            if not sp.consumers:
+                continue
+            tables = [outputs[s][sid] for s in sorted(outputs) if sid in outputs[s]]
+            if not tables:
+                continue
+            combined = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
+            for consumer, _name in sp.consumers:
+                for c, part in route(combined, sp.key, self.routes[consumer]).items():
+                    messages[c][sid] = part
+        return messages
+
+    # -- reading ---------------------------------------------------------------
+
+    def statistics(self) -> ContainerStatistics:
+        """A frozen snapshot of this container's counters."""
+        stats = [rt.statistics() for rt in self.slices.values()]
+        try:
+            import psutil
+            rss = psutil.Process(os.getpid()).memory_info().rss
+        except Exception:  # noqa: BLE001 - metrics must never fail the job
+            rss = 0
+        return ContainerStatistics(
+            self.container_id, self.stage.name, tuple(self.slices), self.next_epoch, self.num_epochs,
+            sum(s.events_in for s in stats), sum(s.events_out for s in stats),
+            sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox), self.busy_s, rss)

@@ -1,0 +1,73 @@
+"""Owns the placement of a job: which container hosts which slice of which stage.
+
+Pure data and functions; no Ray. The master keeps one ``Placement`` and
+derives every container's routing tables and sender sets from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from chronostream.dag import JobPlan
+from chronostream.errors import QueryError
+from containers.routing import OutputRoute, place_slices_evenly
+
+
+@dataclass
+class Placement:
+    """Containers per stage and the slice -> container map of every stage."""
+
+    containers: dict[int, list[int]] = field(default_factory=dict)  # stage id -> container ids
+    slice_to_container: dict[int, np.ndarray] = field(default_factory=dict)  # stage id -> array
+    stage_of: dict[int, int] = field(default_factory=dict)  # container id -> stage id
+
+    def slices_of(self, container_id: int) -> list[int]:
+        """Slices hosted by ``container_id``."""
+        stage = self.stage_of[container_id]
+        return np.flatnonzero(self.slice_to_container[stage] == container_id).tolist()
+
+    def routes_for(self, plan: JobPlan, stage_id: int) -> dict[int, OutputRoute]:
+        """Output routing table of any container of ``stage_id``."""
+        return {d: OutputRoute(d, self.slice_to_container[d]) for d in plan.downstream_stages(stage_id)}
+
+    def senders_for(self, plan: JobPlan, stage_id: int) -> set[int]:
+        """Containers that send to every container of ``stage_id`` each epoch."""
+        return {c for u in plan.upstream_stages(stage_id) for c in self.containers[u]}
+
+    def as_dict(self, plan: JobPlan) -> dict[str, dict[int, list[int]]]:
+        """Readable form: stage name -> container id -> slices."""
+        return {plan.stages[s].name: {c: self.slices_of(c) for c in cs} for s, cs in self.containers.items()}
+
+
+def initial_placement(plan: JobPlan, containers_per_stage: dict[int, int]) -> Placement:
+    """Place every stage's slices evenly over its containers (ids dense from 0).
+
+    A stage never gets more containers than slices (an empty container would
+    idle); asking for more is capped, not an error.
+    """
+    p = Placement()
+    next_id = 0
+    for st in plan.stages:
+        n = containers_per_stage.get(st.stage_id, 1)
+        if n < 1:
+            raise QueryError(f"stage {st.name!r}: containers must be >= 1, got {n}")
+        n = min(n, st.num_slices)
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        p.containers[st.stage_id] = ids
+        p.slice_to_container[st.stage_id] = place_slices_evenly(st.num_slices, ids)
+        for c in ids:
+            p.stage_of[c] = st.stage_id
+    return p
+
+
+def containers_per_stage(plan: JobPlan, containers: int | dict[str, int]) -> dict[int, int]:
+    """Resolve the user's ``containers=`` (one number, or stage name -> number)."""
+    if isinstance(containers, int):
+        return {s.stage_id: containers for s in plan.stages}
+    unknown = set(containers) - {s.name for s in plan.stages}
+    if unknown:
+        raise QueryError(f"containers= names unknown stages {sorted(unknown)}; stages: {[s.name for s in plan.stages]}")
+    return {s.stage_id: containers.get(s.name, 1) for s in plan.stages}

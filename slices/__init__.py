@@ -1,0 +1,9 @@
+"""One computation slice: operator instance, state, progress vector, merge and numbering.
+
+Imports only ``chronostream`` core types; knows nothing of Ray or containers.
+"""
+
+from slices.progress import ProgressVector
+from slices.slice import SliceRuntime
+
+__all__ = ["ProgressVector", "SliceRuntime"]

@@ -1,0 +1,129 @@
+"""Applies a physical stream's stateless chain (map, filter, flat_map...) to a batch.
+
+Owns: running the fused transforms on the producer side, vectorized where the
+transform is, one user call per event where the user asked for per-event
+functions. Keeps the lineage columns right (fan-out extends the sub-order).
+Knows no Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from chronostream.dag import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter
+from chronostream.types import ORDER, SUB, extend_sub_order
+
+#: Called as on_error(row_index_in_table, exception); returns True to skip the
+#: row (dead letter) or raises.
+ErrorHandler = Callable[[pa.Table, int, BaseException], None]
+
+
+def _user_columns(table: pa.Table) -> list[str]:
+    return [c for c in table.schema.names if not c.startswith("_")]
+
+
+def _with_lineage(out: pa.Table, order: np.ndarray, sub: np.ndarray) -> pa.Table:
+    out = out.drop_columns([c for c in (ORDER, SUB) if c in out.schema.names])
+    out = out.append_column(ORDER, pa.array(order, pa.int64()))
+    return out.append_column(SUB, pa.array(sub, pa.int64()))
+
+
+def apply_chain(table: pa.Table, chain: tuple, on_error: ErrorHandler) -> pa.Table:
+    """Run ``chain`` over ``table`` (user columns + ``_order``/``_sub``)."""
+    for step in chain:
+        if table.num_rows == 0:
+            # Keep going only to learn nothing; an empty batch stays empty.
+            return table
+        table = _apply_step(table, step, on_error)
+    return table
+
+
+def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Table:
+    order = np.asarray(table.column(ORDER))
+    sub = np.asarray(table.column(SUB))
+    if isinstance(step, (Map, Filter, FlatMap)):
+        rows = table.select(_user_columns(table)).to_pylist()
+        fn = step.fn
+        if isinstance(step, Filter):
+            keep = np.zeros(len(rows), dtype=bool)
+            for i, r in enumerate(rows):
+                try:
+                    keep[i] = bool(fn(r))
+                except Exception as exc:  # noqa: BLE001 - user code
+                    on_error(table, i, exc)
+            return table.filter(pa.array(keep))
+        if isinstance(step, Map):
+            out_rows, parents = [], []
+            for i, r in enumerate(rows):
+                try:
+                    out_rows.append(fn(r))
+                    parents.append(i)
+                except Exception as exc:  # noqa: BLE001
+                    on_error(table, i, exc)
+            p = np.array(parents, dtype=np.int64)
+            out = pa.Table.from_pylist(out_rows, schema=step.schema)
+            return _with_lineage(out, order[p], sub[p])
+        out_rows, parents, ks = [], [], []
+        for i, r in enumerate(rows):
+            try:
+                produced = list(fn(r))
+            except Exception as exc:  # noqa: BLE001
+                on_error(table, i, exc)
+                continue
+            out_rows.extend(produced)
+            parents.extend([i] * len(produced))
+            ks.extend(range(len(produced)))
+        p = np.array(parents, dtype=np.int64)
+        out = pa.Table.from_pylist(out_rows, schema=step.schema)
+        return _with_lineage(out, order[p], extend_sub_order(sub[p], np.array(ks, dtype=np.int64)))
+    try:
+        return _apply_batch_step(table, step, order, sub)
+    except Exception:  # noqa: BLE001 - user code: find the poison rows one by one
+        pass
+    # Vectorized transforms are row-wise by contract, so running them on one
+    # row at a time gives the same result and isolates the failing rows.
+    parts = []
+    for i in range(table.num_rows):
+        row = table.slice(i, 1)
+        try:
+            parts.append(_apply_batch_step(row, step, order[i : i + 1], sub[i : i + 1]))
+        except Exception as exc:  # noqa: BLE001
+            on_error(table, i, exc)
+    parts = [p for p in parts if p.num_rows]
+    if not parts:
+        return table.slice(0, 0)
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.ndarray) -> pa.Table:
+    user = table.select(_user_columns(table))
+    if isinstance(step, MapBatches):
+        out = _as_table(step.fn(user))
+        if out.num_rows != table.num_rows:
+            raise ValueError(f"map_batches returned {out.num_rows} rows for {table.num_rows}")
+        return _with_lineage(out, order, sub)
+    if isinstance(step, FilterBatches):
+        return table.filter(step.fn(user))
+    if isinstance(step, FlatMapBatches):
+        out, parent = step.fn(user)
+        out = _as_table(out)
+        p = np.asarray(parent, dtype=np.int64)
+        if len(p) != out.num_rows:
+            raise ValueError("flat_map_batches: parent_index length differs from the output rows")
+        if len(p) and np.any(p[1:] < p[:-1]):
+            raise ValueError("flat_map_batches: parent_index must be non-decreasing")
+        # k = position of each output row among its parent's outputs.
+        starts = np.ones(len(p), dtype=bool)
+        starts[1:] = p[1:] != p[:-1]
+        start_pos = np.flatnonzero(starts)
+        seg = np.cumsum(starts) - 1
+        k = np.arange(len(p)) - start_pos[seg] if len(p) else np.zeros(0, np.int64)
+        return _with_lineage(out, order[p], extend_sub_order(sub[p], k))
+    raise TypeError(f"unknown transform {step!r}")
+
+
+def _as_table(x: pa.Table | pa.RecordBatch) -> pa.Table:
+    return pa.Table.from_batches([x]) if isinstance(x, pa.RecordBatch) else x

@@ -1,0 +1,231 @@
+"""One computation slice at run time. Knows no Ray; the container drives it.
+
+Owns: the operator instance and its context, the progress vector (dedup),
+the deterministic merge of an epoch's inputs, the output numbering
+(``out_seq`` dense from 0 per produced stream) and the dead letters the
+slice produced. Processing one epoch is four steps:
+
+1. admit: drop every input row at or below the progress vector;
+2. merge: order the rest by (source order, sub-order, input index,
+   producer slice, out_seq) -- a key that does not depend on placement,
+   container count, epoch arrival or Ray scheduling;
+3. run the operator (per event, or vectorized on the merged batch);
+4. emit: apply each produced stream's stateless chain, then number its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from chronostream.dag import JobPlan, StagePlan
+from chronostream.errors import EventError
+from chronostream.operators import Operator, OperatorContext
+from chronostream.types import ORDER, SEQ, SLICE, SUB
+from slices.chain import apply_chain
+from slices.progress import ProgressVector
+
+
+
+@dataclass(frozen=True)
+class SliceStatistics:
+    """Counters of one slice (read by metrics and benchmarks)."""
+
+    stage: str
+    slice_id: int
+    epoch: int
+    events_in: int
+    events_out: int
+    duplicates_dropped: int
+    dead_letters: int
+
+
+def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
+                producer: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Permutation that puts rows in the deterministic merge order.
+
+    >>> merge_order(np.array([1, 0, 0]), np.array([0, 1, 0]), np.zeros(3, int),
+    ...             np.zeros(3, int), np.arange(3)).tolist()
+    [2, 1, 0]
+    """
+    return np.lexsort((seq, producer, input_idx, sub, order))
+
+
+class SliceRuntime:
+    """A slice of one stage: feed it epochs, get numbered outputs per stream."""
+
+    def __init__(self, plan: JobPlan, stage_id: int, slice_id: int, dead_letters: bool = False) -> None:
+        self.plan = plan
+        self.stage: StagePlan = plan.stages[stage_id]
+        self.slice_id = slice_id
+        self.dead_letter_mode = dead_letters
+        self.progress = ProgressVector()  # invariant: only grows
+        self.next_seq: dict[int, int] = {sid: 0 for sid in self.stage.produced}  # invariant: only grows
+        self.last_epoch = -1  # invariant: epochs processed in increasing order
+        self.dead_letters: list[dict] = []
+        self.events_in = 0
+        self.events_out = 0
+        self.duplicates_dropped = 0
+        self.op: Operator | None = None
+        self.ctx: OperatorContext | None = None
+        if self.stage.kind == "operator":
+            cls, args, kwargs = self.stage.factory  # type: ignore[misc]
+            self.ctx = OperatorContext(self.stage.name, slice_id, self.stage.outputs)
+            self.op = cls(*args, **kwargs)
+            self.op.bind(self.ctx)
+            self.op.setup()
+        self._input_names = {i.stream_id: (i.index, i.name) for i in self.stage.inputs}
+
+    # -- errors --------------------------------------------------------------
+
+    def _fail_or_dead_letter(self, order: int, sub: int, exc: BaseException, event: Any) -> None:
+        if not self.dead_letter_mode:
+            raise EventError(self.stage.name, self.slice_id, order, f"{type(exc).__name__}: {exc}", event) from exc
+        self.dead_letters.append({
+            "stage": self.stage.name, "slice": self.slice_id, "order": int(order), "sub": int(sub),
+            "error": f"{type(exc).__name__}: {exc}", "event": repr(event),
+        })
+
+    def _chain_error(self, table: pa.Table, i: int, exc: BaseException) -> None:
+        row = table.slice(i, 1)
+        event = {k: v[0] for k, v in row.to_pydict().items() if not k.startswith("_")}
+        self._fail_or_dead_letter(int(row.column(ORDER)[0].as_py()), int(row.column(SUB)[0].as_py()), exc, event)
+
+    # -- the four steps --------------------------------------------------------
+
+    def process_source(self, epoch: int, rows: pa.Table) -> dict[int, pa.Table]:
+        """Emit one epoch of a source slice (``rows`` carry ``_order``/``_sub``)."""
+        self._begin(epoch)
+        self.events_in += rows.num_rows
+        return self._emit({"out": rows})
+
+    def process(self, epoch: int, inputs: dict[int, list[pa.Table]]) -> dict[int, pa.Table]:
+        """Consume one epoch of input; return numbered outputs by stream id.
+
+        ``inputs`` maps a stream id to tables of its rows for this slice; a
+        table may mix producer slices (``_slice``), each in out_seq order.
+        """
+        self._begin(epoch)
+        admitted = self._admit(inputs)
+        outputs = self._run(admitted)
+        return self._emit(outputs)
+
+    def _begin(self, epoch: int) -> None:
+        assert epoch > self.last_epoch, f"{self.stage.name}[{self.slice_id}]: epoch {epoch} after {self.last_epoch}"
+        self.last_epoch = epoch
+
+    def _admit(self, inputs: dict[int, list[pa.Table]]) -> dict[int, list[pa.Table]]:
+        by_stream: dict[int, list[pa.Table]] = {}
+        for stream_id in sorted(inputs):
+            if stream_id not in self._input_names:
+                raise ValueError(f"{self.stage.name}[{self.slice_id}] got stream {stream_id}, not an input")
+            for table in inputs[stream_id]:
+                kept = self.progress.admit(stream_id, table)
+                self.duplicates_dropped += table.num_rows - kept.num_rows
+                if kept.num_rows:
+                    by_stream.setdefault(stream_id, []).append(kept)
+        return by_stream
+
+    def _run(self, admitted: dict[int, list[pa.Table]]) -> dict[str, pa.Table]:
+        assert self.op is not None and self.ctx is not None
+        tables: list[tuple[int, str, pa.Table]] = []
+        for stream_id, ts in admitted.items():
+            idx, name = self._input_names[stream_id]
+            t = ts[0] if len(ts) == 1 else pa.concat_tables(ts, promote_options="permissive")
+            tables.append((idx, name, t))
+        if not tables:
+            return {}
+        tables.sort(key=lambda x: x[0])
+        n_total = sum(t.num_rows for _, _, t in tables)
+        self.events_in += n_total
+        cols = {k: np.concatenate([np.asarray(t.column(k)) for _, _, t in tables]) for k in (ORDER, SUB, SLICE, SEQ)}
+        inp = np.concatenate([np.full(t.num_rows, j, dtype=np.int64) for j, (_, _, t) in enumerate(tables)])
+        local = np.concatenate([np.arange(t.num_rows, dtype=np.int64) for _, _, t in tables])
+        perm = merge_order(cols[ORDER], cols[SUB], inp, cols[SLICE], cols[SEQ])
+        op, ctx = self.op, self.ctx
+        if op.is_vectorized():
+            self._run_vectorized(tables, inp[perm], local[perm])
+        else:
+            self._run_per_event(tables, inp[perm], local[perm], cols[ORDER][perm], cols[SUB][perm])
+        return ctx.take_outputs(self.stage.output_schemas)
+
+    def _run_per_event(self, tables, inp, local, order, sub) -> None:
+        op, ctx = self.op, self.ctx
+        rows = [t.select([c for c in t.schema.names if not c.startswith("_")]).to_pylist() for _, _, t in tables]
+        names = [name for _, name, _ in tables]
+        consume = op.consume
+        for i, r, o, s in zip(inp.tolist(), local.tolist(), order.tolist(), sub.tolist()):
+            ctx._order = o
+            ctx._sub = s
+            ctx._k = 0
+            event = rows[i][r]
+            try:
+                consume(names[i], event)
+            except Exception as exc:  # noqa: BLE001 - user code
+                self._drop_partial_outputs(o, s)
+                self._fail_or_dead_letter(o, s, exc, event)
+
+    def _drop_partial_outputs(self, order: int, sub: int) -> None:
+        ctx = self.ctx
+        for name in ctx.output_names:
+            lin, ev = ctx.lineage[name], ctx.events[name]
+            while lin and lin[-1][0] == order and lin[-1][1] == sub:
+                lin.pop()
+                ev.pop()
+
+    def _run_vectorized(self, tables, inp, local) -> None:
+        op = self.op
+        # Runs of consecutive rows from one input, in merge order.
+        n = len(inp)
+        bounds = np.flatnonzero(np.diff(inp)) + 1
+        starts = np.concatenate(([0], bounds))
+        ends = np.concatenate((bounds, [n]))
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            i = int(inp[s])
+            _, name, t = tables[i]
+            batch = t.take(pa.array(local[s:e])).drop_columns([SLICE, SEQ])
+            try:
+                op.consume_batch(name, batch)
+            except Exception:  # noqa: BLE001 - isolate the poison rows (row-wise contract)
+                self._consume_rows_one_by_one(name, batch)
+
+    def _consume_rows_one_by_one(self, name: str, batch: pa.Table) -> None:
+        for j in range(batch.num_rows):
+            row = batch.slice(j, 1)
+            try:
+                self.op.consume_batch(name, row)
+            except Exception as exc:  # noqa: BLE001
+                event = {k: v[0] for k, v in row.to_pydict().items() if not k.startswith("_")}
+                self._fail_or_dead_letter(int(row.column(ORDER)[0].as_py()), int(row.column(SUB)[0].as_py()), exc, event)
+
+    def _emit(self, outputs: dict[str, pa.Table]) -> dict[int, pa.Table]:
+        result: dict[int, pa.Table] = {}
+        for sid in self.stage.produced:
+            sp = self.plan.streams[sid]
+            base = outputs.get(sp.output)
+            if base is None or base.num_rows == 0:
+                continue
+            t = apply_chain(base, sp.chain, self._chain_error)
+            if t.num_rows == 0:
+                continue
+            start = self.next_seq[sid]
+            t = t.append_column(SLICE, pa.array(np.full(t.num_rows, self.slice_id, dtype=np.int64)))
+            t = t.append_column(SEQ, pa.array(np.arange(start, start + t.num_rows, dtype=np.int64)))
+            self.next_seq[sid] = start + t.num_rows
+            self.events_out += t.num_rows
+            result[sid] = t
+        return result
+
+    def statistics(self) -> SliceStatistics:
+        """A frozen snapshot of this slice's counters."""
+        return SliceStatistics(self.stage.name, self.slice_id, self.last_epoch, self.events_in,
+                               self.events_out, self.duplicates_dropped, len(self.dead_letters))
+
+    def take_dead_letters(self) -> list[dict]:
+        """Dead letters produced since the last call."""
+        out, self.dead_letters = self.dead_letters, []
+        return out
+

@@ -1,0 +1,21 @@
+"""Session fixtures: Ray starts once per test session, sized for this 2-core machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """An in-process Ray instance shared by every integration test."""
+    import ray
+
+    import chronostream as cs
+
+    cs.ensure_ray(num_cpus=2)
+    yield ray
+    ray.shutdown()
