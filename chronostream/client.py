@@ -99,6 +99,13 @@ class Job:
         s = ray.get(self.master.status.remote())
         return JobStatus(s["state"], s["containers"], s["done"], s["elapsed_s"], s["error"])
 
+    def progress(self) -> dict[str, Any]:
+        """State, epochs of the input and the lowest epoch every container has passed."""
+        import ray
+
+        s = ray.get(self.master.status.remote())
+        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s")}
+
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
         """Block until the job finishes; raise ``JobFailed`` (with the cause) if it failed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -62,6 +62,11 @@ class OperatorContext:
         self.lineage[stream_id].append((self._order, self._sub, self._k))
         self._k += 1
 
+    def produce_update(self, stream_id: str, event: dict) -> None:
+        """Record the one output of a one-to-one operator: it keeps the input's lineage."""
+        self.events[stream_id].append(event)
+        self.lineage[stream_id].append((self._order, self._sub, -1))
+
     def produce_batch(self, stream_id: str, batch: pa.RecordBatch | pa.Table) -> None:
         """Record a produced batch; it must carry the ``_order``/``_sub`` columns."""
         if stream_id not in self.batches:
@@ -94,7 +99,10 @@ class OperatorContext:
                 table = pa.Table.from_pylist(events, schema=schemas.get(name))
                 lin = np.array(self.lineage[name], dtype=np.int64).reshape(-1, 3)
                 table = table.append_column(ORDER, pa.array(lin[:, 0], pa.int64()))
-                table = table.append_column(SUB, pa.array(extend_sub_order(lin[:, 1], lin[:, 2]), pa.int64()))
+                keep = lin[:, 2] < 0  # produce_update(): one-to-one, lineage unchanged
+                sub = lin[:, 1].copy()
+                sub[~keep] = extend_sub_order(lin[~keep, 1], lin[~keep, 2])
+                table = table.append_column(SUB, pa.array(sub, pa.int64()))
                 out[name] = table
         self.reset()
         return out
@@ -361,9 +369,7 @@ class KeyedAggregate(Operator):
             else:
                 out[name] = cur[f"{agg}_{col}"]
         # One update per input row: the output keeps the input's lineage (no fan-out).
-        out[ORDER] = self._ctx._order
-        out[SUB] = self._ctx._sub
-        self.produce_batch("out", pa.Table.from_pylist([out]))
+        self._ctx.produce_update("out", out)
 
 
 class KeyedJoin(Operator):

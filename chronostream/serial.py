@@ -175,7 +175,7 @@ class _SerialRun:
             for out_name in st.outputs:
                 produced: list[tuple[dict, int]] = []
                 for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
-                    produced.append((e, _sub_child(s, k)))
+                    produced.append((e, s if k < 0 else _sub_child(s, k)))
                 for b in ctx.batches[out_name]:
                     t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
                     subs = t.column(SUB).to_pylist()

@@ -175,7 +175,12 @@ class ContainerCore:
                 continue
             combined = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
             for consumer, _name in sp.consumers:
-                for c, part in route(combined, sp.key, self.routes[consumer]).items():
+                try:
+                    parts = route(combined, sp.key, self.routes[consumer])
+                except KeyError as exc:
+                    raise KeyError(f"stage {self.stage.name!r}, stream {sp.name!r} -> stage "
+                                   f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
+                for c, part in parts.items():
                     messages[c][sid] = part
         return messages
 

@@ -79,6 +79,8 @@ def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str):
         if plan.dead_letter_sink is not None and plan.dead_letter_sink.name == sink_name:
             tables = [c.dead_letter_writer.collect() for c in cores.values() if c.dead_letter_writer]
             tables = [t for t in tables if t is not None]
+            if plan.source_dead_letters:
+                tables.insert(0, pa.Table.from_pylist(plan.source_dead_letters))
             return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
         raise KeyError(f"no sink named {sink_name!r}")
     tables = [c.sink_writers[sink.sink_id].collect() for c in cores.values() if sink.sink_id in c.sink_writers]
