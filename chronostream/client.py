@@ -243,7 +243,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
 
     ensure_ray(address)
     _pickle_user_code_by_value(plan)
-    workdir = workdir or os.path.join(tempfile.gettempdir(), "chronostream", f"job-{uuid.uuid4().hex[:12]}")
+    workdir = workdir or os.path.join(tempfile.gettempdir(), "chronostream-jobs", f"job-{uuid.uuid4().hex[:12]}")
     os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     master = JobMaster.options(max_concurrency=1000).remote(

@@ -239,18 +239,28 @@ class KeyedAggregate(Operator):
         if n == 0:
             return
         keys = [batch.column(c) for c in self.key_columns]
-        # Group codes: dictionary-encode each key column, combine codes.
-        combined = np.zeros(n, dtype=np.int64)
-        encs = []
-        for col in keys:
-            enc = pc.dictionary_encode(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
-            size = len(enc.dictionary) + 1
-            codes = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
-            combined = combined * size + codes
-            encs.append(enc)
-        uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
-        key_values = [batch.column(c).take(pa.array(first)).to_pylist() for c in self.key_columns]
-        key_tuples = list(zip(*key_values)) if len(key_values) > 1 else key_values[0]
+        keys = [k.combine_chunks() if isinstance(k, pa.ChunkedArray) else k for k in keys]
+        if len(keys) == 1:
+            # One key column: dictionary codes are already dense group ids, and the
+            # dictionary holds each distinct key once (first-appearance order).
+            enc = pc.dictionary_encode(keys[0])
+            inverse = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
+            key_tuples = enc.dictionary.to_pylist()
+            if keys[0].null_count:
+                key_tuples.append(None)
+            n_groups = len(key_tuples)
+        else:
+            combined = np.zeros(n, dtype=np.int64)
+            for col in keys:
+                enc = pc.dictionary_encode(col)
+                size = len(enc.dictionary) + 1
+                codes = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
+                combined = combined * size + codes
+            _uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
+            key_values = [col.take(pa.array(first)).to_pylist() for col in keys]
+            key_tuples = list(zip(*key_values))
+            n_groups = len(key_tuples)
+        uniq = range(n_groups)
         key_index = self.key_index
         idx_of_uniq = np.empty(len(uniq), dtype=np.int64)
         for u, key in enumerate(key_tuples):

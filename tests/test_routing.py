@@ -1,0 +1,162 @@
+"""Specification of containers.routing: splitting a produced stream by destination container.
+
+``route`` must partition the rows exactly (nothing lost, nothing doubled),
+send each row to the container that owns its consumer slice (the stable hash
+of its key, or of ``_order`` when unkeyed), sort each part by consumer slice
+and keep the producer order (slice, out_seq) inside a consumer slice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chronostream.hashing import slice_of
+from containers.routing import OutputRoute, consumer_slices, place_slices_evenly, route, rows_of_slice
+
+
+@st.composite
+def produced_streams(draw):
+    """A produced table (rows in producer order: _slice, then _seq) and an output route."""
+    n = draw(st.integers(0, 60))
+    producers = draw(st.integers(1, 3))
+    words = draw(st.lists(st.sampled_from(["a", "b", "c", "dd", "", "éé", "w42"]), min_size=n, max_size=n))
+    nums = draw(st.lists(st.integers(-5, 5), min_size=n, max_size=n))
+    prod = sorted(draw(st.lists(st.integers(0, producers - 1), min_size=n, max_size=n)))
+    seq = [sum(1 for q in prod[:i] if q == p) for i, p in enumerate(prod)]
+    table = pa.table({
+        "word": pa.array(words, pa.string()), "num": pa.array(nums, pa.int64()),
+        "_order": pa.array(draw(st.permutations(range(n))), pa.int64()),
+        "_sub": pa.array([0] * n, pa.int64()),
+        "_slice": pa.array(prod, pa.int64()), "_seq": pa.array(seq, pa.int64()),
+        "rid": pa.array(range(n), pa.int64()),  # row identity, for the checks
+    })
+    num_slices = draw(st.integers(1, 9))
+    n_containers = draw(st.integers(1, 4))
+    ids = draw(st.lists(st.integers(0, 50), min_size=n_containers, max_size=n_containers, unique=True))
+    # Any slice -> container map, not only the even one (migration makes it arbitrary).
+    s2c = np.array(draw(st.lists(st.sampled_from(ids), min_size=num_slices, max_size=num_slices)), dtype=np.int64)
+    key = draw(st.sampled_from([("word",), ("num",), ("word", "num"), None]))
+    return table, key, OutputRoute(stage_id=1, slice_to_container=s2c)
+
+
+def expected_slices(table: pa.Table, key, num_slices: int) -> np.ndarray:
+    if num_slices == 1:
+        return np.zeros(table.num_rows, dtype=np.int64)
+    cols = [table.column("_order")] if key is None else [table.column(k) for k in key]
+    return slice_of(cols, num_slices)
+
+
+@settings(max_examples=50, deadline=None)
+@given(produced_streams())
+def test_route_partitions_rows_exactly(case):
+    """The parts together hold every input row exactly once (same values)."""
+    table, key, out = case
+    parts = route(table, key, out)
+    rids = [r for t, _ in parts.values() for r in t.column("rid").to_pylist()]
+    assert sorted(rids) == list(range(table.num_rows))
+    if parts:
+        merged = pa.concat_tables([t for t, _ in parts.values()]).sort_by("rid")
+        assert merged.equals(table)
+
+
+@settings(max_examples=50, deadline=None)
+@given(produced_streams())
+def test_every_row_goes_to_the_container_owning_its_consumer_slice(case):
+    """Row r lands in the part of container slice_to_container[slice_of(key(r))], tagged with that slice."""
+    table, key, out = case
+    want = expected_slices(table, key, out.num_slices)
+    for c, (t, dst) in route(table, key, out).items():
+        rid = np.asarray(t.column("rid"), dtype=np.int64)
+        assert dst.tolist() == want[rid].tolist()
+        assert (out.slice_to_container[dst] == c).all()
+        assert len(dst) == t.num_rows > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(produced_streams())
+def test_parts_are_sorted_by_consumer_slice_keeping_producer_order_within_a_slice(case):
+    """Inside a part, consumer slices ascend, and a slice's rows keep their input order."""
+    table, key, out = case
+    for t, dst in route(table, key, out).values():
+        assert (np.diff(dst) >= 0).all()
+        rid = np.asarray(t.column("rid"))
+        for s in np.unique(dst):
+            assert (np.diff(rid[dst == s]) > 0).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(produced_streams())
+def test_rows_of_slice_returns_exactly_that_slices_rows(case):
+    """rows_of_slice(part, s) is the input's rows for slice s in input order, or None when none."""
+    table, key, out = case
+    want = expected_slices(table, key, out.num_slices)
+    parts = route(table, key, out)
+    for s in range(out.num_slices + 1):
+        c = int(out.slice_to_container[s]) if s < out.num_slices else None
+        expected = np.flatnonzero(want == s).tolist()
+        for cid, part in parts.items():
+            got = rows_of_slice(part, s)
+            if cid == c and expected:
+                assert got is not None
+                assert got.column("rid").to_pylist() == expected
+            else:
+                assert got is None
+
+
+def test_route_of_an_empty_table_has_no_parts():
+    """No rows, no messages."""
+    table = pa.table({"word": pa.array([], pa.string()), "_order": pa.array([], pa.int64())})
+    assert route(table, ("word",), OutputRoute(0, np.array([0, 1]))) == {}
+
+
+def test_single_slice_consumer_gets_everything_on_slice_zero():
+    """With one consumer slice all rows go to its container, in input order, without hashing."""
+    table = pa.table({"k": ["x", "y", "z"], "_order": [2, 0, 1]})
+    parts = route(table, ("k",), OutputRoute(0, np.array([5])))
+    assert list(parts) == [5]
+    t, dst = parts[5]
+    assert t.equals(table) and dst.tolist() == [0, 0, 0]
+
+
+def test_unkeyed_stream_is_spread_by_source_order():
+    """Without a key the consumer slice is the stable hash of _order."""
+    table = pa.table({"x": list(range(20)), "_order": list(range(100, 120))})
+    got = consumer_slices(table, None, 4)
+    assert got.tolist() == slice_of([table.column("_order")], 4).tolist()
+    assert len(set(got.tolist())) > 1
+
+
+def test_missing_key_column_raises_key_error_naming_it():
+    """Routing by a column the stream lacks is an error naming the column and the stream's columns."""
+    table = pa.table({"x": [1], "_order": [0]})
+    with pytest.raises(KeyError, match="nope"):
+        consumer_slices(table, ("nope",), 3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 200), st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True))
+def test_place_slices_evenly_balances_within_one(num_slices, containers):
+    """Slice counts per container differ by at most one, and only the given containers are used."""
+    placed = place_slices_evenly(num_slices, containers)
+    assert len(placed) == num_slices
+    assert set(placed.tolist()) <= set(containers)
+    counts = [int((placed == c).sum()) for c in containers]
+    assert max(counts) - min(counts) <= 1
+    assert sum(counts) == num_slices
+
+
+def test_place_slices_evenly_needs_a_container():
+    """An empty container list is refused."""
+    with pytest.raises(ValueError, match="at least one container"):
+        place_slices_evenly(4, [])
+
+
+def test_output_route_lists_its_distinct_containers_sorted():
+    """containers() is the sorted set of containers in the slice map; num_slices its length."""
+    r = OutputRoute(3, np.array([7, 2, 7, 2, 9]))
+    assert r.containers() == [2, 7, 9]
+    assert r.num_slices == 5
