@@ -157,12 +157,16 @@ class Job:
 
         return ray.get(self.master.statistics.remote())
 
-    def stop(self) -> None:
-        """Stop the job and release its containers and master."""
+    def stop(self, cleanup: bool = True) -> None:
+        """Stop the job and release its containers and master.
+
+        ``cleanup`` deletes the containers' local stores (output logs); memory
+        sink results already fetched stay available.
+        """
         import ray
 
         try:
-            ray.get(self.master.stop.remote())
+            ray.get(self.master.stop.remote(cleanup))
         finally:
             ray.kill(self.master)
 

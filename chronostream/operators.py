@@ -406,20 +406,14 @@ class KeyedJoin(Operator):
         return event[cols[0]] if len(cols) == 1 else tuple(event[c] for c in cols)
 
     def consume(self, stream_id: str, event: dict) -> None:
-        if stream_id == "left":
-            key = self._key(event, self.left_key)
-            rows = self.left.get(key) or []
-            rows.append(event)
-            self.left.set(key, rows)
-            for other in self.right.get(key) or ():
-                self.produce("out", _merge(event, other))
-        else:
-            key = self._key(event, self.right_key)
-            rows = self.right.get(key) or []
-            rows.append(event)
-            self.right.set(key, rows)
-            for other in self.left.get(key) or ():
-                self.produce("out", _merge(other, event))
+        is_left = stream_id == "left"
+        own, other = (self.left, self.right) if is_left else (self.right, self.left)
+        key = self._key(event, self.left_key if is_left else self.right_key)
+        rows = own.get(key) or []
+        rows.append(event)
+        own.set(key, rows)
+        for match in other.get(key) or ():
+            self.produce("out", _merge(event, match) if is_left else _merge(match, event))
 
 
 def _merge(left: dict, right: dict) -> dict:

@@ -15,13 +15,14 @@ from collections import defaultdict
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, JobPlan, Map, MapBatches,
                               Query, compile_query)
 from chronostream.errors import EventError
 from chronostream.hashing import slice_of_scalar
 from chronostream.operators import Operator, OperatorContext
-from chronostream.sinks import sort_output
+from chronostream.sinks import MemorySink, sort_output
 from chronostream.types import ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
 
 
@@ -151,7 +152,20 @@ class _SerialRun:
                 for slice_id in sorted(pending[st.stage_id]):
                     items = sorted(pending[st.stage_id][slice_id], key=lambda x: x[:4])
                     self.consume(st.stage_id, slice_id, order, items, pending)
+        self.write_file_sinks()
         return SerialResult(plan, self.sink_rows, self.dead)
+
+    def write_file_sinks(self) -> None:
+        """Write the rows of non-memory sinks (Parquet...) through their writers, one part per slice."""
+        for sp in self.plan.sinks:
+            if isinstance(sp.sink, MemorySink) or not self.sink_rows[sp.name]:
+                continue
+            writer = sp.sink.writer("serial")
+            table = sort_output(pa.Table.from_pylist(self.sink_rows[sp.name]))
+            slices = table.column(SLICE).to_pylist()
+            for s in sorted(set(slices)):
+                writer.write(0, s, table.filter(pa.compute.equal(table[SLICE], s)))
+            writer.close()
 
     def consume(self, stage_id: int, slice_id: int, order: int, items: list, pending) -> None:
         st = self.plan.stages[stage_id]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,15 @@ class ResourceContainer:
             raise RuntimeError("this job runs without an output log")
         return self.core.output_log.read(stream_id, slice_id, after_seq)
 
-    async def stop(self) -> None:
-        """Stop processing; pending pushes are released."""
+    async def stop(self, cleanup: bool = False) -> None:
+        """Stop processing; pending pushes are released. ``cleanup`` deletes the local store."""
         self.stopped = True
         if self.cond is not None:
             async with self.cond:
                 self.cond.notify_all()
+        if cleanup:
+            for t in self._tasks:
+                t.cancel()
+            if self.core is not None and self.core.output_log is not None:
+                self.core.output_log.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -180,15 +181,17 @@ class JobMaster:
         """Actor handles by container id (for tests and the failure harness)."""
         return dict(self.handles)
 
-    async def stop(self) -> None:
-        """Stop and release every container."""
+    async def stop(self, cleanup: bool = True) -> None:
+        """Stop and release every container; ``cleanup`` deletes their local stores."""
         if self.state == "running":
             self.state = "stopped"
             self.finished_at = time.time()
         for h in self.handles.values():
             try:
-                await h.stop.remote()
-            except Exception:  # noqa: BLE001
+                await h.stop.remote(cleanup)
+            except Exception:  # noqa: BLE001 - a dead container has nothing left to stop
                 pass
+        if cleanup:
+            shutil.rmtree(self.workdir, ignore_errors=True)
         for h in self.handles.values():
             ray.kill(h)

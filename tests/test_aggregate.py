@@ -245,3 +245,16 @@ def test_mean_of_large_ints_is_bit_identical_to_the_oracle():
     rows = [{"s": "a", "i": 643882892723964114}, {"s": "a", "i": 643882892723964115},
             {"s": "a", "i": 643882892723964115}]
     assert exact(run_vectorized(rows, ["s"], [("mean", "i")])) == exact(run_serial(rows, ["s"], [("mean", "i")]))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: KeyedAggregate.consume_batch sums int columns with np.cumsum in int64 (operators.py:298-300) "
+    "and silently wraps on overflow, while the oracle (consume_serial) refuses the out-of-range sum "
+    "with OverflowError: the runtime returns a wrong, negative sum instead of failing"))
+def test_int64_sum_overflow_is_refused_like_the_oracle():
+    """A running int sum past 2**63 - 1 raises in the vectorized path as it does in the oracle."""
+    rows = [{"s": "a", "i": 2**62}, {"s": "a", "i": 2**62}]
+    with pytest.raises(OverflowError):
+        run_serial(rows, ["s"], [("sum", "i")])
+    with pytest.raises((OverflowError, ValueError, pa.ArrowInvalid)):
+        run_vectorized(rows, ["s"], [("sum", "i")])
