@@ -64,6 +64,27 @@ def _hash_binary(arr: pa.Array) -> np.ndarray:
     return h ^ _splitmix64(lengths.astype(np.uint64))
 
 
+def _temporal_as_int64(arr: pa.Array) -> np.ndarray:
+    """Temporal values in one canonical unit (microseconds, days for dates) as int64.
+
+    Canonical units make a timestamp[ms] column and the Python datetime the
+    serial executor sees hash alike (finer units are truncated: hashing needs
+    consistency, not injectivity).
+    """
+    t = arr.type
+    if pa.types.is_timestamp(t):
+        arr = arr.cast(pa.timestamp("us", tz=t.tz), safe=False)
+    elif pa.types.is_date(t):
+        arr = arr.cast(pa.date32()).cast(pa.int32())
+    elif pa.types.is_time(t):
+        arr = arr.cast(pa.time64("us"), safe=False)
+    elif pa.types.is_duration(t):
+        arr = arr.cast(pa.duration("us"), safe=False)
+    else:
+        raise TypeError(f"cannot hash key column of type {t}; use a string, integer, float, bool or temporal key")
+    return np.asarray(arr.cast(pa.int64()).fill_null(0), dtype=np.int64)
+
+
 def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Return a stable uint64 hash per value of an Arrow array.
 
@@ -88,17 +109,23 @@ def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
                 h = _hash_binary(arr)
         else:
             h = _hash_binary(arr)
+    elif pa.types.is_null(t):
+        h = np.full(len(arr), _NULL_HASH, dtype=np.uint64)
     elif pa.types.is_boolean(t):
         h = _splitmix64(np.asarray(arr.fill_null(False).cast(pa.uint8()), dtype=np.uint64))
-    elif pa.types.is_integer(t) or pa.types.is_temporal(t):
-        vals = arr.cast(pa.int64()) if not pa.types.is_temporal(t) else arr.view(pa.int64()) if t.bit_width == 64 else arr.cast(pa.int64())
-        h = _splitmix64(np.asarray(vals.fill_null(0), dtype=np.int64).view(np.uint64))
+    elif pa.types.is_unsigned_integer(t):
+        h = _splitmix64(np.asarray(arr.cast(pa.uint64()).fill_null(0), dtype=np.uint64))
+    elif pa.types.is_integer(t):
+        h = _splitmix64(np.asarray(arr.cast(pa.int64()).fill_null(0), dtype=np.int64).view(np.uint64))
+    elif pa.types.is_temporal(t):
+        h = _splitmix64(_temporal_as_int64(arr).view(np.uint64))
     elif pa.types.is_floating(t):
         f = np.asarray(arr.cast(pa.float64()).fill_null(0.0), dtype=np.float64)
         f = np.where(f == 0.0, 0.0, f)  # -0.0 and 0.0 are one key
+        f = np.where(np.isnan(f), np.nan, f)  # every NaN is one key
         h = _splitmix64(f.view(np.uint64))
     else:
-        raise TypeError(f"cannot hash key column of type {t}; use a string, integer, float, bool or timestamp key")
+        raise TypeError(f"cannot hash key column of type {t}; use a string, integer, float, bool or temporal key")
     if arr.null_count:
         valid = np.asarray(pc.is_valid(arr), dtype=bool)
         h = np.where(valid, h, _NULL_HASH)

@@ -182,6 +182,27 @@ class Operator:
 
 AGGREGATES = ("count", "sum", "min", "max", "mean")
 
+#: The one NaN object used as a key: float("nan") != float("nan"), so every
+#: NaN key is mapped to this object, which a dict finds by identity.
+NAN_KEY = float("nan")
+
+
+def canonical_key(value: Any) -> Any:
+    """A key value as state dicts see it: every NaN is ``NAN_KEY``, -0.0 is 0.0."""
+    if isinstance(value, float):
+        if value != value:
+            return NAN_KEY
+        if value == 0.0:
+            return 0.0
+    return value
+
+
+def _segmented_cumsum_f(values: np.ndarray, start_pos: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """Per-group cumulative sum in float64 (approximate; used for overflow checks only)."""
+    cs = np.cumsum(values.astype(np.float64))
+    base = np.where(start_pos > 0, cs[start_pos - 1], 0.0)
+    return cs - base[seg]
+
 
 def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) -> np.ndarray:
     """Inclusive scan of ``op`` (min/max) restarting at each group start; rows sorted by group.
@@ -240,12 +261,15 @@ class KeyedAggregate(Operator):
             return
         keys = [batch.column(c) for c in self.key_columns]
         keys = [k.combine_chunks() if isinstance(k, pa.ChunkedArray) else k for k in keys]
+        # Float keys: -0.0 + 0.0 == 0.0, and every NaN one value, as in canonical_key().
+        keys = [pc.if_else(pc.is_nan(k), float("nan"), pc.add(k, 0.0)) if pa.types.is_floating(k.type) else k
+                for k in keys]
         if len(keys) == 1:
             # One key column: dictionary codes are already dense group ids, and the
             # dictionary holds each distinct key once (first-appearance order).
             enc = pc.dictionary_encode(keys[0])
             inverse = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
-            key_tuples = enc.dictionary.to_pylist()
+            key_tuples = [canonical_key(v) for v in enc.dictionary.to_pylist()]
             if keys[0].null_count:
                 key_tuples.append(None)
             n_groups = len(key_tuples)
@@ -257,7 +281,7 @@ class KeyedAggregate(Operator):
                 codes = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
                 combined = combined * size + codes
             _uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
-            key_values = [col.take(pa.array(first)).to_pylist() for col in keys]
+            key_values = [[canonical_key(v) for v in col.take(pa.array(first)).to_pylist()] for col in keys]
             key_tuples = list(zip(*key_values))
             n_groups = len(key_tuples)
         uniq = range(n_groups)
@@ -295,6 +319,10 @@ class KeyedAggregate(Operator):
             kind = "f" if vals.dtype.kind == "f" else "i"
             sums_key, mins_key, maxs_key = f"sum_{col}_{kind}", f"min_{col}_{kind}", f"max_{col}_{kind}"
             if kind == "i":
+                # int64 must not wrap: check the running sums in float64 first.
+                approx = self.arrays[sums_key][state_idx].astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
+                if approx.size and float(np.abs(approx).max()) >= 2.0**63 * 0.999:
+                    raise OverflowError(f"running int64 sum of column {col!r} overflows")
                 cs = np.cumsum(v_sorted)
                 base = np.where(start_pos > 0, cs[start_pos - 1], 0)
                 run_sum = self.arrays[sums_key][state_idx] + cs - base[seg]
@@ -353,7 +381,7 @@ class KeyedAggregate(Operator):
 
     def consume_serial(self, stream_id: str, event: dict) -> None:
         """Reference per-event implementation used by the serial executor (the oracle)."""
-        key = tuple(event[c] for c in self.key_columns)
+        key = tuple(canonical_key(event[c]) for c in self.key_columns)
         key = key if len(key) > 1 else key[0]
         st = self.register_state("__serial__")
         cur = st.get(key)
@@ -375,7 +403,7 @@ class KeyedAggregate(Operator):
             if agg == "count":
                 out[name] = cur["count"]
             elif agg == "mean":
-                out[name] = cur[f"sum_{col}"] / cur["count"]
+                out[name] = float(cur[f"sum_{col}"]) / cur["count"]  # as the vectorized path: float64(sum) / count
             else:
                 out[name] = cur[f"{agg}_{col}"]
         # One update per input row: the output keeps the input's lineage (no fan-out).

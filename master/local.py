@@ -22,7 +22,7 @@ from master.placement import Placement
 def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str | None = None,
                 with_log: bool = False) -> dict[int, ContainerCore]:
     """Create one core per container of ``placement``."""
-    root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-"))
+    root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if with_log else Path(".")
     cores: dict[int, ContainerCore] = {}
     for stage_id, ids in placement.containers.items():
         for c in ids:

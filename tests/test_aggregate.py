@@ -213,11 +213,6 @@ def test_aggregate_query_gives_the_same_sink_on_serial_and_local_executors(data,
     assert exact(local) == exact(serial)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: KeyedAggregate.consume_batch (operators.py:246) groups a batch with pc.dictionary_encode, "
-    "which keeps 0.0 and -0.0 apart, but operators.py:267 maps both to one Python dict key "
-    "(0.0 == -0.0): two groups share one state slot, so counts restart and the result depends on "
-    "how rows are split into batches"))
 def test_zero_and_negative_zero_float_keys_are_one_key_in_one_batch():
     """Keys 0.0, -0.0, 0.0 in one batch count 1, 2, 3 (as in the oracle and as hashing treats them)."""
     rows = [{"x": 0.0}, {"x": -0.0}, {"x": 0.0}]
@@ -225,10 +220,6 @@ def test_zero_and_negative_zero_float_keys_are_one_key_in_one_batch():
     assert [r["count"] for r in run_vectorized(rows, ["x"], [("count", None)])] == [1, 2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a NaN key is one group in the vectorized path (operators.py:246 dictionary_encode) but a new "
-    "key per row in consume_serial (operators.py:359: each event's fresh NaN float never equals a dict key), "
-    "so the runtime and the oracle disagree on NaN keys"))
 def test_nan_float_key_aggregates_the_same_in_vectorized_and_serial_paths():
     """Two rows keyed NaN give the same counts in both paths."""
     rows = pa.table({"x": [math.nan, math.nan]}).to_pylist()  # as the serial executor reads events
@@ -236,10 +227,6 @@ def test_nan_float_key_aggregates_the_same_in_vectorized_and_serial_paths():
         [r["count"] for r in run_serial(rows, ["x"], [("count", None)])]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: operators.py:330 computes an int column's mean as float64(sum) / count (two roundings) "
-    "while consume_serial (operators.py:378) divides Python ints (one correct rounding); they "
-    "differ once a key's int sum exceeds 2**53 (e.g. nanosecond timestamps)"))
 def test_mean_of_large_ints_is_bit_identical_to_the_oracle():
     """mean_i of [643882892723964114, 643882892723964115, 643882892723964115] agrees in both paths."""
     rows = [{"s": "a", "i": 643882892723964114}, {"s": "a", "i": 643882892723964115},
@@ -247,10 +234,6 @@ def test_mean_of_large_ints_is_bit_identical_to_the_oracle():
     assert exact(run_vectorized(rows, ["s"], [("mean", "i")])) == exact(run_serial(rows, ["s"], [("mean", "i")]))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: KeyedAggregate.consume_batch sums int columns with np.cumsum in int64 (operators.py:298-300) "
-    "and silently wraps on overflow, while the oracle (consume_serial) refuses the out-of-range sum "
-    "with OverflowError: the runtime returns a wrong, negative sum instead of failing"))
 def test_int64_sum_overflow_is_refused_like_the_oracle():
     """A running int sum past 2**63 - 1 raises in the vectorized path as it does in the oracle."""
     rows = [{"s": "a", "i": 2**62}, {"s": "a", "i": 2**62}]

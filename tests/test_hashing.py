@@ -249,10 +249,6 @@ def test_timestamp_hashes_as_its_int64_value():
     assert hashes(pa.array(us, pa.timestamp("us", tz="UTC"))) == hashes(pa.array(us, pa.int64()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: hashing.py:93-94 hashes a timestamp by its raw int64 in the column's unit, and "
-    "slice_of_scalar (hashing.py:132) re-infers timestamp[us] from the Python datetime, so the "
-    "serial oracle routes timestamp[s/ms/ns] keys to other slices than the runtime"))
 def test_timestamp_key_routes_the_same_in_the_oracle_and_the_runtime():
     """slice_of_scalar(datetime) (serial executor) equals slice_of on a timestamp[ms] column (runtime)."""
     col = pa.array([dt.datetime(2024, 1, 1, 0, 0, s) for s in range(8)], pa.timestamp("ms"))
@@ -270,28 +266,17 @@ def test_nulls_of_any_type_hash_to_one_constant_distinct_from_zero_values():
         assert h[1] != NULL_HASH
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: hashing.py:101 rejects the Arrow null type, which pa.array([None]) infers; "
-    "slice_of_scalar([None]) (hashing.py:132, used by the serial executor) therefore raises "
-    "TypeError on any event whose key is None, while the runtime routes typed nulls fine"))
 def test_null_typed_key_hashes_like_a_typed_null():
     """pa.array([None]) (null type) hashes like a null string/int, so slice_of_scalar([None]) works."""
     assert hashes(pa.nulls(2)) == [NULL_HASH, NULL_HASH]
     assert slice_of_scalar([None], 7) == slice_of([pa.array([None], pa.string())], 7)[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: hashing.py:94 casts integer keys to int64 with a safe cast, so a uint64 key >= 2**63 "
-    "raises pyarrow.ArrowInvalid instead of hashing"))
 def test_uint64_keys_above_int64_max_are_hashable():
     """A uint64 key of 2**63 hashes (as its 64-bit pattern, like int64 -2**63)."""
     assert hashes(pa.array([2**63], pa.uint64())) == hashes(pa.array([-(2**63)], pa.int64()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: hashing.py:93-94 sends every temporal type to arr.cast(int64) when it is not 64 bits "
-    "wide; Arrow cannot cast date32/time32 to int64, so a date key raises "
-    "ArrowNotImplementedError instead of hashing or raising the documented TypeError"))
 def test_date32_key_hashes_or_raises_clear_type_error():
     """A date32 key column either hashes or is refused with the TypeError naming the supported types."""
     try:

@@ -132,9 +132,6 @@ def test_container_counts_are_capped_at_the_slice_count():
         assert all(placement.slices_of(c) for c in ids)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: master/local.py:25 (build_cores) calls tempfile.mkdtemp() even when with_log=False, so every "
-    "run_local / cs.run(executor='local') leaves an empty chronostream-local-* directory in the temp dir"))
 def test_local_run_without_output_log_leaves_no_temporary_directory(tmp_path, monkeypatch):
     """run_local (no output log) creates nothing in the temp directory."""
     import tempfile
@@ -167,10 +164,6 @@ def test_integer_key_of_narrow_type_routes_like_the_oracle():
     assert local_sinks(count_query(t, "k"), 2) == {"out": expected}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: chronostream/hashing.py:93-94 hashes timestamps by their raw int64 in the column's unit; "
-    "the serial executor re-creates keys with pa.array([datetime]) (hashing.py:132) which is always "
-    "timestamp[us], so a timestamp[ms] key lands on other slices than in the runtime"))
 def test_timestamp_ms_key_gives_the_same_output_on_local_and_serial_executors():
     """A query keyed by a timestamp[ms] column gives identical sinks on both executors."""
     t = pa.table({"t": pa.array([dt.datetime(2024, 1, 1, 0, 0, i % 3) for i in range(9)], pa.timestamp("ms"))})
@@ -178,10 +171,6 @@ def test_timestamp_ms_key_gives_the_same_output_on_local_and_serial_executors():
     assert local_sinks(count_query(t, "t"), 2)["out"] == expected
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the serial executor routes with slice_of_scalar([None]) (serial.py:132 -> hashing.py:132), "
-    "and hash_array refuses the Arrow null type (hashing.py:101): any null key makes the oracle "
-    "raise TypeError, while the runtime handles it"))
 def test_null_string_key_gives_the_same_output_on_local_and_serial_executors():
     """A query keyed by a string column with nulls runs on both executors with identical sinks."""
     t = pa.table({"k": pa.array(["a", None, "b", None], pa.string())})
@@ -190,9 +179,6 @@ def test_null_string_key_gives_the_same_output_on_local_and_serial_executors():
     assert local == cs.run_serial(count_query(t, "k")).results("out").to_pylist()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: KeyedAggregate.consume_batch (operators.py:246/267) splits 0.0 and -0.0 into two groups that "
-    "share one state slot, while hashing and the oracle treat them as one key"))
 def test_negative_zero_float_key_gives_the_same_output_on_local_and_serial_executors():
     """A float key column holding 0.0 and -0.0 gives identical sinks on both executors."""
     t = pa.table({"x": [0.0, -0.0, 0.0, 1.0]})
