@@ -433,20 +433,26 @@ def compile_query(query: Query) -> tuple[JobPlan, dict[int, pa.Table]]:
     streams: list[StreamPlan] = []
     stream_of: dict[int, int] = {}
 
-    def physical(s: Stream) -> int:
-        if id(s) not in stream_of:
+    def physical(s: Stream, fresh: bool = False) -> int:
+        if fresh or id(s) not in stream_of:
             sid = len(streams)
             streams.append(StreamPlan(sid, s.name, stage_ids[id(s.stage)], s.output, s.chain, s.key))
-            stream_of[id(s)] = sid
+            if not fresh:
+                stream_of[id(s)] = sid
+            return sid
         return stream_of[id(s)]
 
     stages: list[StagePlan] = []
     for i, node in enumerate(query.stages):
         inputs = []
+        used: set[int] = set()
         for idx, (in_name, s) in enumerate(node.inputs.items()):
             if id(s.stage) not in stage_ids or stage_ids[id(s.stage)] >= i:
                 raise QueryError(f"stage {node.name!r}: input {in_name!r} comes from a later stage")
-            sid = physical(s)
+            # One stream object feeding two inputs of one stage becomes two
+            # physical streams, so each input has its own channels.
+            sid = physical(s, fresh=id(s) in used)
+            used.add(id(s))
             streams[sid].consumers.append((i, in_name))
             inputs.append(InputPlan(in_name, sid, idx))
         stages.append(StagePlan(i, node.name, node.kind, node.slices, node.outputs, node.factory, inputs, [],

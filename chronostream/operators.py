@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from chronostream.keyindex import KeyIndex
 from chronostream.state import KeyValueState
 from chronostream.types import ORDER, SUB, extend_sub_order
 
@@ -246,11 +247,10 @@ class KeyedAggregate(Operator):
         return agg if agg == "count" else f"{agg}_{col}"
 
     def setup(self) -> None:
-        # Dense per-slice arrays indexed by a key number; the dict maps keys to numbers.
-        # Per *distinct key per epoch* Python work, never per event.
-        self.key_index: dict[Any, int] = {}
+        # Dense per-slice arrays indexed by a key slot; the KeyIndex maps keys to
+        # slots with vectorized lookups (no Python per key or per event).
+        self.key_index = KeyIndex()
         self.arrays: dict[str, np.ndarray] = {}
-        self.key_state = self.register_state("__keys__")  # key -> index (for checkpoints)
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -265,36 +265,21 @@ class KeyedAggregate(Operator):
         keys = [pc.if_else(pc.is_nan(k), float("nan"), pc.add(k, 0.0)) if pa.types.is_floating(k.type) else k
                 for k in keys]
         if len(keys) == 1:
-            # One key column: dictionary codes are already dense group ids, and the
-            # dictionary holds each distinct key once (first-appearance order).
-            enc = pc.dictionary_encode(keys[0])
-            inverse = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
-            key_tuples = [canonical_key(v) for v in enc.dictionary.to_pylist()]
-            if keys[0].null_count:
-                key_tuples.append(None)
-            n_groups = len(key_tuples)
+            # One key column: dictionary codes are dense group ids, and the
+            # dictionary holds each distinct key once.
+            enc = pc.dictionary_encode(keys[0], null_encoding="encode")
+            inverse = np.asarray(enc.indices, dtype=np.int64)
+            unique_keys = [enc.dictionary]
         else:
             combined = np.zeros(n, dtype=np.int64)
             for col in keys:
-                enc = pc.dictionary_encode(col)
-                size = len(enc.dictionary) + 1
-                codes = np.asarray(enc.indices.fill_null(len(enc.dictionary)), dtype=np.int64)
-                combined = combined * size + codes
+                enc = pc.dictionary_encode(col, null_encoding="encode")
+                combined = combined * (len(enc.dictionary) + 1) + np.asarray(enc.indices, dtype=np.int64)
             _uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
-            key_values = [[canonical_key(v) for v in col.take(pa.array(first)).to_pylist()] for col in keys]
-            key_tuples = list(zip(*key_values))
-            n_groups = len(key_tuples)
-        uniq = range(n_groups)
-        key_index = self.key_index
-        idx_of_uniq = np.empty(len(uniq), dtype=np.int64)
-        for u, key in enumerate(key_tuples):
-            i = key_index.get(key)
-            if i is None:
-                i = len(key_index)
-                key_index[key] = i
-                self.key_state.set(key, i)
-            idx_of_uniq[u] = i
-        self._grow(len(key_index))
+            first_rows = pa.array(first)
+            unique_keys = [col.take(first_rows) for col in keys]
+        idx_of_uniq = self.key_index.slots(unique_keys)
+        self._grow(len(self.key_index))
         # Sort rows by group (stable: keeps merge order within a key).
         order = np.argsort(inverse, kind="stable")
         g_sorted = inverse[order]
@@ -308,6 +293,7 @@ class KeyedAggregate(Operator):
         count_arr = self.arrays["count"]
         running_count = count_arr[state_idx] + pos_in_group + 1
         results: dict[str, np.ndarray] = {}
+        updates: list[tuple[str, np.ndarray]] = []
         last_rows = np.append(start_pos[1:] - 1, n - 1)
         for col in self._value_columns():
             arr = batch.column(col)
@@ -342,11 +328,13 @@ class KeyedAggregate(Operator):
             results[f"sum_{col}"] = run_sum
             results[f"min_{col}"] = run_min
             results[f"max_{col}"] = run_max
-            li = state_idx[last_rows]
-            self.arrays[sums_key][li] = run_sum[last_rows]
-            self.arrays[mins_key][li] = run_min[last_rows]
-            self.arrays[maxs_key][li] = run_max[last_rows]
-        count_arr[state_idx[last_rows]] = running_count[last_rows]
+            updates += [(sums_key, run_sum), (mins_key, run_min), (maxs_key, run_max)]
+        # State changes only after every check passed: a batch that raises
+        # leaves the state untouched, so it can be retried row by row.
+        li = state_idx[last_rows]
+        for name, values in updates:
+            self.arrays[name][li] = values[last_rows]
+        count_arr[li] = running_count[last_rows]
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.arange(n)
         cols: dict[str, pa.Array] = {c: batch.column(c) for c in self.key_columns}

@@ -54,6 +54,7 @@ class ContainerStatistics:
     duplicates_dropped: int
     messages_dropped: int
     buffered_epochs: int
+    buffered_bytes: int
     busy_s: float
     rss_bytes: int
 
@@ -150,7 +151,11 @@ class ContainerCore:
 
     def _persist(self, epoch: int, outputs: dict[int, dict[int, pa.Table]]) -> None:
         if self.output_log is not None:
-            self.output_log.append_epoch({(sid, s): t for s, per in outputs.items() for sid, t in per.items()})
+            # Only streams with consumers are logged: replay feeds consumers. A
+            # sink-only stream is re-produced by its (recovered) slice instead,
+            # and sinks are idempotent per (slice, epoch).
+            self.output_log.append_epoch({(sid, s): t for s, per in outputs.items() for sid, t in per.items()
+                                          if self.plan.streams[sid].consumers})
         for s, per in outputs.items():
             for sid, t in per.items():
                 for k in self.plan.streams[sid].sinks:
@@ -197,4 +202,10 @@ class ContainerCore:
         return ContainerStatistics(
             self.container_id, self.stage.name, tuple(self.slices), self.next_epoch, self.num_epochs,
             sum(s.events_in for s in stats), sum(s.events_out for s in stats),
-            sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox), self.busy_s, rss)
+            sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox),
+            self.buffered_bytes(), self.busy_s, rss)
+
+    def buffered_bytes(self) -> int:
+        """Bytes of input held in the inbox (epochs received, not yet processed)."""
+        return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
+                   for part in msg.values())

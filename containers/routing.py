@@ -58,7 +58,8 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute) -> dic
     """
     dst = consumer_slices(table, key, out.num_slices)
     cont = out.slice_to_container[dst]
-    order = np.lexsort((dst, cont))  # stable: keeps producer order within a slice
+    # One stable sort on (container, slice): keeps producer order within a slice.
+    order = np.argsort(cont * out.num_slices + dst, kind="stable")
     cont_sorted = cont[order]
     bounds = np.flatnonzero(np.diff(cont_sorted)) + 1
     starts = np.concatenate(([0], bounds))

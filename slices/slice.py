@@ -197,18 +197,27 @@ class SliceRuntime:
         for s, e in zip(starts.tolist(), ends.tolist()):
             i = int(inp[s])
             _, name, t = tables[i]
-            batch = t.take(pa.array(local[s:e])).drop_columns([SLICE, SEQ])
+            rows = local[s:e]
+            identity = len(rows) == t.num_rows and bool(np.all(rows == np.arange(len(rows))))
+            batch = (t if identity else t.take(pa.array(rows))).drop_columns([SLICE, SEQ])
+            produced = {k: len(v) for k, v in self.ctx.batches.items()}
             try:
                 op.consume_batch(name, batch)
             except Exception:  # noqa: BLE001 - isolate the poison rows (row-wise contract)
+                # Drop what the failed call produced, then retry one row at a time.
+                for k, m in produced.items():
+                    del self.ctx.batches[k][m:]
                 self._consume_rows_one_by_one(name, batch)
 
     def _consume_rows_one_by_one(self, name: str, batch: pa.Table) -> None:
         for j in range(batch.num_rows):
             row = batch.slice(j, 1)
+            produced = {k: len(v) for k, v in self.ctx.batches.items()}
             try:
                 self.op.consume_batch(name, row)
             except Exception as exc:  # noqa: BLE001
+                for k, m in produced.items():
+                    del self.ctx.batches[k][m:]
                 event = {k: v[0] for k, v in row.to_pydict().items() if not k.startswith("_")}
                 self._fail_or_dead_letter(int(row.column(ORDER)[0].as_py()), int(row.column(SUB)[0].as_py()), exc, event)
 

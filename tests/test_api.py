@@ -119,3 +119,15 @@ def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
 
     assert run_demo(containers=2, rows=20_000, out=tmp_path / "demo") == 0
     assert "validation     PASS" in capsys.readouterr().out
+
+
+def test_one_stream_as_both_inputs_of_a_join_matches_serial():
+    """A self-join (the same stream object as left and right) gives the oracle's output."""
+    def build() -> cs.Query:
+        q = cs.Query(epoch_events=7)
+        s = q.source("s", [{"k": i % 3, "v": i} for i in range(20)]).key_by("k")
+        cs.join(s, s, slices=3).sink(name="j")
+        return q
+    expected = cs.run(build(), executor="serial").results("j").to_pylist()
+    assert len(expected) > 20
+    assert cs.run(build(), executor="local", containers=2).results("j").to_pylist() == expected

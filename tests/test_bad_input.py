@@ -148,3 +148,28 @@ def test_missing_key_column_is_a_clear_error():
     q.source("payments", good_rows()).key_by("nope").count(slices=2).sink(name="c")
     with pytest.raises(KeyError, match="nope"):
         cs.run(q, executor="local")
+
+
+class HalfThenFail(cs.Operator):
+    """Vectorized: produces its batch, then raises if the batch holds amount 77."""
+
+    def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        import pyarrow.compute as pc
+
+        self.produce_batch("out", batch.select(["user", "_order", "_sub"]))
+        if pc.any(pc.equal(batch["amount"], 77)).as_py():
+            raise ValueError("77")
+
+
+def test_failed_vectorized_call_keeps_none_of_its_outputs():
+    """A consume_batch that raised after producing leaves no output behind; the retry produces once."""
+    def build() -> cs.Query:
+        q = cs.Query(epoch_events=50)
+        q.dead_letters()
+        q.source("p", good_rows()).key_by("user").apply(HalfThenFail, slices=2, name="h").sink(name="o")
+        return q
+    local = cs.run(build(), executor="local", containers=2)
+    serial = cs.run(build(), executor="serial")
+    assert local.results("o").num_rows == 199
+    assert local.results("o").to_pylist() == serial.results("o").to_pylist()
+    assert [d["order"] for d in local.dead_letters().to_pylist()] == [77]

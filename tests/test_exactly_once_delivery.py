@@ -64,17 +64,25 @@ def test_container_given_the_same_message_twice_keeps_one():
     assert cores[dst].messages_dropped == 1
 
 
-def test_output_log_on_ray_replays_the_sink_from_any_progress_point(ray_session):
-    """Each slice's logged outputs equal its sink rows, and a read after out_seq k starts at k+1."""
-    build, _, _ = QUERIES["running_sum"]
-    job = cs.run(build(4), containers=2)
+def test_output_log_on_ray_replays_a_stream_from_any_progress_point(ray_session):
+    """Each slice's logged outputs equal what it produced, and a read after out_seq k starts at k+1.
+
+    The word counts feed a second stage, so they are logged; a sink on the
+    same stream shows what each slice produced.
+    """
+    build, _, _ = QUERIES["rekey"]
+    q = build(4)
+    stage_two_input = q.stages[-1].inputs["in"]
+    stage_two_input.sink(name="updates")
+    job = cs.run(q, containers=2)
     try:
-        sink = job.results("sums")
+        sink = job.results("updates")
         plan = job.plan
-        sink_stream = next(s.stream_id for s in plan.sinks if s.name == "sums")
+        sink_stream = next(s.stream_id for s in plan.sinks if s.name == "updates")
+        assert plan.streams[sink_stream].consumers, "the stream must feed a stage to be logged"
         handles = ray.get(job.master.container_handles.remote())
-        stage = plan.stage("running_sum").stage_id
-        placement = job.placement()["stages"]["running_sum"]
+        stage = plan.stage("count").stage_id
+        placement = job.placement()["stages"]["count"]
         for cid, slices in placement.items():
             for s in slices:
                 expected = [r for r in sink.to_pylist() if r["_slice"] == s]
