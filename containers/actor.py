@@ -32,6 +32,18 @@ from containers.routing import OutputRoute
 log = logging.getLogger("chronostream.container")
 
 
+def _warm_up() -> None:
+    """Pay lazy imports now, not in the first epoch: pyarrow imports pandas
+    (when installed) on its first numpy conversion, which takes about a second."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    arr = pa.array(["a", "b", "a"])
+    np.asarray(pc.dictionary_encode(arr).indices)
+    np.asarray(pa.chunked_array([pa.array([1, 2])]))
+    pa.Table.from_pylist([{"a": 1}]).to_pylist()
+
+
 @ray.remote(num_cpus=0)
 class ResourceContainer:
     """Hosts the slices of one stage on one Ray worker process."""
@@ -63,6 +75,7 @@ class ResourceContainer:
         self.peers = peers
         self.window = max_inflight_epochs
         self.cond = asyncio.Condition()
+        _warm_up()
         return ray.get_runtime_context().get_node_id()
 
     async def start(self) -> None:

@@ -56,6 +56,7 @@ class ContainerStatistics:
     buffered_epochs: int
     buffered_bytes: int
     busy_s: float
+    cpu_s: float
     rss_bytes: int
 
 
@@ -196,14 +197,16 @@ class ContainerCore:
         stats = [rt.statistics() for rt in self.slices.values()]
         try:
             import psutil
-            rss = psutil.Process(os.getpid()).memory_info().rss
+            proc = psutil.Process(os.getpid())
+            rss = proc.memory_info().rss
+            cpu = sum(proc.cpu_times()[:2])
         except Exception:  # noqa: BLE001 - metrics must never fail the job
-            rss = 0
+            rss, cpu = 0, 0.0
         return ContainerStatistics(
             self.container_id, self.stage.name, tuple(self.slices), self.next_epoch, self.num_epochs,
             sum(s.events_in for s in stats), sum(s.events_out for s in stats),
             sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox),
-            self.buffered_bytes(), self.busy_s, rss)
+            self.buffered_bytes(), self.busy_s, cpu, rss)
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
