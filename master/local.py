@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
 from pathlib import Path
 
 from chronostream.dag import JobPlan
@@ -36,7 +37,7 @@ def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str
 
 
 def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
-              duplicate_every: int = 0) -> dict[int, ContainerCore]:
+              duplicate_every: int = 0, poll_s: float = 0.02, timeout_s: float = 600.0) -> dict[int, ContainerCore]:
     """Run the job to completion in this process; return the cores (their sinks hold the output).
 
     Messages are delivered in a seeded shuffled order; with ``duplicate_every``
@@ -46,6 +47,7 @@ def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
     cores = build_cores(plan, placement, sources)
     in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
     sent = 0
+    deadline = time.monotonic() + timeout_s
     while not all(c.done for c in cores.values()):
         progressed = False
         for cid in sorted(cores):
@@ -64,7 +66,12 @@ def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
                 cores[dst].deliver(epoch, sender, msg)
             progressed = True
         if not progressed:
-            raise RuntimeError("local run stalled: no container ready and nothing in flight")
+            sources = [c for c in cores.values() if c.reader is not None and not c.done]
+            if not sources or time.monotonic() > deadline:
+                raise RuntimeError("local run stalled: no container ready and nothing in flight")
+            time.sleep(poll_s)  # a followed source log: wait for the writer
+            for c in sources:
+                c.poll_source()
     return cores
 
 

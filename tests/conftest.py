@@ -19,3 +19,13 @@ def ray_session():
     cs.ensure_ray(num_cpus=2)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local[2] SparkSession for the whole test session."""
+    from chronostream.spark import spark_session
+
+    session = spark_session("local[2]")
+    yield session
+    session.stop()

@@ -1,0 +1,272 @@
+"""The source log: the durable, sequence-numbered root every job reads its input from.
+
+Owns: an append-only directory of Arrow IPC segment files, one stream per
+segment, and the manifest that says which segments are complete. Every row
+carries ``_order`` (its dense global sequence over all streams of the log)
+and ``_stream_seq`` (its dense sequence within its stream). Knows no Spark
+and no Ray: the feeder writes through ``SourceLogWriter``; sources read
+through ``SourceLog``.
+
+Layout::
+
+    log_dir/manifest.json                       # replaced atomically
+    log_dir/segments/<stream>/<first_order>-<id>.arrow
+
+Crash safety: a segment is written and fsynced under a temporary name,
+renamed, and only then listed in the manifest (itself written to a
+temporary file, fsynced and renamed). A segment not in the manifest does
+not exist for readers. Every listed segment carries its size and CRC-32; a
+segment that does not match (torn, truncated, corrupted) raises
+``SourceLogError`` naming it and is never read as valid.
+
+The manifest's ``high_water`` is the global order below which the log is
+complete (every row with a smaller ``_order`` is in a listed segment);
+``sealed`` says no row will ever be added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+ORDER = "_order"
+STREAM_SEQ = "_stream_seq"
+MANIFEST = "manifest.json"
+
+
+class SourceLogError(Exception):
+    """The source log is malformed: a torn or corrupt segment, a bad append."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One listed segment of one stream."""
+
+    file: str
+    stream: str
+    first_order: int
+    last_order: int
+    first_seq: int
+    rows: int
+    bytes: int
+    crc32: int
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _schema_to_str(schema: pa.Schema) -> str:
+    return schema.serialize().to_pybytes().hex()
+
+
+def _schema_from_str(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text)))
+
+
+class SourceLog:
+    """Reader of a source log. ``refresh()`` re-reads the manifest (for tailing).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> w = SourceLogWriter(d)
+    >>> w.append({"s": pa.table({"x": [1, 2], "_order": [0, 1], "_stream_seq": [0, 1]})}, high_water=2)
+    >>> w.seal()
+    >>> log = SourceLog(d)
+    >>> log.read("s", from_order=1)["x"].to_pylist(), log.sealed, log.high_water
+    ([2], True, 2)
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.dir = Path(log_dir)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the manifest (a consistent snapshot: it is replaced atomically)."""
+        path = self.dir / MANIFEST
+        if not path.exists():
+            raise SourceLogError(f"{self.dir} is not a source log (no {MANIFEST})")
+        m = json.loads(path.read_text())
+        self.sealed: bool = m["sealed"]
+        self.high_water: int = m["high_water"]
+        self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
+        self.stream_rows: dict[str, int] = {k: v["rows"] for k, v in m["streams"].items()}
+        self.segments: list[Segment] = [Segment(**s) for s in m["segments"]]
+
+    def streams(self) -> list[str]:
+        """Stream names, in the order they were first written."""
+        return list(self._schemas)
+
+    def schema(self, stream: str) -> pa.Schema:
+        """Schema of a stream's rows (payload and system columns)."""
+        if stream not in self._schemas:
+            raise SourceLogError(f"stream {stream!r} not in the log {self.dir}; streams: {self.streams()}")
+        return self._schemas[stream]
+
+    def total_rows(self) -> int:
+        """Rows over all streams."""
+        return sum(self.stream_rows.values())
+
+    def segment_table(self, seg: Segment) -> pa.Table:
+        """The rows of one listed segment, verified against the manifest (size, CRC-32, rows)."""
+        path = self.dir / seg.file
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SourceLogError(f"segment {seg.file} listed in the manifest is missing") from None
+        if len(data) != seg.bytes:
+            raise SourceLogError(
+                f"segment {seg.file} is torn: {len(data)} bytes on disk, {seg.bytes} in the manifest")
+        if zlib.crc32(data) != seg.crc32:
+            raise SourceLogError(f"segment {seg.file} is corrupt: CRC-32 does not match the manifest")
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+        if table.num_rows != seg.rows:
+            raise SourceLogError(f"segment {seg.file} holds {table.num_rows} rows, manifest says {seg.rows}")
+        return table
+
+    def segments_of(self, stream: str, from_order: int = 0, to_order: int | None = None) -> Iterator[Segment]:
+        """Listed segments of ``stream`` overlapping [from_order, to_order)."""
+        self.schema(stream)
+        for seg in self.segments:
+            if seg.stream != stream or seg.last_order < from_order:
+                continue
+            if to_order is not None and seg.first_order >= to_order:
+                continue
+            yield seg
+
+    def read(self, stream: str, from_order: int = 0, to_order: int | None = None) -> pa.Table:
+        """Rows of ``stream`` with ``from_order <= _order < to_order``, verified, in order."""
+        parts = []
+        for seg in self.segments_of(stream, from_order, to_order):
+            t = self.segment_table(seg)
+            order = np.asarray(t.column(ORDER))
+            lo = int(np.searchsorted(order, from_order, side="left"))
+            hi = len(order) if to_order is None else int(np.searchsorted(order, to_order, side="left"))
+            if hi > lo:
+                parts.append(t.slice(lo, hi - lo))
+        if not parts:
+            return self.schema(stream).empty_table()
+        return pa.concat_tables(parts)
+
+    def read_from_seq(self, stream: str, from_seq: int) -> pa.Table:
+        """Replay: rows of ``stream`` with ``_stream_seq >= from_seq``."""
+        parts = []
+        for seg in self.segments_of(stream):
+            if seg.first_seq + seg.rows <= from_seq:
+                continue
+            t = self.segment_table(seg)
+            skip = max(0, from_seq - seg.first_seq)
+            parts.append(t.slice(skip))
+        return pa.concat_tables(parts) if parts else self.schema(stream).empty_table()
+
+    def verify(self) -> list[str]:
+        """Check every listed segment; return the problems found (empty = sound)."""
+        problems = []
+        for seg in self.segments:
+            try:
+                self.segment_table(seg)
+            except SourceLogError as exc:
+                problems.append(str(exc))
+        return problems
+
+
+class SourceLogWriter:
+    """The single writer of a source log: appends segments, advances the high water, seals.
+
+    Rows given to ``append`` must carry ``_order`` (increasing, above every
+    order already written to that stream) and ``_stream_seq`` (continuing the
+    stream's dense sequence); this is checked.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / MANIFEST
+        if path.exists():
+            m = json.loads(path.read_text())
+            if m["sealed"]:
+                raise SourceLogError(f"the source log {self.dir} is sealed; it takes no more rows")
+        else:
+            m = {"version": 1, "sealed": False, "high_water": 0, "streams": {}, "segments": []}
+            _fsync_write(path, json.dumps(m).encode())
+        self.manifest = m
+        self._last_order = {s["stream"]: s["last_order"] for s in m["segments"]}
+
+    def _check(self, stream: str, table: pa.Table) -> None:
+        for col in (ORDER, STREAM_SEQ):
+            if col not in table.schema.names:
+                raise SourceLogError(f"rows for stream {stream!r} lack the {col!r} column")
+        order = np.asarray(table.column(ORDER))
+        seq = np.asarray(table.column(STREAM_SEQ))
+        if np.any(order[1:] <= order[:-1]):
+            raise SourceLogError(f"stream {stream!r}: _order must increase within an append")
+        if order[0] <= self._last_order.get(stream, -1):
+            raise SourceLogError(f"stream {stream!r}: _order {order[0]} is not above what the log holds")
+        if order[0] < self.manifest["high_water"]:
+            raise SourceLogError(f"stream {stream!r}: _order {order[0]} is below the high water mark")
+        expected = self.manifest["streams"].get(stream, {}).get("rows", 0)
+        if seq[0] != expected or np.any(np.diff(seq) != 1):
+            raise SourceLogError(f"stream {stream!r}: _stream_seq must continue densely from {expected}")
+        known = self.manifest["streams"].get(stream)
+        if known is not None and _schema_from_str(known["schema"]) != table.schema:
+            raise SourceLogError(f"stream {stream!r}: schema changed: {table.schema} vs the log's")
+
+    def append(self, tables: dict[str, pa.Table], high_water: int | None = None) -> None:
+        """Write one segment per non-empty table, then publish them (and ``high_water``) atomically."""
+        new_segments = []
+        for stream, table in tables.items():
+            if table.num_rows == 0:
+                continue
+            if "/" in stream or stream.startswith("."):
+                raise SourceLogError(f"invalid stream name {stream!r}")
+            self._check(stream, table)
+            order = np.asarray(table.column(ORDER))
+            seg_dir = self.dir / "segments" / stream
+            seg_dir.mkdir(parents=True, exist_ok=True)
+            name = f"{int(order[0]):012d}-{uuid.uuid4().hex[:8]}.arrow"
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            data = sink.getvalue().to_pybytes()
+            _fsync_write(seg_dir / name, data)
+            new_segments.append({
+                "file": f"segments/{stream}/{name}", "stream": stream, "first_order": int(order[0]),
+                "last_order": int(order[-1]), "first_seq": int(table.column(STREAM_SEQ)[0].as_py()),
+                "rows": table.num_rows, "bytes": len(data), "crc32": zlib.crc32(data)})
+            entry = self.manifest["streams"].setdefault(stream, {"schema": _schema_to_str(table.schema), "rows": 0})
+            entry["rows"] += table.num_rows
+            self._last_order[stream] = int(order[-1])
+        self.manifest["segments"].extend(new_segments)
+        if high_water is not None:
+            if high_water < self.manifest["high_water"]:
+                raise SourceLogError("the high water mark only grows")
+            self.manifest["high_water"] = high_water
+        self._publish()
+
+    def seal(self) -> None:
+        """Mark the log complete: its high water becomes one past its largest order."""
+        last = max(self._last_order.values(), default=-1)
+        self.manifest["high_water"] = max(self.manifest["high_water"], last + 1)
+        self.manifest["sealed"] = True
+        self._publish()
+
+    def _publish(self) -> None:
+        _fsync_write(self.dir / MANIFEST, json.dumps(self.manifest).encode())

@@ -1,0 +1,1 @@
+"""Runnable examples on real data (see the README)."""
