@@ -251,6 +251,7 @@ class KeyedAggregate(Operator):
         # slots with vectorized lookups (no Python per key or per event).
         self.key_index = KeyIndex()
         self.arrays: dict[str, np.ndarray] = {}
+        self._dirty_slots: list[np.ndarray] = []  # slots changed since the last checkpoint
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -332,6 +333,7 @@ class KeyedAggregate(Operator):
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
         li = state_idx[last_rows]
+        self._dirty_slots.append(li)
         for name, values in updates:
             self.arrays[name][li] = values[last_rows]
         count_arr[li] = running_count[last_rows]
@@ -366,6 +368,47 @@ class KeyedAggregate(Operator):
                 for agg in ("sum", "min", "max"):
                     k = f"{agg}_{col}_{kind}"
                     self.arrays[k] = grow(self.arrays.get(k), dtype)
+
+    # -- checkpoints (see slices/checkpoint.py) ----------------------------------
+
+    def checkpoint_state(self, delta: bool) -> dict[str, dict]:
+        """The running values as a slot table: every slot, or the slots changed since the last call."""
+        from slices.checkpoint import table_part  # slices imports operators, not the reverse at load
+
+        n = len(self.key_index)
+        if delta:
+            slots = np.unique(np.concatenate(self._dirty_slots)) if self._dirty_slots else np.zeros(0, np.int64)
+        else:
+            slots = np.arange(n, dtype=np.int64)
+        self._dirty_slots = []
+        keys = self.key_index.keys() if n else []
+        take = pa.array(slots)
+        cols: dict[str, pa.Array] = {"slot": pa.array(slots, pa.int64())}
+        for i, k in enumerate(keys):
+            cols[f"key{i}"] = k.take(take)
+        for name, arr in sorted(self.arrays.items()):
+            cols[name] = pa.array(arr[:n][slots]) if n else pa.array(arr[:0])
+        return {"__op__aggregate": table_part(pa.table(cols))}
+
+    def restore_state(self, parts: dict[str, dict]) -> None:
+        """Rebuild the key index and the running values from a full slot table."""
+        from slices.checkpoint import read_table_part
+
+        t = read_table_part(parts["__op__aggregate"])
+        slots = np.asarray(t.column("slot"))
+        assert np.array_equal(slots, np.arange(len(slots))), "a full aggregate snapshot holds every slot"
+        self.key_index = KeyIndex()
+        self.arrays = {}
+        self._dirty_slots = []
+        if len(slots) == 0:
+            return
+        key_cols = [t.column(f"key{i}").combine_chunks() for i in range(len(self.key_columns))]
+        got = self.key_index.slots(key_cols)
+        assert np.array_equal(got, slots)
+        self._grow(len(slots))
+        for name in t.schema.names:
+            if name in self.arrays:
+                self.arrays[name][: len(slots)] = np.asarray(t.column(name))
 
     def consume_serial(self, stream_id: str, event: dict) -> None:
         """Reference per-event implementation used by the serial executor (the oracle)."""

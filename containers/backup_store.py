@@ -1,0 +1,123 @@
+"""Owns the backups a container holds for its peers' slices: a replication buffer and its lmdb copy.
+
+Each backed-up slice has a chain: one full checkpoint and the deltas taken
+after it. New checkpoints land in memory first (the replication buffer,
+paper IV) and are persisted lazily to this container's lmdb store by
+``flush``. When a chain grows past ``merge_every`` deltas they are merged
+into a new full checkpoint, so a restore never replays a long chain.
+Every checkpoint is verified (magic, length, CRC-32) when it arrives and
+when it is restored; a bad one raises ``CheckpointCorrupt`` naming the
+slice and epoch. Knows no Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+from slices.checkpoint import CheckpointCorrupt, SliceCheckpoint, decode, encode, merge
+
+SliceKey = tuple[int, int]  # (stage id, slice id)
+
+
+class BackupStore:
+    """Chains of checkpoints by (stage, slice), in memory and (lazily) in lmdb.
+
+    >>> import tempfile
+    >>> from slices.checkpoint import SliceCheckpoint, encode
+    >>> store = BackupStore(tempfile.mkdtemp())
+    >>> store.put(encode(SliceCheckpoint(1, 3, 5, "full", -1, {}, {0: 9})))
+    >>> store.latest(1, 3).next_seq
+    {0: 9}
+    """
+
+    def __init__(self, path: str | os.PathLike, merge_every: int = 4, map_size: int = 1 << 30) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False)
+        self.merge_every = merge_every
+        self.chains: dict[SliceKey, list[bytes]] = {}  # replication buffer: [full, delta, delta, ...]
+        self._unflushed: set[SliceKey] = set()
+        with self.env.begin() as txn:
+            for k, v in txn.cursor():
+                stage, sl = (int(x) for x in k.decode().split(":"))
+                self.chains[(stage, sl)] = list(msgpack.unpackb(v, raw=False))
+
+    def put(self, data: bytes) -> None:
+        """Receive one encoded checkpoint of a peer's slice (verified before it is kept)."""
+        ckpt = decode(data, "incoming backup")
+        key = (ckpt.stage_id, ckpt.slice_id)
+        if ckpt.kind == "full":
+            self.chains[key] = [data]
+        else:
+            chain = self.chains.get(key)
+            if not chain:
+                raise ValueError(f"{ckpt.describe()}: no full checkpoint to apply it to")
+            last = decode(chain[-1], "backup").epoch
+            if ckpt.prev_epoch != last:
+                raise ValueError(f"{ckpt.describe()}: the chain ends at epoch {last}")
+            chain.append(data)
+            if len(chain) - 1 > self.merge_every:
+                self.chains[key] = [encode(self._merged(key))]
+        self._unflushed.add(key)
+
+    def _merged(self, key: SliceKey) -> SliceCheckpoint:
+        chain = self.chains[key]
+        full = decode(chain[0], f"backup of stage {key[0]} slice {key[1]}")
+        for d in chain[1:]:
+            full = merge(full, decode(d, f"backup of stage {key[0]} slice {key[1]}"))
+        return full
+
+    def latest(self, stage_id: int, slice_id: int) -> SliceCheckpoint:
+        """The newest full checkpoint of a slice (chain merged), verified."""
+        key = (stage_id, slice_id)
+        if key not in self.chains:
+            raise KeyError(f"no backup of stage {stage_id} slice {slice_id} here")
+        return self._merged(key)
+
+    def latest_epoch(self, stage_id: int, slice_id: int) -> int:
+        """Epoch of the newest checkpoint held for a slice (-1 when none)."""
+        chain = self.chains.get((stage_id, slice_id))
+        return decode(chain[-1]).epoch if chain else -1
+
+    def holds(self) -> list[SliceKey]:
+        """(stage, slice) of every backup held."""
+        return sorted(self.chains)
+
+    def flush(self) -> int:
+        """Persist the chains changed since the last flush, in one transaction; return how many."""
+        if not self._unflushed:
+            return 0
+        items = [(f"{s}:{sl}".encode(), msgpack.packb(self.chains[(s, sl)], use_bin_type=True))
+                 for s, sl in sorted(self._unflushed) if (s, sl) in self.chains]
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, v in items:
+                        txn.put(k, v)
+                break
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        n = len(self._unflushed)
+        self._unflushed.clear()
+        return n
+
+    def drop(self, stage_id: int, slice_id: int) -> None:
+        """Forget a slice's backups (it moved, or this container no longer backs it up)."""
+        key = (stage_id, slice_id)
+        self.chains.pop(key, None)
+        self._unflushed.discard(key)
+        with self.env.begin(write=True) as txn:
+            txn.delete(f"{stage_id}:{slice_id}".encode())
+
+    def close(self, flush: bool = True) -> None:
+        """Close the lmdb environment (after a flush unless ``flush=False``: the buffer is then lost)."""
+        if flush:
+            self.flush()
+        self.env.close()
+
+
+__all__ = ["BackupStore", "CheckpointCorrupt"]

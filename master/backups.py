@@ -1,0 +1,40 @@
+"""Owns chained-backup placement: which peer containers hold each slice's backups.
+
+Paper III-B: with backup factor L, a container with active slices
+S_1..S_M and peers P_1..P_N (the other containers of its stage) sends the
+l-th backup (1 <= l <= L) of its m-th slice to peer P_((m + l) mod N). The
+chain spreads a container's backups evenly over all its peers, so when it
+dies every peer rebuilds a share of its slices: recovery is parallel.
+Pure functions over the placement; no Ray.
+"""
+
+from __future__ import annotations
+
+from chronostream.errors import QueryError
+
+
+def chained_backup_peers(m: int, peers: list[int], backup_factor: int) -> list[int]:
+    """Peers holding the backups of the m-th local slice (0-based m), in order l = 1..L.
+
+    >>> chained_backup_peers(0, [10, 11, 12], 2)
+    [11, 12]
+    >>> chained_backup_peers(2, [10, 11, 12], 2)
+    [10, 11]
+    """
+    n = len(peers)
+    if backup_factor < 0:
+        raise QueryError(f"backup factor must be >= 0, got {backup_factor}")
+    if n == 0 or backup_factor == 0:
+        return []
+    # With fewer peers than L, each peer holds one copy (never two of one slice).
+    return [peers[(m + l) % n] for l in range(1, min(backup_factor, n) + 1)]
+
+
+def backup_plan(containers: list[int], slices_of: dict[int, list[int]], backup_factor: int) -> dict[int, list[int]]:
+    """Slice -> its backup containers, for one stage (``slices_of``: container -> its slices)."""
+    plan: dict[int, list[int]] = {}
+    for c in containers:
+        peers = [p for p in containers if p != c]
+        for m, s in enumerate(sorted(slices_of[c])):
+            plan[s] = chained_backup_peers(m, peers, backup_factor)
+    return plan
