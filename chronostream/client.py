@@ -210,7 +210,8 @@ class CompletedJob:
 
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         address: str | None = None, workdir: str | None = None, max_inflight_epochs: int = 4,
-        heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0) -> Job | CompletedJob:
+        heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
+        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 8) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -218,6 +219,12 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     process, one event at a time: the oracle and debug mode) or ``"local"``
     (the runtime's containers in one process, no Ray). ``containers``: per
     stage, one number or ``{stage name: number}``.
+
+    Checkpoints (Ray executor): with ``checkpoint_every=K`` every slice is
+    checkpointed every K epochs (a full checkpoint, then deltas; a full one
+    every ``full_checkpoint_every``) to ``backup_factor`` peers of its stage
+    along the chain of the ChronoStream paper. Recovery from them is not
+    implemented yet, so the default is off.
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -251,6 +258,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     master = JobMaster.options(max_concurrency=1000).remote(
-        plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log)
+        plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log,
+        checkpoint_every, backup_factor, full_checkpoint_every)
     placement = ray.get(master.deploy.remote(refs))
     return Job(plan, master, placement)

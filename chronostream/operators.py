@@ -371,7 +371,7 @@ class KeyedAggregate(Operator):
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 
-    def checkpoint_state(self, delta: bool) -> dict[str, dict]:
+    def checkpoint_state(self, delta: bool, clear: bool = True) -> dict[str, dict]:
         """The running values as a slot table: every slot, or the slots changed since the last call."""
         from slices.checkpoint import table_part  # slices imports operators, not the reverse at load
 
@@ -380,7 +380,8 @@ class KeyedAggregate(Operator):
             slots = np.unique(np.concatenate(self._dirty_slots)) if self._dirty_slots else np.zeros(0, np.int64)
         else:
             slots = np.arange(n, dtype=np.int64)
-        self._dirty_slots = []
+        if clear:
+            self._dirty_slots = []
         keys = self.key_index.keys() if n else []
         take = pa.array(slots)
         cols: dict[str, pa.Array] = {"slot": pa.array(slots, pa.int64())}

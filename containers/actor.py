@@ -25,6 +25,7 @@ import pyarrow as pa
 import ray
 
 from chronostream.dag import JobPlan
+from containers.backup_store import BackupStore
 from containers.core import ContainerCore, ContainerStatistics, Message
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
@@ -64,15 +65,20 @@ class ResourceContainer:
 
     async def configure(self, plan: JobPlan, stage_id: int, local_slices: list[int],
                         routes: dict[int, OutputRoute], senders: set[int], peers: dict[int, Any],
-                        source_table: pa.Table | None, max_inflight_epochs: int, output_log: bool) -> str:
+                        source_table: pa.Table | None, max_inflight_epochs: int, output_log: bool,
+                        backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
+                        full_checkpoint_every: int = 8) -> str:
         """Build the core: slices, routing tables, output log and sink writers. Returns the node id."""
         writers = {s.sink_id: s.sink.writer(f"c{self.container_id}") for s in plan.sinks
                    if plan.streams[s.stream_id].stage_id == stage_id}
         dl = plan.dead_letter_sink.writer(f"c{self.container_id}") if plan.dead_letter_sink is not None else None
         olog = OutputLog(self.workdir / "output-log") if output_log else None
+        store = BackupStore(self.workdir / "backups") if checkpoint_every else None
         self.core = ContainerCore(plan, stage_id, self.container_id, local_slices, routes, senders,
                                   source_table=source_table, output_log=olog, sink_writers=writers,
-                                  dead_letter_writer=dl)
+                                  dead_letter_writer=dl, backup_peers=backup_peers,
+                                  checkpoint_every=checkpoint_every, full_checkpoint_every=full_checkpoint_every,
+                                  backup_store=store)
         self.peers = peers
         self.window = max_inflight_epochs
         self.cond = asyncio.Condition()
@@ -120,6 +126,9 @@ class ResourceContainer:
                     cond.notify_all()  # next_epoch moved: blocked pushes may proceed
                 for dst, msg in messages.items():
                     inflight[dst].append(self.peers[dst].push.remote(epoch, self.container_id, msg))
+                for peer, blobs in core.take_backups().items():
+                    inflight.setdefault(peer, collections.deque()).append(
+                        self.peers[peer].receive_backups.remote(blobs))
                 for dq in inflight.values():
                     while len(dq) > self.window:
                         await dq.popleft()
@@ -140,10 +149,37 @@ class ResourceContainer:
     async def _heartbeats(self) -> None:
         while not self.stopped:
             try:
+                if self.core.backup_store is not None:
+                    self.core.backup_store.flush()  # lazy persistence of the replication buffer
                 self.master.heartbeat.remote(self.container_id, self.core.statistics())
             except Exception:  # noqa: BLE001 - the master may be restarting
                 pass
             await asyncio.sleep(self.heartbeat_s)
+
+    async def receive_backups(self, blobs: list[bytes]) -> None:
+        """Checkpoints of a peer's slices (kept in the replication buffer, flushed lazily)."""
+        self.core.receive_backups(blobs)
+
+    async def backups_held(self) -> list[tuple[int, int, int]]:
+        """(stage, slice, epoch) of every backup this container holds (after a flush to lmdb)."""
+        store = self.core.backup_store
+        if store is None:
+            return []
+        store.flush()
+        return [(st, sl, store.latest_epoch(st, sl)) for st, sl in store.holds()]
+
+    async def backup_bytes(self, stage_id: int, slice_id: int) -> bytes:
+        """The merged, verified full backup of a peer's slice, encoded."""
+        from slices.checkpoint import encode
+
+        return encode(self.core.backup_store.latest(stage_id, slice_id))
+
+    async def slice_snapshot(self, slice_id: int) -> bytes:
+        """A full checkpoint of a local slice now (does not start a new delta)."""
+        from slices.checkpoint import capture, encode
+
+        core = self.core
+        return encode(capture(core.slices[slice_id], delta=False, epoch=core.next_epoch - 1, clear=False))
 
     async def statistics(self) -> ContainerStatistics:
         """Counters of this container."""
@@ -176,4 +212,6 @@ class ResourceContainer:
                 t.cancel()
             if self.core is not None and self.core.output_log is not None:
                 self.core.output_log.close()
+            if self.core is not None and self.core.backup_store is not None:
+                self.core.backup_store.close(flush=False)
             shutil.rmtree(self.workdir, ignore_errors=True)

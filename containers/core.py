@@ -31,6 +31,8 @@ from chronostream.dag import JobPlan
 from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
 from chronostream.types import ORDER, SEQ, SLICE
+from containers.backup_store import BackupStore
+from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, route, rows_of_slice
 from slices.slice import SliceRuntime
@@ -69,7 +71,9 @@ class ContainerCore:
     def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
                  routes: dict[int, OutputRoute], senders: set[int], *, source_table: Any = None,
                  output_log: OutputLog | None = None, sink_writers: dict[int, SinkWriter] | None = None,
-                 dead_letter_writer: SinkWriter | None = None) -> None:
+                 dead_letter_writer: SinkWriter | None = None,
+                 backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
+                 full_checkpoint_every: int = 8, backup_store: BackupStore | None = None) -> None:
         self.plan = plan
         self.stage = plan.stages[stage_id]
         self.container_id = container_id
@@ -91,6 +95,12 @@ class ContainerCore:
             assert source_table is not None, f"source stage {self.stage.name} needs its input"
             self.reader = make_reader(source_table, plan.order_end)
         self.destinations = sorted({c for r in routes.values() for c in r.containers()})
+        # Chained backups: this container checkpoints its slices to peers, and
+        # holds its peers' backups in its own store.
+        self.checkpointer = (SliceCheckpointer(self.slices, backup_peers or {}, checkpoint_every,
+                                               full_checkpoint_every) if checkpoint_every else None)
+        self.backup_store = backup_store
+        self.outgoing_backups: dict[int, list[bytes]] = {}
 
     # -- inbox -----------------------------------------------------------------
 
@@ -145,7 +155,22 @@ class ContainerCore:
         self._persist(epoch, outputs)
         messages = self._route(outputs)
         self.next_epoch = epoch + 1
+        if self.checkpointer is not None:
+            for peer, blobs in self.checkpointer.after_epoch(epoch, last=self.done).items():
+                self.outgoing_backups.setdefault(peer, []).extend(blobs)
         return messages
+
+    def take_backups(self) -> dict[int, list[bytes]]:
+        """Encoded checkpoints to send, by peer container (emptied by the call)."""
+        out, self.outgoing_backups = self.outgoing_backups, {}
+        return out
+
+    def receive_backups(self, blobs: list[bytes]) -> None:
+        """Keep checkpoints a peer sent (verified by the store)."""
+        if self.backup_store is None:
+            raise RuntimeError(f"container {self.container_id} holds no backups (no backup store)")
+        for b in blobs:
+            self.backup_store.put(b)
 
     def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
         results: dict[int, dict[int, pa.Table]] = {}

@@ -23,6 +23,7 @@ from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import ContainerStatistics
+from master.backups import backup_plan
 from master.placement import Placement, initial_placement
 
 log = logging.getLogger("chronostream.master")
@@ -34,12 +35,16 @@ class JobMaster:
 
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
                  max_inflight_epochs: int = 4, heartbeat_timeout_s: float = 60.0,
-                 output_log: bool = True) -> None:
+                 output_log: bool = True, checkpoint_every: int = 0, backup_factor: int = 2,
+                 full_checkpoint_every: int = 8) -> None:
         self.plan = plan
         self.workdir = workdir
         self.max_inflight_epochs = max_inflight_epochs
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.output_log = output_log
+        self.checkpoint_every = checkpoint_every
+        self.backup_factor = backup_factor
+        self.full_checkpoint_every = full_checkpoint_every
         self.placement: Placement = initial_placement(plan, containers_per_stage)
         self.handles: dict[int, Any] = {}
         self.nodes: dict[int, str] = {}
@@ -69,11 +74,15 @@ class JobMaster:
             routes = self.placement.routes_for(self.plan, stage_id)
             senders = self.placement.senders_for(self.plan, stage_id)
             peers = {c: self.handles[c] for r in routes.values() for c in r.containers()}
+            peers.update({c: self.handles[c] for c in ids})  # same-stage peers hold our backups
             src = source_refs.get(stage_id, [None])[0]
+            chain = backup_plan(ids, {c: self.placement.slices_of(c) for c in ids}, self.backup_factor)
             for c in ids:
+                mine = {s: chain[s] for s in self.placement.slices_of(c)}
                 configured.append((c, self.handles[c].configure.remote(
                     self.plan, stage_id, self.placement.slices_of(c), routes, senders, peers, src,
-                    self.max_inflight_epochs, self.output_log)))
+                    self.max_inflight_epochs, self.output_log, mine, self.checkpoint_every,
+                    self.full_checkpoint_every)))
         for c, ref in configured:
             self.nodes[c] = await ref
         self.started_at = time.time()
@@ -176,6 +185,16 @@ class JobMaster:
         if not parts:
             return pa.table({})
         return sort_output(pa.concat_tables(parts, promote_options="permissive"))
+
+    async def backup_catalog(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Container id -> (stage, slice, epoch) of the backups it holds."""
+        refs = {c: h.backups_held.remote() for c, h in self.handles.items()}
+        return {c: await r for c, r in refs.items()}
+
+    async def backup_plan(self) -> dict[int, dict[int, list[int]]]:
+        """Stage id -> slice -> the containers that should hold its backups (the chain)."""
+        return {st: backup_plan(ids, {c: self.placement.slices_of(c) for c in ids}, self.backup_factor)
+                for st, ids in self.placement.containers.items()}
 
     async def container_handles(self) -> dict[int, Any]:
         """Actor handles by container id (for tests and the failure harness)."""

@@ -211,12 +211,14 @@ def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
 # -- slices ------------------------------------------------------------------------------
 
 
-def capture(rt: Any, delta: bool, prev_epoch: int = -1) -> SliceCheckpoint:
-    """Checkpoint a ``SliceRuntime`` at the end of its last processed epoch.
+def capture(rt: Any, delta: bool, prev_epoch: int = -1, epoch: int | None = None,
+            clear: bool = True) -> SliceCheckpoint:
+    """Checkpoint a ``SliceRuntime`` at the end of ``epoch`` (default: its last processed one).
 
     With ``delta``, only what changed since the previous capture (whose
-    epoch is ``prev_epoch``) is taken. Either way the dirty sets are cleared:
-    the next delta starts here.
+    epoch is ``prev_epoch``) is taken. With ``clear`` (the default) the
+    dirty sets are cleared: the next delta starts here; ``clear=False``
+    takes a look without starting a new delta.
     """
     if delta and prev_epoch < 0:
         raise ValueError("a delta checkpoint needs the epoch of the previous checkpoint")
@@ -224,12 +226,14 @@ def capture(rt: Any, delta: bool, prev_epoch: int = -1) -> SliceCheckpoint:
     op = rt.op
     if op is not None:
         if hasattr(op, "checkpoint_state"):
-            state.update(op.checkpoint_state(delta))
+            state.update(op.checkpoint_state(delta, clear=clear))
         for name, st in rt.ctx.states.items():
             state[name] = capture_kv(st, delta)
-            st.clear_dirty()
+            if clear:
+                st.clear_dirty()
     progress = {sid: arr.tolist() for sid, arr in rt.progress.consumed.items()}
-    return SliceCheckpoint(rt.stage.stage_id, rt.slice_id, rt.last_epoch, "delta" if delta else "full",
+    at = rt.last_epoch if epoch is None else max(epoch, rt.last_epoch)
+    return SliceCheckpoint(rt.stage.stage_id, rt.slice_id, at, "delta" if delta else "full",
                            prev_epoch if delta else -1, progress, dict(rt.next_seq), state)
 
 
