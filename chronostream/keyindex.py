@@ -56,6 +56,11 @@ class KeyIndex:
         """The stored keys per column, in slot order."""
         return [pa.concat_arrays(chunks) if chunks else pa.array([]) for chunks in self._columns]
 
+    def take(self, slots: np.ndarray) -> list[pa.Array]:
+        """The keys of ``slots``, per key column (cost proportional to ``len(slots)``)."""
+        idx = pa.array(slots, pa.int64())
+        return [self._stored(c).take(idx) for c in range(len(self._columns))]
+
     def _stored(self, col: int) -> pa.Array:
         chunks = self._columns[col]
         if len(chunks) > 1:

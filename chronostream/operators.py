@@ -382,11 +382,9 @@ class KeyedAggregate(Operator):
             slots = np.arange(n, dtype=np.int64)
         if clear:
             self._dirty_slots = []
-        keys = self.key_index.keys() if n else []
-        take = pa.array(slots)
         cols: dict[str, pa.Array] = {"slot": pa.array(slots, pa.int64())}
-        for i, k in enumerate(keys):
-            cols[f"key{i}"] = k.take(take)
+        for i, k in enumerate(self.key_index.take(slots) if n else []):
+            cols[f"key{i}"] = k
         for name, arr in sorted(self.arrays.items()):
             cols[name] = pa.array(arr[:n][slots]) if n else pa.array(arr[:0])
         return {"__op__aggregate": table_part(pa.table(cols))}
