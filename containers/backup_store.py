@@ -18,6 +18,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
+from containers.lmdb_store import put_all
 from slices.checkpoint import CheckpointCorrupt, SliceCheckpoint, decode, encode, merge
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
@@ -27,7 +28,8 @@ class BackupStore:
     """Chains of checkpoints by (stage, slice), in memory and (lazily) in lmdb.
 
     >>> import tempfile
-    >>> from slices.checkpoint import SliceCheckpoint, encode
+    >>> from containers.lmdb_store import put_all
+from slices.checkpoint import SliceCheckpoint, encode
     >>> store = BackupStore(tempfile.mkdtemp())
     >>> store.put(encode(SliceCheckpoint(1, 3, 5, "full", -1, {}, {0: 9})))
     >>> store.latest(1, 3).next_seq
@@ -93,14 +95,7 @@ class BackupStore:
             return 0
         items = [(f"{s}:{sl}".encode(), msgpack.packb(self.chains[(s, sl)], use_bin_type=True))
                  for s, sl in sorted(self._unflushed) if (s, sl) in self.chains]
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for k, v in items:
-                        txn.put(k, v)
-                break
-            except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        put_all(self.env, items)
         n = len(self._unflushed)
         self._unflushed.clear()
         return n

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.types import SEQ
+from containers.lmdb_store import put_all
 
 _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-endian sorts right)
 _INITIAL_MAP_SIZE = 1 << 30
@@ -61,17 +62,7 @@ class OutputLog:
             first = int(table.column(SEQ)[0].as_py())
             items.append((_KEY.pack(stream_id, slice_id, first), _encode(table)))
             self.rows_written += table.num_rows
-        if not items:
-            return
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for k, v in items:
-                        txn.put(k, v)
-                return
-            except lmdb.MapFullError:
-                # map_size is address space, not disk: grow it and retry the transaction.
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        put_all(self.env, items)
 
     def scan(self, stream_id: int, slice_id: int, after_seq: int = -1) -> Iterator[pa.Table]:
         """Yield the logged batches of (stream, slice) holding rows with out_seq > ``after_seq``."""
