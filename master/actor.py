@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
@@ -64,10 +65,16 @@ class JobMaster:
     async def deploy(self, source_refs: dict[int, list]) -> dict[str, Any]:
         """Create, configure and start every container. Returns the placement."""
         me = ray.get_runtime_context().current_actor
+        # Spread each stage's containers over the alive nodes round-robin (SPREAD
+        # alone is best-effort and may stack a stage on one node).
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         for stage_id, ids in self.placement.containers.items():
-            for c in ids:
+            for i, c in enumerate(ids):
+                strategy: Any = "SPREAD"
+                if len(nodes) > 1:
+                    strategy = NodeAffinitySchedulingStrategy(nodes[(i + stage_id) % len(nodes)], soft=True)
                 self.handles[c] = ResourceContainer.options(
-                    scheduling_strategy="SPREAD", max_concurrency=1000,
+                    scheduling_strategy=strategy, max_concurrency=1000,
                 ).remote(c, me, self.workdir)
         configured = []
         for stage_id, ids in self.placement.containers.items():
