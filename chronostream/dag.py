@@ -494,8 +494,6 @@ def compile_query(query: Query) -> tuple[JobPlan, dict[int, Any]]:
         sinks.append(SinkPlan(k, sink.name, sink, sid))
     for sp in streams:
         stages[sp.stage_id].produced.append(sp.stream_id)
-        if sp.consumers and stages[sp.consumers[0][0]].num_slices > 1 and sp.key is None:
-            pass  # unkeyed input: spread by source order (documented in docs/design.md)
     source_nodes = [n for n in query.stages if n.kind == "source"]
     log_nodes = [n for n in source_nodes if n.log is not None]
     source_tables: dict[int, Any] = {}

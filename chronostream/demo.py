@@ -21,14 +21,14 @@ import chronostream as cs
 from chronostream.datasets import flights
 
 
-def build_query(log_dir: Path, out_dir: Path, slices: int = 32) -> cs.Query:
+def build_query(log_dir: Path, out_dir: Path, slices: int = 32, name: str = "route_delays") -> cs.Query:
     """Per (origin, dest): running count, mean and max of the departure delay, in event-time order."""
     q = cs.Query(epoch_events=8192)
     src = q.source_log(str(log_dir), "flights")
     departed = src.filter_batches(lambda t: pc.is_valid(t["dep_delay"]))
     departed.key_by(["origin", "dest"]).aggregate(count=True, mean=["dep_delay"], max=["dep_delay"],
-                                                  slices=slices, name="route_delays") \
-        .sink(cs.ParquetSink(str(out_dir), name="route_delays"))
+                                                  slices=slices, name=name) \
+        .sink(cs.ParquetSink(str(out_dir), name=name))
     return q
 
 

@@ -9,7 +9,7 @@ executor both drive operators through ``OperatorContext``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -306,10 +306,14 @@ class KeyedAggregate(Operator):
             kind = "f" if vals.dtype.kind == "f" else "i"
             sums_key, mins_key, maxs_key = f"sum_{col}_{kind}", f"min_{col}_{kind}", f"max_{col}_{kind}"
             if kind == "i":
-                # int64 must not wrap: check the running sums in float64 first.
-                approx = self.arrays[sums_key][state_idx].astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
-                if approx.size and float(np.abs(approx).max()) >= 2.0**63 * 0.999:
-                    raise OverflowError(f"running int64 sum of column {col!r} overflows")
+                # int64 must not wrap. A cheap bound first; the per-key running
+                # sums (float64) only when the bound cannot rule overflow out.
+                prior = self.arrays[sums_key][state_idx]
+                bound = float(np.abs(prior).max()) + float(np.abs(v_sorted.astype(np.float64)).sum())
+                if bound >= 2.0**62:
+                    approx = prior.astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
+                    if float(np.abs(approx).max()) >= 2.0**63 * 0.999:
+                        raise OverflowError(f"running int64 sum of column {col!r} overflows")
                 cs = np.cumsum(v_sorted)
                 base = np.where(start_pos > 0, cs[start_pos - 1], 0)
                 run_sum = self.arrays[sums_key][state_idx] + cs - base[seg]
@@ -479,8 +483,3 @@ def _merge(left: dict, right: dict) -> dict:
     for k, v in right.items():
         out[f"right_{k}" if k in left else k] = v
     return out
-
-
-def iter_rows(table: pa.Table, columns: Iterable[str]) -> list[dict]:
-    """Rows of ``table`` restricted to ``columns`` as dicts (one to_pylist call)."""
-    return table.select(list(columns)).to_pylist()

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from chronostream.sourcelog import STREAM_SEQ, SourceLog
-from chronostream.types import ORDER, SUB
+from chronostream.sourcelog import STREAM_SEQ, SourceLog, rows_in_order_range
+from chronostream.types import SUB
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class TableReader(SourceReader):
 
     def __init__(self, table: pa.Table, end_order: int) -> None:
         self.table = table
-        self.order = np.asarray(table.column(ORDER))
         self._end = end_order
 
     def end_order(self) -> int | None:
@@ -65,9 +64,7 @@ class TableReader(SourceReader):
         return self._end
 
     def rows(self, lo: int, hi: int) -> pa.Table:
-        a = int(np.searchsorted(self.order, lo, side="left"))
-        b = int(np.searchsorted(self.order, hi, side="left"))
-        return self.table.slice(a, b - a)
+        return rows_in_order_range(self.table, lo, hi)
 
 
 class LogReader(SourceReader):
@@ -103,11 +100,9 @@ class LogReader(SourceReader):
             table = self._segments.get(seg.file)
             if table is None:
                 table = self._segments[seg.file] = self.log.segment_table(seg)
-            order = np.asarray(table.column(ORDER))
-            a = int(np.searchsorted(order, lo, side="left"))
-            b = int(np.searchsorted(order, hi, side="left"))
-            if b > a:
-                parts.append(table.slice(a, b - a))
+            part = rows_in_order_range(table, lo, hi)
+            if part.num_rows:
+                parts.append(part)
         t = pa.concat_tables(parts) if parts else self.log.schema(self.spec.stream).empty_table()
         t = t.drop_columns([STREAM_SEQ]) if STREAM_SEQ in t.schema.names else t
         return t.append_column(SUB, pa.array(np.zeros(t.num_rows, dtype=np.int64)))

@@ -82,6 +82,14 @@ def _schema_from_str(text: str) -> pa.Schema:
     return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text)))
 
 
+def rows_in_order_range(table: pa.Table, lo: int, hi: int | None) -> pa.Table:
+    """The rows of an ``_order``-sorted table with ``lo <= _order < hi`` (``hi`` None: no upper bound)."""
+    order = np.asarray(table.column(ORDER))
+    a = int(np.searchsorted(order, lo, side="left"))
+    b = len(order) if hi is None else int(np.searchsorted(order, hi, side="left"))
+    return table.slice(a, max(0, b - a))
+
+
 class SourceLog:
     """Reader of a source log. ``refresh()`` re-reads the manifest (for tailing).
 
@@ -156,12 +164,9 @@ class SourceLog:
         """Rows of ``stream`` with ``from_order <= _order < to_order``, verified, in order."""
         parts = []
         for seg in self.segments_of(stream, from_order, to_order):
-            t = self.segment_table(seg)
-            order = np.asarray(t.column(ORDER))
-            lo = int(np.searchsorted(order, from_order, side="left"))
-            hi = len(order) if to_order is None else int(np.searchsorted(order, to_order, side="left"))
-            if hi > lo:
-                parts.append(t.slice(lo, hi - lo))
+            part = rows_in_order_range(self.segment_table(seg), from_order, to_order)
+            if part.num_rows:
+                parts.append(part)
         if not parts:
             return self.schema(stream).empty_table()
         return pa.concat_tables(parts)

@@ -11,7 +11,7 @@ sequence-numbered source log on disk is a separate module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa

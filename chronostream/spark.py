@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.sourcelog import ORDER, STREAM_SEQ, SourceLogWriter
-from chronostream.types import SEQ, SLICE, SUB
+from chronostream.types import SEQ, SLICE
 
 _T = "__cs_t"  # event time, as int64 or float64, for merging several streams
 

@@ -30,7 +30,7 @@ import pyarrow as pa
 from chronostream.dag import JobPlan
 from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
-from chronostream.types import ORDER, SEQ, SLICE
+from chronostream.types import ORDER
 from containers.backup_store import BackupStore
 from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog

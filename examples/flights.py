@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
 import chronostream as cs
+from chronostream.demo import build_query, expected_route_delays
 from chronostream.datasets import flights, weather
 
 FLIGHT_COLUMNS = ["origin", "dest", "dep_delay", "sched_ts", "time_hour", "carrier", "flight", "tailnum"]
@@ -54,27 +52,13 @@ def weather_frame(spark: Any, flights_df: Any | None = None) -> Any:
 
 
 def route_stats_query(log_dir: str, out_dir: str, slices: int = 32) -> cs.Query:
-    """Running count, mean and max of dep_delay per (origin, dest), departed flights only."""
-    q = cs.Query(epoch_events=8192)
-    departed = q.source_log(log_dir, "flights").filter_batches(lambda t: pc.is_valid(t["dep_delay"]))
-    departed.key_by(["origin", "dest"]).aggregate(count=True, mean=["dep_delay"], max=["dep_delay"],
-                                                  slices=slices, name="route_stats") \
-        .sink(cs.ParquetSink(out_dir, name="route_stats"))
-    return q
+    """Running count, mean and max of dep_delay per (origin, dest), departed flights only (the demo's query)."""
+    return build_query(Path(log_dir), Path(out_dir), slices=slices, name="route_stats")
 
 
 def route_stats_expected(flights_df: Any) -> Any:
     """Spark SQL: the same running statistics, per flight, by window functions."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    from chronostream.spark import with_order
-
-    ordered = with_order(flights_df, ["sched_ts"]).where(F.col("dep_delay").isNotNull())
-    w = Window.partitionBy("origin", "dest").orderBy("_order").rowsBetween(Window.unboundedPreceding, 0)
-    return ordered.select("origin", "dest", "_order", F.count(F.lit(1)).over(w).alias("count"),
-                          F.avg("dep_delay").over(w).alias("mean_dep_delay"),
-                          F.max("dep_delay").over(w).alias("max_dep_delay"))
+    return expected_route_delays(flights_df)
 
 
 # -- 2. flights x weather at origin and scheduled hour --------------------------------

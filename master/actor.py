@@ -12,8 +12,6 @@ import asyncio
 import logging
 import shutil
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa

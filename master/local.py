@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from chronostream.dag import JobPlan
-from chronostream.sinks import MemorySink
 from containers.core import ContainerCore
 from containers.output_log import OutputLog
 from master.placement import Placement
