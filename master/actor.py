@@ -63,14 +63,16 @@ class JobMaster:
     async def deploy(self, source_refs: dict[int, list]) -> dict[str, Any]:
         """Create, configure and start every container. Returns the placement."""
         me = ray.get_runtime_context().current_actor
-        # Spread each stage's containers over the alive nodes round-robin (SPREAD
-        # alone is best-effort and may stack a stage on one node).
+        # Spread each stage's containers over the alive nodes round-robin. SPREAD
+        # and soft node affinity are best-effort and were seen stacking a stage on
+        # one node; hard affinity to a node alive now is exact (a node that dies
+        # before its container starts fails the deploy with Ray's error).
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         for stage_id, ids in self.placement.containers.items():
             for i, c in enumerate(ids):
                 strategy: Any = "SPREAD"
                 if len(nodes) > 1:
-                    strategy = NodeAffinitySchedulingStrategy(nodes[(i + stage_id) % len(nodes)], soft=True)
+                    strategy = NodeAffinitySchedulingStrategy(nodes[(i + stage_id) % len(nodes)], soft=False)
                 self.handles[c] = ResourceContainer.options(
                     scheduling_strategy=strategy, max_concurrency=1000,
                 ).remote(c, me, self.workdir)
