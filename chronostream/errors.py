@@ -46,3 +46,11 @@ class JobFailed(ChronoStreamError):
 
     def __reduce__(self):
         return (JobFailed, (self.args[0], self.error))
+
+
+class RecoveryError(ChronoStreamError):
+    """A lost slice cannot be rebuilt exactly (every backup is gone, or the rows to replay are).
+
+    The message names the stage, the slice and what is missing. The job
+    fails rather than produce output that differs from a failure-free run.
+    """

@@ -38,6 +38,15 @@ class SinkWriter:
         """Rows held in memory (memory sinks), else None."""
         return None
 
+    def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
+        """Memory sinks: the (slice, epoch) parts up to ``upto_epoch`` not taken before.
+
+        The runtime hands them to the master before a checkpoint at that
+        epoch is shipped, so rows held only by a container that dies are
+        always re-produced by its recovered slices. Other sinks: nothing.
+        """
+        return {}
+
     def close(self) -> None:
         """Flush and release resources."""
 
@@ -69,9 +78,15 @@ class MemorySink(Sink):
 class _MemoryWriter(SinkWriter):
     def __init__(self) -> None:
         self.parts: dict[tuple[int, int], pa.Table] = {}
+        self.taken: set[tuple[int, int]] = set()
 
     def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
         self.parts[(slice_id, epoch)] = table  # idempotent on replay
+
+    def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
+        out = {k: t for k, t in self.parts.items() if k[1] <= upto_epoch and k not in self.taken}
+        self.taken.update(out)
+        return out
 
     def collect(self) -> pa.Table | None:
         tables = [t for _, t in sorted(self.parts.items()) if t.num_rows]

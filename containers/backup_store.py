@@ -84,6 +84,20 @@ class BackupStore:
         chain = self.chains.get((stage_id, slice_id))
         return decode(chain[-1]).epoch if chain else -1
 
+    def catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
+        """What this store can offer a recovery: ([(stage, slice, epoch)], [(stage, slice, error)]).
+
+        The newest checkpoint of every chain is verified; a damaged one is
+        reported in the second list instead of being offered.
+        """
+        good, bad = [], []
+        for st, sl in self.holds():
+            try:
+                good.append((st, sl, self.latest_epoch(st, sl)))
+            except CheckpointCorrupt as exc:
+                bad.append((st, sl, str(exc)))
+        return good, bad
+
     def holds(self) -> list[SliceKey]:
         """(stage, slice) of every backup held."""
         return sorted(self.chains)
@@ -98,6 +112,22 @@ class BackupStore:
         n = len(self._unflushed)
         self._unflushed.clear()
         return n
+
+    def corrupt(self, stage_id: int, slice_id: int, truncate: bool = False) -> None:
+        """Damage the newest checkpoint held for a slice (failure injection: bit rot or a torn write).
+
+        Flips one payload byte, or with ``truncate`` cuts the checkpoint in
+        half, in memory and in lmdb. Restoring it then raises ``CheckpointCorrupt``.
+        """
+        chain = self.chains[(stage_id, slice_id)]
+        data = bytearray(chain[-1])
+        if truncate:
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 2] ^= 0xFF
+        chain[-1] = bytes(data)
+        self._unflushed.add((stage_id, slice_id))
+        self.flush()
 
     def drop(self, stage_id: int, slice_id: int) -> None:
         """Forget a slice's backups (it moved, or this container no longer backs it up)."""

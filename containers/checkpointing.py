@@ -40,6 +40,13 @@ class SliceCheckpointer:
         self.taken = 0
         self.bytes_out = 0
 
+    def retarget(self, backup_peers: dict[int, list[int]]) -> None:
+        """New backup peers (placement changed): every slice's next checkpoint is a full one,
+        because the new peers hold no chain to apply a delta to."""
+        self.backup_peers = backup_peers
+        self.schedule.since_full.clear()
+        self.schedule.last_epoch.clear()
+
     def due(self, epoch: int, last: bool) -> bool:
         """True when the end of ``epoch`` is a checkpoint boundary."""
         return last or (epoch + 1) % self.every_epochs == 0
@@ -56,8 +63,11 @@ class SliceCheckpointer:
                 continue
             prev = sch.last_epoch.get(s, -1)
             delta = prev >= 0 and sch.since_full.get(s, 0) + 1 < self.full_every
-            data = encode(capture(rt, delta=delta, prev_epoch=prev, epoch=epoch))
-            sch.last_epoch[s] = epoch
+            ckpt = capture(rt, delta=delta, prev_epoch=prev, epoch=epoch)
+            data = encode(ckpt)
+            # A slice restored from a newer checkpoint than ``epoch`` is captured
+            # at its own epoch; the next delta must name that one.
+            sch.last_epoch[s] = ckpt.epoch
             sch.since_full[s] = sch.since_full.get(s, 0) + 1 if delta else 0
             self.taken += 1
             self.bytes_out += len(data) * len(peers)

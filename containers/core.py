@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +29,14 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
+from chronostream.errors import RecoveryError
 from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
-from chronostream.types import ORDER
+from chronostream.types import ORDER, SEQ
 from containers.backup_store import BackupStore
 from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
-from containers.routing import OutputRoute, RoutedPart, route, rows_of_slice
+from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -43,6 +45,14 @@ log = logging.getLogger("chronostream.container")
 Message = dict[int, RoutedPart]
 #: Message key carrying the number of epochs once a followed source log is sealed.
 END_KEY = -1
+#: Sink id under which dead-letter parts travel (``take_sink_parts``).
+DEAD_LETTERS = -1
+#: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
+Coverage = frozenset
+
+
+class ReplayUnavailable(RecoveryError):
+    """Rows a recovering slice needs are in no output log any more (lost with a container)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,8 @@ class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
     def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
-                 routes: dict[int, OutputRoute], senders: set[int], *, source_table: Any = None,
+                 routes: dict[int, OutputRoute], senders: set[int] | dict[int, Coverage], *,
+                 source_table: Any = None,
                  output_log: OutputLog | None = None, sink_writers: dict[int, SinkWriter] | None = None,
                  dead_letter_writer: SinkWriter | None = None,
                  backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
@@ -80,7 +91,19 @@ class ContainerCore:
         dead = plan.dead_letter_sink is not None
         self.slices: dict[int, SliceRuntime] = {s: SliceRuntime(plan, stage_id, s, dead) for s in sorted(local_slices)}
         self.routes = routes
-        self.senders = set(senders)
+        # Sender -> the upstream (stage, slice) pairs its messages cover. A
+        # recovered container's slices are re-hosted by new senders whose
+        # coverage is a part of the dead one's; see ``_epoch_messages``.
+        cov = senders if isinstance(senders, dict) else {c: frozenset({("c", c)}) for c in senders}
+        self.coverage: dict[int, Coverage] = dict(cov)
+        self.senders = set(cov)
+        self.required: frozenset = frozenset().union(*cov.values()) if cov else frozenset()
+        self.replaced = False  # fast path of _epoch_messages until a sender is replaced
+        # First epoch each local slice's outputs are in this container's output log
+        # (0 here; a slice restored from a checkpoint at epoch C logs from C + 1).
+        self.log_start: dict[int, int] = {s: 0 for s in local_slices}
+        self.restored_at: dict[int, float] = {}
+        self.first_output_at: dict[int, float] = {}
         self.output_log = output_log
         self.sink_writers = sink_writers or {}
         self.dead_letter_writer = dead_letter_writer
@@ -101,6 +124,7 @@ class ContainerCore:
                                                full_checkpoint_every) if checkpoint_every else None)
         self.backup_store = backup_store
         self.outgoing_backups: dict[int, list[bytes]] = {}
+        self.outgoing_sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
 
     # -- inbox -----------------------------------------------------------------
 
@@ -122,7 +146,42 @@ class ContainerCore:
             return False
         if self.reader is not None:
             return self._source_ready()
-        return len(self.inbox.get(self.next_epoch, {})) == len(self.senders)
+        return self._epoch_messages(self.next_epoch) is not None
+
+    def _epoch_messages(self, epoch: int) -> dict[int, Message] | None:
+        """The messages that make up ``epoch``'s input, or None while some are missing.
+
+        Normally one message from every sender. Once a dead sender X has been
+        replaced by senders X1..Xk (each re-hosting part of X's slices, with a
+        higher id), X's message, when it arrived, still covers all of X's
+        slices and is preferred; otherwise every Xi must have sent its part.
+        Coverages form a tree (a replacement covers part of one dead sender),
+        so taking senders in id order (ancestors first) and skipping any that
+        overlaps what is covered picks one complete, duplicate-free set.
+        """
+        got = self.inbox.get(epoch)
+        if not got:
+            return None if self.senders else {}
+        if not self.replaced:
+            return got if len(got) == len(self.senders) else None
+        covered: set = set()
+        chosen: dict[int, Message] = {}
+        for sender in sorted(got):
+            cov = self.coverage[sender]
+            if cov.isdisjoint(covered):
+                chosen[sender] = got[sender]
+                covered |= cov
+        return chosen if covered == self.required else None
+
+    def add_senders(self, coverage: dict[int, Coverage]) -> None:
+        """Accept messages from new senders that re-host part of a dead sender's slices."""
+        for sender, cov in coverage.items():
+            if not cov <= self.required:
+                raise ValueError(f"container {self.container_id}: sender {sender} covers {sorted(cov - self.required)}, "
+                                 "which no sender of this container covered")
+            self.coverage[sender] = frozenset(cov)
+            self.senders.add(sender)
+        self.replaced = True
 
     def _source_ready(self) -> bool:
         reader = self.reader
@@ -155,10 +214,32 @@ class ContainerCore:
         self._persist(epoch, outputs)
         messages = self._route(outputs)
         self.next_epoch = epoch + 1
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self.checkpointer.due(epoch, self.done):
+            # Memory-sink rows up to the checkpoint go to the master before the
+            # checkpoint ships: recovered slices only re-produce later epochs.
+            for k, w in self._all_writers().items():
+                parts = w.take_parts(epoch)
+                if parts:
+                    self.outgoing_sink_parts.setdefault(k, {}).update(parts)
             for peer, blobs in self.checkpointer.after_epoch(epoch, last=self.done).items():
                 self.outgoing_backups.setdefault(peer, []).extend(blobs)
         return messages
+
+    def _all_writers(self) -> dict[int, SinkWriter]:
+        writers: dict[int, SinkWriter] = dict(self.sink_writers)
+        if self.dead_letter_writer is not None:
+            writers[DEAD_LETTERS] = self.dead_letter_writer
+        return writers
+
+    def take_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
+        """Memory-sink parts to hand to the master, by sink id (``DEAD_LETTERS`` for dead letters)."""
+        out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}
+        return out
+
+    def sink_parts(self, sink_id: int) -> dict[tuple[int, int], pa.Table]:
+        """Every (slice, epoch) part a memory sink of this container holds."""
+        w = self._all_writers().get(sink_id)
+        return dict(getattr(w, "parts", {})) if w is not None else {}
 
     def take_backups(self) -> dict[int, list[bytes]]:
         """Encoded checkpoints to send, by peer container (emptied by the call)."""
@@ -179,11 +260,18 @@ class ContainerCore:
             rows = self.reader.rows(e0, e0 + self.plan.epoch_events)
             owner = np.asarray(rows.column(ORDER)) % self.stage.num_slices
             for s, rt in self.slices.items():
+                if epoch <= rt.last_epoch:
+                    continue  # restored from a checkpoint taken after this epoch
                 mine = rows.filter(pa.array(owner == s)) if self.stage.num_slices > 1 else rows
                 results[s] = rt.process_source(epoch, mine)
+            if self.restored_at:
+                self._note_first_outputs(results)
             return results
-        messages = self.inbox.pop(epoch)
+        messages = self._epoch_messages(epoch) or {}
+        self.inbox.pop(epoch, None)
         for s, rt in self.slices.items():
+            if epoch <= rt.last_epoch:
+                continue  # restored from a checkpoint taken after this epoch
             inputs: dict[int, list[pa.Table]] = {}
             for sender in sorted(messages):
                 for stream_id, part in messages[sender].items():
@@ -194,7 +282,15 @@ class ContainerCore:
                         inputs.setdefault(stream_id, []).append(rows)
             if inputs:
                 results[s] = rt.process(epoch, inputs)
+        if self.restored_at:
+            self._note_first_outputs(results)
         return results
+
+    def _note_first_outputs(self, results: dict[int, dict[int, pa.Table]]) -> None:
+        now = time.time()
+        for s, per in results.items():
+            if s in self.restored_at and s not in self.first_output_at and any(t.num_rows for t in per.values()):
+                self.first_output_at[s] = now
 
     def _persist(self, epoch: int, outputs: dict[int, dict[int, pa.Table]]) -> None:
         if self.output_log is not None:
@@ -239,6 +335,107 @@ class ContainerCore:
                 for c, part in parts.items():
                     messages[c][sid] = part
         return messages
+
+    # -- recovery ----------------------------------------------------------------
+
+    def restore_slices(self, checkpoints: dict[int, Any]) -> int:
+        """Load the slices' checkpoints (``SliceCheckpoint`` or None: rebuild from the start).
+
+        The core resumes at the epoch after the oldest checkpoint; a slice
+        whose checkpoint is newer skips the epochs it already holds (its
+        upstream rows for them are below its progress vector anyway).
+        Returns the first epoch this core processes.
+        """
+        from slices.checkpoint import restore
+
+        if set(checkpoints) != set(self.slices):
+            raise ValueError(f"container {self.container_id}: checkpoints for {sorted(checkpoints)}, "
+                             f"slices {sorted(self.slices)}")
+        now = time.time()
+        for s, ckpt in checkpoints.items():
+            if ckpt is not None:
+                restore(self.slices[s], ckpt)
+            self.log_start[s] = self.slices[s].last_epoch + 1
+            self.restored_at[s] = now
+        self.next_epoch = min(self.log_start.values())
+        return self.next_epoch
+
+    def progress_of(self, slice_id: int) -> dict[int, list[int]]:
+        """A local slice's progress vector as plain data (stream id -> out_seq per producer slice)."""
+        return {sid: arr.tolist() for sid, arr in self.slices[slice_id].progress.consumed.items()}
+
+    def reroute(self, stage_id: int, slices: list[int], target: int,
+                progress: dict[int, dict[int, list[int]]], resume: dict[int, int]) -> dict[int, Message]:
+        """Send ``stage_id``'s ``slices`` to container ``target`` from now on; return the replay.
+
+        ``progress`` is each moved slice's restored progress vector and
+        ``resume`` the first epoch it processes again. The replay holds, for
+        every epoch from the earliest resume epoch up to this core's next
+        epoch, one message for ``target`` with the logged rows of this
+        core's slices that the moved slices have not consumed: read from the
+        output log per (stream, producer slice), filtered by consumer slice
+        and progress vector with array operations, and cut into epochs by
+        ``_order`` (an epoch is a source-order range). Later epochs are
+        routed to ``target`` by ``step`` as usual.
+        """
+        route_ = self.routes[stage_id]
+        moved = np.array(sorted(slices), dtype=np.int64)
+        table = route_.slice_to_container.copy()
+        table[moved] = target
+        self.routes[stage_id] = type(route_)(stage_id, table)
+        self.destinations = sorted({c for r in self.routes.values() for c in r.containers()})
+        first = min(resume[s] for s in slices)
+        replay: dict[int, Message] = {e: {} for e in range(first, self.next_epoch)}
+        if not replay:
+            return replay
+        if self.num_epochs is not None and self.plan.num_epochs is None:
+            for m in replay.values():
+                m[END_KEY] = self.num_epochs  # type: ignore[assignment]
+        for p, start in self.log_start.items():
+            late = [s for s in slices if resume[s] < start]
+            if late:
+                raise ReplayUnavailable(
+                    f"stage {self.plan.stages[stage_id].name!r} slices {late} resume at epoch "
+                    f"{min(resume[s] for s in late)}, but the output of stage {self.stage.name!r} slice {p} "
+                    f"before epoch {start} was lost with the container that hosted it")
+        rows = self._replay_rows(stage_id, slices, moved, progress)
+        for sid, t in rows.items():
+            epochs = np.asarray(t.column(ORDER)) // self.plan.epoch_events
+            keep_route = self.routes[stage_id]
+            for e in np.unique(epochs).tolist():
+                if e in replay:
+                    part = route(t.filter(pa.array(epochs == e)), self.plan.streams[sid].key, keep_route)
+                    if target in part:
+                        replay[e][sid] = part[target]
+        return replay
+
+    def _replay_rows(self, stage_id: int, slices: list[int], moved: np.ndarray,
+                     progress: dict[int, dict[int, list[int]]]) -> dict[int, pa.Table]:
+        if self.output_log is None:
+            raise ReplayUnavailable(f"container {self.container_id} keeps no output log to replay from")
+        n = self.plan.stages[stage_id].num_slices
+        out: dict[int, pa.Table] = {}
+        for sid in self.stage.produced:
+            sp = self.plan.streams[sid]
+            if not any(c == stage_id for c, _ in sp.consumers):
+                continue
+            parts = []
+            for p in sorted(self.slices):
+                # consumed[s]: highest out_seq of (sid, p) slice s has consumed.
+                consumed = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+                for s in slices:
+                    vec = progress.get(s, {}).get(sid, [])
+                    consumed[s] = vec[p] if p < len(vec) else -1
+                t = self.output_log.read(sid, p, int(consumed[moved].min()))
+                if t.num_rows == 0:
+                    continue
+                dst = consumer_slices(t, sp.key, n)
+                keep = np.asarray(t.column(SEQ)) > consumed[dst]
+                if keep.any():
+                    parts.append(t.filter(pa.array(keep)))
+            if parts:
+                out[sid] = pa.concat_tables(parts, promote_options="permissive")
+        return out
 
     # -- reading ---------------------------------------------------------------
 

@@ -1,9 +1,17 @@
-"""An in-process driver for the container cores: same placement, routing and merge, no Ray.
+"""An in-process driver for the container cores: same placement, routing, merge and recovery, no Ray.
 
 Owns: running every ``ContainerCore`` of a job in this process, delivering
 messages in a seeded random order (to show that the output does not depend
-on delivery order). Used by unit and property tests and as a debug mode
+on delivery order) and, when asked, killing hosts between rounds and
+recovering their slices with the same plan the Ray master executes
+(``master.recovery``). Used by unit and property tests and as a debug mode
 (``cs.run(query, executor="local")``). The real runtime is ``master.actor``.
+
+A *host* stands for a ResourceContainer actor: it keeps a ``BackupStore``
+and runs one or more cores (a recovery adds cores to live hosts). One round
+steps every ready core once; the messages of a round are delivered before
+its checkpoints ship to backup hosts (the runtime ships a checkpoint only
+after the pushes of its epoch were accepted downstream).
 """
 
 from __future__ import annotations
@@ -12,27 +20,293 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
 
 from chronostream.dag import JobPlan
-from containers.core import ContainerCore
+from chronostream.sinks import sort_output
+from containers.backup_store import BackupStore
+from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
 from master.placement import Placement
+from master.recovery import (host_backup_peers, lost_containers, live_hosts, plan_recovery, restore_order)
+from slices.checkpoint import CheckpointCorrupt
+
+
+def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
+              output_log: OutputLog | None = None, backup_peers: dict | None = None, checkpoint_every: int = 0,
+              full_checkpoint_every: int = 8, backup_store: BackupStore | None = None) -> ContainerCore:
+    """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks)."""
+    stage_id = placement.stage_of[c]
+    writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
+    dl = plan.dead_letter_sink.writer(f"c{c}") if plan.dead_letter_sink is not None else None
+    return ContainerCore(plan, stage_id, c, placement.slices_of(c) if slices is None else slices,
+                         placement.routes_for(plan, stage_id), placement.sender_coverage(plan, stage_id),
+                         source_table=sources.get(stage_id), output_log=output_log, sink_writers=writers,
+                         dead_letter_writer=dl, backup_peers=backup_peers, checkpoint_every=checkpoint_every,
+                         full_checkpoint_every=full_checkpoint_every, backup_store=backup_store)
 
 
 def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str | None = None,
                 with_log: bool = False) -> dict[int, ContainerCore]:
     """Create one core per container of ``placement``."""
     root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if with_log else Path(".")
-    cores: dict[int, ContainerCore] = {}
-    for stage_id, ids in placement.containers.items():
-        for c in ids:
-            writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
-            dl = plan.dead_letter_sink.writer(f"c{c}") if plan.dead_letter_sink is not None else None
-            cores[c] = ContainerCore(plan, stage_id, c, placement.slices_of(c), placement.routes_for(plan, stage_id),
-                                     placement.senders_for(plan, stage_id), source_table=sources.get(stage_id),
-                                     output_log=OutputLog(root / f"container-{c}") if with_log else None,
-                                     sink_writers=writers, dead_letter_writer=dl)
-    return cores
+    return {c: make_core(plan, placement, c, sources,
+                         output_log=OutputLog(root / f"container-{c}") if with_log else None)
+            for ids in placement.containers.values() for c in ids}
+
+
+class LocalCluster:
+    """A job's cores and hosts in this process, with optional checkpoints, kills and recovery.
+
+    >>> import chronostream as cs
+    >>> from chronostream.dag import compile_query
+    >>> from master.placement import initial_placement
+    >>> q = cs.Query(epoch_events=2)
+    >>> _ = q.source("w", [{"w": x} for x in "abab"]).key_by("w").count(slices=2).sink(name="c")
+    >>> plan, src = compile_query(q)
+    >>> cl = LocalCluster(plan, initial_placement(plan, {0: 1, 1: 2}), src, checkpoint_every=1)
+    >>> cl.run(kills={1: [2]}).results("c")["count"].to_pylist()
+    [1, 2, 1, 2]
+    """
+
+    def __init__(self, plan: JobPlan, placement: Placement, sources: dict, *, seed: int = 0,
+                 duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
+                 backup_factor: int = 2, full_checkpoint_every: int = 8, recompute_lost: bool = False,
+                 merge_every: int = 4) -> None:
+        self.plan = plan
+        self.placement = placement
+        self.sources = sources
+        self.rng = random.Random(seed)
+        self.duplicate_every = duplicate_every
+        self.fault_tolerant = checkpoint_every > 0
+        self.checkpoint_every = checkpoint_every
+        self.backup_factor = backup_factor
+        self.full_checkpoint_every = full_checkpoint_every
+        self.recompute_lost = recompute_lost
+        self.merge_every = merge_every
+        self.root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if self.fault_tolerant else None
+        ids = [c for cs_ in placement.containers.values() for c in cs_]
+        self.hosts: dict[int, int] = {c: c for c in ids}  # container -> host
+        self.alive: set[int] = set(ids)
+        self.next_id = max(ids) + 1
+        self.stores: dict[int, BackupStore] = {}
+        if self.fault_tolerant:
+            self.stores = {h: BackupStore(self.root / f"host-{h}" / "backups", merge_every=merge_every) for h in ids}
+        self.cores: dict[int, ContainerCore] = {}
+        for stage_id in placement.containers:
+            peers = host_backup_peers(placement, self.hosts, stage_id, backup_factor) if self.fault_tolerant else {}
+            for c in placement.containers[stage_id]:
+                self.cores[c] = self._core(c, None, peers.get(c))
+        self.in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
+        self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
+        self.checkpointed: set[tuple[int, int]] = set()
+        self.timeline: list[tuple[float, str, dict[str, Any]]] = []
+        self.sent = 0
+
+    def _core(self, c: int, slices: list[int] | None, backup_peers: dict | None) -> ContainerCore:
+        log = OutputLog(self.root / f"container-{c}" / "output-log") if self.fault_tolerant else None
+        return make_core(self.plan, self.placement, c, self.sources, slices=slices, output_log=log,
+                         backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
+                         full_checkpoint_every=self.full_checkpoint_every,
+                         backup_store=self.stores.get(self.hosts[c]))
+
+    def _event(self, kind: str, **info: Any) -> None:
+        self.timeline.append((time.time(), kind, info))
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, kills: dict[int, list[int]] | None = None,
+            faults: dict[int, Callable[["LocalCluster"], None]] | None = None, poll_s: float = 0.02,
+            timeout_s: float = 600.0) -> "LocalCluster":
+        """Run to completion.
+
+        ``kills`` maps a round number to the hosts that die after its steps;
+        ``faults`` maps a round number to any function of this cluster (it
+        may corrupt backups, then ``kill``).
+        """
+        todo: dict[int, Callable[[LocalCluster], None]] = dict(faults or {})
+        for r, hosts in (kills or {}).items():
+            todo[r] = lambda cl, hosts=hosts: cl.kill(hosts)
+        deadline = time.monotonic() + timeout_s
+        rnd = 0
+        while not all(c.done for c in self.cores.values()):
+            progressed, backups = self._step_all()
+            if rnd in todo:
+                todo.pop(rnd)(self)
+                backups = [(h, c, b) for h, c, b in backups if c in self.cores]
+                progressed = True
+            progressed |= self._deliver()
+            self._ship(backups)
+            rnd += 1
+            if not progressed:
+                readers = [c for c in self.cores.values() if c.reader is not None and not c.done]
+                if not readers or time.monotonic() > deadline:
+                    raise RuntimeError("local run stalled: no container ready and nothing in flight")
+                time.sleep(poll_s)  # a followed source log: wait for the writer
+                for c in readers:
+                    c.poll_source()
+        return self
+
+    def _step_all(self) -> tuple[bool, list]:
+        progressed = False
+        backups: list[tuple[int, int, list[bytes]]] = []
+        for cid in sorted(self.cores):
+            core = self.cores[cid]
+            if core.ready():
+                epoch = core.next_epoch
+                for dst, msg in core.step().items():
+                    self.in_flight.append((dst, epoch, cid, msg))
+                for k, parts in core.take_sink_parts().items():
+                    self.sink_parts.setdefault(k, {}).update(parts)
+                backups += [(peer, cid, blobs) for peer, blobs in core.take_backups().items()]
+                progressed = True
+        return progressed, backups
+
+    def _deliver(self) -> bool:
+        self.rng.shuffle(self.in_flight)
+        progressed = bool(self.in_flight)
+        while self.in_flight:
+            dst, epoch, sender, msg = self.in_flight.pop()
+            core = self.cores.get(dst)
+            if core is None:
+                continue  # sent to a dead container: lost (replayed from output logs later)
+            core.deliver(epoch, sender, msg)
+            self.sent += 1
+            if self.duplicate_every and self.sent % self.duplicate_every == 0:
+                core.deliver(epoch, sender, msg)
+        return progressed
+
+    def _ship(self, backups: list[tuple[int, int, list[bytes]]]) -> None:
+        for peer, sender, blobs in backups:
+            if peer in self.alive:
+                for b in blobs:
+                    self.stores[peer].put(b)
+                stage = self.placement.stage_of[sender]
+                self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
+
+    # -- faults and recovery -------------------------------------------------------
+
+    def kill(self, hosts: list[int]) -> None:
+        """Hosts die: their cores, output logs and backups are gone; then recover their slices."""
+        dead = {h for h in hosts if h in self.alive}
+        if not dead:
+            return
+        lost = lost_containers(self.placement, self.hosts, dead)
+        self._event("fault", hosts=sorted(dead), containers=sorted(lost))
+        self.alive -= dead
+        for c in lost:
+            core = self.cores.pop(c)
+            if core.output_log is not None:
+                core.output_log.close()
+        for h in dead:
+            store = self.stores.pop(h, None)
+            if store is not None:
+                store.close(flush=False)
+        # Messages of the dead still in flight: some arrived, some were lost.
+        self.in_flight = [m for m in self.in_flight if m[2] not in lost or self.rng.random() < 0.5]
+        self.recover(lost)
+
+    def recover(self, lost: dict[int, tuple[int, list[int]]]) -> None:
+        """Re-host the ``lost`` containers' slices on live hosts (see ``master.recovery``)."""
+        backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        damaged: dict[tuple[int, int], list[str]] = {}
+        for h, store in self.stores.items():
+            good, bad = store.catalog()
+            for st, sl, epoch in good:
+                backups.setdefault((st, sl), []).append((h, epoch))
+            for st, sl, error in bad:
+                self._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
+                damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
+        plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
+                             self.checkpointed, self.recompute_lost,
+                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged)
+        self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
+        for a in plan:
+            if a.host is None:  # no live container left in the stage: a new host
+                a.host = self.next_id
+                self.next_id += 1
+                self.alive.add(a.host)
+                self.stores[a.host] = BackupStore(self.root / f"host-{a.host}" / "backups", merge_every=self.merge_every)
+            self.hosts[a.new_id] = a.host
+        stages = sorted({a.stage_id for a in plan})
+        for a in plan:
+            self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices)
+            coverage = frozenset((a.stage_id, s) for s in a.slices)
+            for d in self.plan.downstream_stages(a.stage_id):
+                for c in self.placement.containers[d]:
+                    if c in self.cores:
+                        self.cores[c].add_senders({a.new_id: coverage})
+            self.placement.rehost(a.replaces, a.new_id, a.slices)
+        for a in plan:
+            core = self._core(a.new_id, a.slices, None)
+            core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
+                                 for s in a.slices})
+            self.cores[a.new_id] = core
+        for a in plan:  # after every new core exists: a lost producer's replacement reroutes too
+            core = self.cores[a.new_id]
+            for u in self.plan.upstream_stages(a.stage_id):
+                for c in self.placement.containers[u]:
+                    if c in self.cores:
+                        replay = self.cores[c].reroute(
+                            a.stage_id, a.slices, a.new_id, {s: core.progress_of(s) for s in a.slices},
+                            {s: core.log_start[s] for s in a.slices})
+                        self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
+            self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
+                        resume_epoch=core.next_epoch)
+        if self.fault_tolerant:
+            for st in stages:
+                for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
+                    if self.cores[c].checkpointer is not None:
+                        self.cores[c].checkpointer.retarget(peers)
+
+    def chain_order(self, lost: dict[int, tuple[int, list[int]]]) -> dict[tuple[int, int], list[int]]:
+        """(stage, slice) -> its backup hosts in chain order (l = 1 first), as they were shipped to."""
+        out = {}
+        for st in {st for st, _ in lost.values()}:
+            for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
+                out.update({(st, s): hs for s, hs in peers.items()})
+        return out
+
+    def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]):
+        """The newest verified checkpoint among ``holders`` (None: rebuild from the start)."""
+        errors = []
+        for h in holders:
+            try:
+                return self.stores[h].latest(stage_id, slice_id)
+            except (CheckpointCorrupt, KeyError) as exc:
+                errors.append(f"host {h}: {exc}")
+                self._event("backup_rejected", stage=stage_id, slice=slice_id, host=h, error=str(exc))
+        if holders:
+            from chronostream.errors import RecoveryError
+
+            raise RecoveryError(f"no usable backup of stage {self.plan.stages[stage_id].name!r} slice {slice_id}: "
+                                + "; ".join(errors))
+        return None
+
+    # -- reading -------------------------------------------------------------
+
+    def results(self, sink_name: str) -> pa.Table:
+        """A memory sink's rows: parts handed over at checkpoints plus the live cores' own."""
+        if self.plan.dead_letter_sink is not None and self.plan.dead_letter_sink.name == sink_name:
+            sink_id = DEAD_LETTERS
+        else:
+            sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
+            if sink is None:
+                raise KeyError(f"no sink named {sink_name!r}")
+            sink_id = sink.sink_id
+        parts = dict(self.sink_parts.get(sink_id, {}))
+        for core in self.cores.values():
+            parts.update(core.sink_parts(sink_id))
+        tables = [t for _, t in sorted(parts.items()) if t.num_rows]
+        if sink_id == DEAD_LETTERS:
+            if self.plan.source_dead_letters:
+                tables.insert(0, pa.Table.from_pylist(self.plan.source_dead_letters))
+            return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+        if not tables:
+            return pa.table({})
+        return sort_output(pa.concat_tables(tables, promote_options="permissive"))
 
 
 def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
@@ -42,44 +316,12 @@ def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
     Messages are delivered in a seeded shuffled order; with ``duplicate_every``
     = k every k-th message is delivered twice (dedup must absorb it).
     """
-    rng = random.Random(seed)
-    cores = build_cores(plan, placement, sources)
-    in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
-    sent = 0
-    deadline = time.monotonic() + timeout_s
-    while not all(c.done for c in cores.values()):
-        progressed = False
-        for cid in sorted(cores):
-            core = cores[cid]
-            if core.ready():
-                epoch = core.next_epoch
-                for dst, msg in core.step().items():
-                    in_flight.append((dst, epoch, cid, msg))
-                progressed = True
-        rng.shuffle(in_flight)
-        while in_flight:
-            dst, epoch, sender, msg = in_flight.pop()
-            cores[dst].deliver(epoch, sender, msg)
-            sent += 1
-            if duplicate_every and sent % duplicate_every == 0:
-                cores[dst].deliver(epoch, sender, msg)
-            progressed = True
-        if not progressed:
-            sources = [c for c in cores.values() if c.reader is not None and not c.done]
-            if not sources or time.monotonic() > deadline:
-                raise RuntimeError("local run stalled: no container ready and nothing in flight")
-            time.sleep(poll_s)  # a followed source log: wait for the writer
-            for c in sources:
-                c.poll_source()
-    return cores
+    cluster = LocalCluster(plan, placement, sources, seed=seed, duplicate_every=duplicate_every)
+    return cluster.run(poll_s=poll_s, timeout_s=timeout_s).cores
 
 
 def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str):
     """Concatenate a memory sink's rows over all cores, sorted by identity."""
-    import pyarrow as pa
-
-    from chronostream.sinks import sort_output
-
     sink = next((s for s in plan.sinks if s.name == sink_name), None)
     if sink is None:
         if plan.dead_letter_sink is not None and plan.dead_letter_sink.name == sink_name:

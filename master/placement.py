@@ -36,6 +36,29 @@ class Placement:
         """Containers that send to every container of ``stage_id`` each epoch."""
         return {c for u in plan.upstream_stages(stage_id) for c in self.containers[u]}
 
+    def coverage(self, container_id: int) -> frozenset:
+        """The (stage, slice) pairs whose rows ``container_id``'s messages carry."""
+        stage = self.stage_of[container_id]
+        return frozenset((stage, s) for s in self.slices_of(container_id))
+
+    def sender_coverage(self, plan: JobPlan, stage_id: int) -> dict[int, frozenset]:
+        """Senders of ``stage_id``'s containers with what each covers (see ``ContainerCore``)."""
+        return {c: self.coverage(c) for c in self.senders_for(plan, stage_id)}
+
+    def rehost(self, dead: int, new_id: int, slices: list[int]) -> None:
+        """Move ``slices`` of dead container ``dead`` to the new container ``new_id`` (same stage)."""
+        stage = self.stage_of[dead]
+        self.stage_of[new_id] = stage
+        arr = self.slice_to_container[stage].copy()
+        if not np.all(arr[slices] == dead):
+            raise ValueError(f"slices {slices} of stage {stage} are not all on container {dead}")
+        arr[slices] = new_id
+        self.slice_to_container[stage] = arr
+        ids = self.containers[stage]
+        ids.append(new_id)
+        if not np.any(arr == dead) and dead in ids:
+            ids.remove(dead)
+
     def as_dict(self, plan: JobPlan) -> dict[str, dict[int, list[int]]]:
         """Readable form: stage name -> container id -> slices."""
         return {plan.stages[s].name: {c: self.slices_of(c) for c in cs} for s, cs in self.containers.items()}

@@ -1,0 +1,149 @@
+"""Owns the recovery plan: which live container re-hosts each slice of a dead one, from which backup.
+
+Pure planning over plain data; no Ray, no I/O. The master (``master.actor``)
+and the in-process driver (``master.local``) both execute the plan the same
+way (see docs/design.md, "Recovery"):
+
+1. every consumer of the dead container's stage accepts the new containers
+   as senders (``ContainerCore.add_senders``);
+2. each host restores its share of slices from the newest backup that
+   verifies (falling back to the next replica), creating a new container
+   id per (dead container, host) pair;
+3. every producer of the stage reroutes the slices and replays its output
+   log from the restored progress vectors (``ContainerCore.reroute``);
+4. backups are re-planned over the stage's live containers.
+
+Slices are spread so that each peer holding a backup rebuilds a share:
+recovery is parallel. A slice with no backup anywhere is rebuilt from the
+start (replaying upstream output logs from epoch 0) when it never had a
+checkpoint (a single-container stage has no backup peers) or when the job
+allows it; otherwise planning fails, naming the slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chronostream.errors import RecoveryError
+
+SliceKey = tuple[int, int]  # (stage id, slice id)
+
+
+class BackupsLost(RecoveryError):
+    """Every copy of a slice's checkpoints is gone; recovering it would need a full recompute."""
+
+
+@dataclass
+class Adoption:
+    """One new container: ``host`` re-hosts ``slices`` of dead container ``replaces``.
+
+    ``holders[s]`` lists the containers holding a backup of slice ``s``,
+    newest first (the host tries them in order); empty means: rebuild from
+    the start. ``host`` is None when the stage has no live container left
+    (the executor starts a new one).
+    """
+
+    new_id: int
+    replaces: int
+    stage_id: int
+    host: int | None
+    slices: list[int]
+    holders: dict[int, list[int]] = field(default_factory=dict)
+    epochs: dict[int, int] = field(default_factory=dict)  # slice -> epoch of the backup planned from
+
+
+def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey, list[tuple[int, int]]],
+                  live: dict[int, list[int]], next_id: int,
+                  checkpointed: set[SliceKey] | frozenset = frozenset(),
+                  recompute_lost: bool = False, stage_names: dict[int, str] | None = None,
+                  chain: dict[SliceKey, list[int]] | None = None,
+                  damaged: dict[SliceKey, list[str]] | None = None) -> list[Adoption]:
+    """Plan the adoption of every slice of the ``lost`` containers.
+
+    ``lost``: dead container -> (stage, slices); ``backups``: (stage, slice)
+    -> [(holder, epoch)] over live holders; ``live``: stage -> its live
+    containers (candidate hosts); ``checkpointed``: slices known to have
+    shipped a checkpoint (their loss of every copy is an error unless
+    ``recompute_lost``); ``chain``: each slice's backup holders in chain
+    order, to break ties: the l = 1 holders of a container's slices are
+    all different peers, so preferring them spreads the work; ``damaged``:
+    checkpoints refused by their checksum, named in the error when no
+    copy is left.
+
+    >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
+    >>> [(a.new_id, a.host, a.slices) for a in plan]
+    [(3, 1, [0]), (4, 2, [2])]
+    """
+    names = stage_names or {}
+    load: dict[int, int] = {}
+    groups: dict[tuple[int, int | None], Adoption] = {}
+    adoptions: list[Adoption] = []
+    for dead in sorted(lost):
+        stage, slices = lost[dead]
+        hosts = list(live.get(stage, []))
+        for s in sorted(slices):
+            copies = sorted(backups.get((stage, s), []), key=lambda he: (-he[1], he[0]))
+            copies = [(h, e) for h, e in copies if h in hosts or not hosts]
+            if copies:
+                newest = copies[0][1]
+                best = [h for h, e in copies if e == newest]
+                # Among the holders of the newest backup, the least loaded so far:
+                # a dead container's slices spread over all its peers.
+                order = (chain or {}).get((stage, s), [])
+                rank = {h: i for i, h in enumerate(order)}
+                host = min(best, key=lambda h: (load.get(h, 0), rank.get(h, len(order)), h)) if hosts else None
+            else:
+                bad = (damaged or {}).get((stage, s), [])
+                if ((stage, s) in checkpointed or bad) and not recompute_lost:
+                    why = (f"damaged: {'; '.join(bad)}" if bad
+                           else f"container {dead} and all its backup holders died")
+                    raise BackupsLost(f"every backup of stage {names.get(stage, stage)!r} slice {s} is lost ({why}); "
+                                      "pass recompute_lost=True to rebuild it from the start")
+                host = min(hosts, key=lambda h: (load.get(h, 0), h)) if hosts else None
+            if host is not None:
+                load[host] = load.get(host, 0) + 1
+            key = (dead, host)
+            if key not in groups:
+                groups[key] = Adoption(next_id, dead, stage, host, [])
+                adoptions.append(groups[key])
+                next_id += 1
+            a = groups[key]
+            a.slices.append(s)
+            a.holders[s] = [h for h, _ in copies]
+            a.epochs[s] = copies[0][1] if copies else -1
+    return adoptions
+
+
+def restore_order(holders: list[int], host: int | None) -> list[int]:
+    """Holders to try for one slice: the host's own copy first (no transfer), then the others.
+
+    >>> restore_order([5, 7], 7)
+    [7, 5]
+    """
+    return sorted(holders, key=lambda h: h != host)
+
+
+def lost_containers(placement, hosts: dict[int, int], dead_hosts: set[int]) -> dict[int, tuple[int, list[int]]]:
+    """Containers hosted by a dead host -> (stage, slices): what a recovery must re-host."""
+    return {c: (placement.stage_of[c], placement.slices_of(c))
+            for ids in placement.containers.values() for c in ids if hosts[c] in dead_hosts}
+
+
+def live_hosts(placement, hosts: dict[int, int], alive: set[int]) -> dict[int, list[int]]:
+    """Stage -> the live hosts (actors) of its containers: the candidates to re-host its slices."""
+    return {st: sorted({hosts[c] for c in ids if hosts[c] in alive}) for st, ids in placement.containers.items()}
+
+
+def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_factor: int) -> dict[int, dict[int, list[int]]]:
+    """Container of ``stage_id`` -> slice -> the hosts that keep its backups (the chain over hosts).
+
+    After a recovery one host may run several containers of a stage, so the
+    chain is laid over hosts (each with the union of its containers' slices).
+    """
+    from master.backups import backup_plan
+
+    by_host: dict[int, list[int]] = {}
+    for c in placement.containers[stage_id]:
+        by_host.setdefault(hosts[c], []).extend(placement.slices_of(c))
+    chain = backup_plan(sorted(by_host), by_host, backup_factor)
+    return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
