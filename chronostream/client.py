@@ -100,11 +100,11 @@ class Job:
         return JobStatus(s["state"], s["containers"], s["done"], s["elapsed_s"], s["error"])
 
     def progress(self) -> dict[str, Any]:
-        """State, epochs of the input and the lowest epoch every container has passed."""
+        """State, epochs of the input, the lowest epoch every container has passed, recoveries so far."""
         import ray
 
         s = ray.get(self.master.status.remote())
-        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s")}
+        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s", "recoveries")}
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
         """Block until the job finishes; raise ``JobFailed`` (with the cause) if it failed."""
@@ -144,6 +144,13 @@ class Job:
         if not isinstance(spec, ParquetSink):
             raise ValueError(f"sink {sink_name!r} is not a ParquetSink")
         return spec.path
+
+    def timeline(self) -> list[tuple[float, str, dict[str, Any]]]:
+        """The job's recovery timeline: (time, event, details) for faults, detection,
+        per-slice restore, recovery end and each recovered slice's first output."""
+        import ray
+
+        return ray.get(self.master.recovery_timeline.remote())
 
     def placement(self) -> dict[str, Any]:
         """Stage name -> container id -> slices, and container -> node id."""
@@ -211,7 +218,8 @@ class CompletedJob:
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         address: str | None = None, workdir: str | None = None, max_inflight_epochs: int = 4,
         heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
-        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 8) -> Job | CompletedJob:
+        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 8,
+        recompute_lost: bool = False) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -220,11 +228,17 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     (the runtime's containers in one process, no Ray). ``containers``: per
     stage, one number or ``{stage name: number}``.
 
-    Checkpoints (Ray executor): with ``checkpoint_every=K`` every slice is
-    checkpointed every K epochs (a full checkpoint, then deltas; a full one
-    every ``full_checkpoint_every``) to ``backup_factor`` peers of its stage
-    along the chain of the ChronoStream paper. Recovery from them is not
-    implemented yet, so the default is off.
+    Fault tolerance (Ray executor): with ``checkpoint_every=K`` every slice
+    is checkpointed every K epochs (a full checkpoint, then deltas; a full
+    one every ``full_checkpoint_every``) to ``backup_factor`` peers of its
+    stage along the chain of the ChronoStream paper. When a container dies
+    (detected by a failed push, a ping, or ``heartbeat_timeout_s`` of
+    silence), its slices are rebuilt in parallel on the peers holding their
+    backups and upstream output logs replay what they missed; the output is
+    the same as without the failure. A slice whose every backup is lost
+    fails the job, unless ``recompute_lost=True`` (rebuild it from the
+    start). Without checkpoints (the default) a dead container's slices are
+    rebuilt from the start.
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -259,6 +273,6 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     master = JobMaster.options(max_concurrency=1000).remote(
         plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log,
-        checkpoint_every, backup_factor, full_checkpoint_every)
+        checkpoint_every, backup_factor, full_checkpoint_every, recompute_lost)
     placement = ray.get(master.deploy.remote(refs))
     return Job(plan, master, placement)

@@ -1,14 +1,26 @@
-"""The ResourceContainer Ray actor: a thin async shell around ``ContainerCore``.
+"""The ResourceContainer Ray actor: a thin async shell around one or more ``ContainerCore``s.
 
 Owns: moving messages (non-blocking pushes to downstream containers, one per
-container pair per epoch), the backpressure bounds, heartbeats and progress
-reports to the master. All state changes happen in the core.
+container pair per epoch), the backpressure bounds, shipping checkpoints to
+backup hosts, heartbeats and reports to the master. All state changes
+happen in the cores. An actor is a *host*: it starts with one container
+(same id) and adopts more when a recovery gives it a dead container's
+slices; it keeps one ``BackupStore`` for the peers it backs up.
 
 Backpressure: a container accepts a push for epoch ``e`` only when
 ``e < next_epoch + max_inflight_epochs`` (the push call waits otherwise),
 and a sender keeps at most ``max_inflight_epochs`` unacknowledged pushes per
 destination. A slow stage therefore slows its producers, and memory holds
 at most that many epochs per channel.
+
+Checkpoint shipping rule: a checkpoint at epoch C leaves only after every
+push of epochs <= C was accepted downstream, and after the memory-sink rows
+up to C reached the master. A recovered slice therefore never has to
+re-produce an epoch at or before its checkpoint for anyone.
+
+A push to a container that died raises; the sender then stops sending to it
+(what it would have received is in the sender's output log, replayed when
+its slices are re-hosted) and tells the master.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 import ray
+from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
 from containers.backup_store import BackupStore
@@ -47,63 +60,120 @@ def _warm_up() -> None:
 
 @ray.remote(num_cpus=0)
 class ResourceContainer:
-    """Hosts the slices of one stage on one Ray worker process."""
+    """Hosts containers (slices of one or more stages) on one Ray worker process."""
 
-    def __init__(self, container_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
-        self.container_id = container_id
+    def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
+        self.host_id = host_id
+        self.container_id = host_id  # the container it starts with
         self.master = master
-        self.workdir = Path(workdir) / f"container-{container_id}"
+        self.workdir = Path(workdir) / f"host-{host_id}"
         self.heartbeat_s = heartbeat_s
-        self.core: ContainerCore | None = None
-        self.peers: dict[int, Any] = {}
+        self.plan: JobPlan | None = None
+        self.cores: dict[int, ContainerCore] = {}
+        self.conds: dict[int, asyncio.Condition] = {}
+        self.peers: dict[int, Any] = {}  # container id -> the actor hosting it
+        self.hosts: dict[int, Any] = {}  # host id -> actor (backup peers)
+        self.unreachable: set[int] = set()  # containers whose host died (pushes to them stop)
         self.window = 4
-        self.cond: asyncio.Condition | None = None
+        self.checkpoint_every = 0
+        self.full_checkpoint_every = 8
+        self.backup_store: BackupStore | None = None
         self.stopped = False
         self.failed: BaseException | None = None
+        self.delay_s = 0.0  # failure injection: extra time per epoch
         self._tasks: list[asyncio.Task] = []
+        self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         self.poll_s = 0.05
 
-    async def configure(self, plan: JobPlan, stage_id: int, local_slices: list[int],
-                        routes: dict[int, OutputRoute], senders: set[int], peers: dict[int, Any],
-                        source_table: pa.Table | None, max_inflight_epochs: int, output_log: bool,
-                        backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
+    async def configure(self, plan: JobPlan, max_inflight_epochs: int, checkpoint_every: int = 0,
                         full_checkpoint_every: int = 8) -> str:
-        """Build the core: slices, routing tables, output log and sink writers. Returns the node id."""
-        writers = {s.sink_id: s.sink.writer(f"c{self.container_id}") for s in plan.sinks
-                   if plan.streams[s.stream_id].stage_id == stage_id}
-        dl = plan.dead_letter_sink.writer(f"c{self.container_id}") if plan.dead_letter_sink is not None else None
-        olog = OutputLog(self.workdir / "output-log") if output_log else None
-        store = BackupStore(self.workdir / "backups") if checkpoint_every else None
-        self.core = ContainerCore(plan, stage_id, self.container_id, local_slices, routes, senders,
-                                  source_table=source_table, output_log=olog, sink_writers=writers,
-                                  dead_letter_writer=dl, backup_peers=backup_peers,
-                                  checkpoint_every=checkpoint_every, full_checkpoint_every=full_checkpoint_every,
-                                  backup_store=store)
-        self.peers = peers
+        """Set the job-wide parameters and open the backup store. Returns the node id."""
+        self.plan = plan
         self.window = max_inflight_epochs
-        self.cond = asyncio.Condition()
+        self.checkpoint_every = checkpoint_every
+        self.full_checkpoint_every = full_checkpoint_every
+        if checkpoint_every:
+            self.backup_store = BackupStore(self.workdir / "backups")
         _warm_up()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
         return ray.get_runtime_context().get_node_id()
 
-    async def start(self) -> None:
-        """Start processing (and heartbeats)."""
-        self._tasks.append(asyncio.get_running_loop().create_task(self._run()))
-        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
+    async def add_container(self, container_id: int, stage_id: int, slices: list[int],
+                            routes: dict[int, OutputRoute], senders: dict[int, frozenset], peers: dict[int, Any],
+                            hosts: dict[int, Any], source_table: pa.Table | None, output_log: bool,
+                            backup_peers: dict[int, list[int]] | None = None,
+                            restore_from: dict[int, list[tuple[int, Any]]] | None = None) -> dict[str, Any]:
+        """Create a container of ``stage_id`` here; with ``restore_from``, rebuild its slices from backups.
 
-    async def push(self, epoch: int, sender: int, message: Message) -> bool:
-        """Receive one epoch message from an upstream container (waits while the inbox is full)."""
-        core, cond = self.core, self.cond
-        assert core is not None and cond is not None
+        ``restore_from[s]`` lists (host id, actor) holding a backup of slice
+        ``s``, best first; an empty list rebuilds the slice from the start.
+        Returns the restored progress vectors and resume epochs (and when
+        each slice's restore began and ended).
+        """
+        plan = self.plan
+        assert plan is not None, "configure() first"
+        writers = {s.sink_id: s.sink.writer(f"c{container_id}") for s in plan.sinks
+                   if plan.streams[s.stream_id].stage_id == stage_id}
+        dl = plan.dead_letter_sink.writer(f"c{container_id}") if plan.dead_letter_sink is not None else None
+        olog = OutputLog(self.workdir / f"container-{container_id}" / "output-log") if output_log else None
+        core = ContainerCore(plan, stage_id, container_id, slices, routes, senders, source_table=source_table,
+                             output_log=olog, sink_writers=writers, dead_letter_writer=dl,
+                             backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
+                             full_checkpoint_every=self.full_checkpoint_every, backup_store=self.backup_store)
+        self.peers.update(peers)
+        self.hosts.update(hosts)
+        info: dict[str, Any] = {"container": container_id, "host": self.host_id}
+        if restore_from is not None:
+            t0 = time.time()
+            ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
+            core.restore_slices({s: c for s, (c, _) in ckpts.items()})
+            info.update(restore_start=t0, restore_end=time.time(),
+                        rejected=[r for _, rej in ckpts.values() for r in rej],
+                        resume={s: core.log_start[s] for s in slices},
+                        progress={s: core.progress_of(s) for s in slices},
+                        epochs={s: core.slices[s].last_epoch for s in slices})
+        self.cores[container_id] = core
+        self.conds[container_id] = asyncio.Condition()
+        return info
+
+    async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]):
+        """The newest verified checkpoint of a slice among ``holders`` (own store first, no transfer)."""
+        from chronostream.errors import RecoveryError
+        from slices.checkpoint import CheckpointCorrupt, decode
+
+        rejected = []
+        for h, actor in holders:
+            try:
+                if h == self.host_id and self.backup_store is not None:
+                    return self.backup_store.latest(stage_id, slice_id), rejected
+                return decode(await actor.backup_bytes.remote(stage_id, slice_id), "backup"), rejected
+            except (CheckpointCorrupt, KeyError, RayActorError) as exc:
+                rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
+        if holders:
+            name = self.plan.stages[stage_id].name if self.plan else stage_id
+            raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
+        return None, rejected
+
+    async def start(self, container_ids: list[int] | None = None) -> None:
+        """Start processing the given containers (default: all not started)."""
+        loop = asyncio.get_running_loop()
+        for c in container_ids if container_ids is not None else list(self.cores):
+            self._tasks.append(loop.create_task(self._run(c)))
+
+    async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
+        """Receive one epoch message for a hosted container (waits while its inbox is full)."""
+        core, cond = self.cores[container_id], self.conds[container_id]
         async with cond:
             await cond.wait_for(lambda: epoch < core.next_epoch + self.window or self.stopped)
             accepted = core.deliver(epoch, sender, message)
             cond.notify_all()
         return accepted
 
-    async def _run(self) -> None:
-        core, cond = self.core, self.cond
-        assert core is not None and cond is not None
-        inflight: dict[int, collections.deque] = {c: collections.deque() for c in core.destinations}
+    # -- the loop ------------------------------------------------------------------
+
+    async def _run(self, cid: int) -> None:
+        core, cond = self.cores[cid], self.conds[cid]
+        inflight: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         try:
             while not core.done and not self.stopped:
                 async with cond:
@@ -124,94 +194,191 @@ class ResourceContainer:
                     messages = core.step()
                     core.busy_s += time.perf_counter() - t0
                     cond.notify_all()  # next_epoch moved: blocked pushes may proceed
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 for dst, msg in messages.items():
-                    inflight[dst].append(self.peers[dst].push.remote(epoch, self.container_id, msg))
-                for peer, blobs in core.take_backups().items():
-                    inflight.setdefault(peer, collections.deque()).append(
-                        self.peers[peer].receive_backups.remote(blobs))
+                    if dst not in self.unreachable:
+                        inflight[dst].append((dst, self.peers[dst].push.remote(dst, epoch, cid, msg)))
+                parts, backups = core.take_sink_parts(), core.take_backups()
+                if parts or backups:
+                    refs = [r for dq in inflight.values() for r in dq]
+                    self._ship[cid] = asyncio.get_running_loop().create_task(
+                        self._ship_checkpoint(self._ship.get(cid), refs, parts, backups))
                 for dq in inflight.values():
                     while len(dq) > self.window:
-                        await dq.popleft()
+                        await self._acknowledged(*dq.popleft())
                 await asyncio.sleep(0)
             for dq in inflight.values():
                 while dq:
-                    await dq.popleft()
+                    await self._acknowledged(*dq.popleft())
+            if cid in self._ship:
+                await self._ship[cid]
             if not self.stopped:
-                await self.master.container_done.remote(self.container_id, core.statistics())
+                await self.master.container_done.remote(cid, core.statistics())
         except Exception as exc:  # noqa: BLE001 - report every failure to the master
             self.failed = exc
-            log.error("container %s failed: %s", self.container_id, exc)
+            log.error("container %s failed: %s", cid, exc)
             try:
-                await self.master.container_failed.remote(self.container_id, exc)
+                await self.master.container_failed.remote(cid, exc)
             except Exception:  # noqa: BLE001
                 pass
+
+    async def _acknowledged(self, dst: int, ref: Any) -> bool:
+        """Wait for one push; False (and the master told) when its receiver died."""
+        try:
+            await ref
+            return True
+        except RayActorError:
+            if dst not in self.unreachable:
+                self.unreachable.add(dst)
+                log.warning("host %s: container %s is unreachable; stop sending to it", self.host_id, dst)
+                self.master.container_unreachable.remote(dst, self.host_id)
+            return False
+
+    async def _ship_checkpoint(self, previous: asyncio.Task | None, pushes: list, parts: dict,
+                               backups: dict[int, list[bytes]]) -> None:
+        if previous is not None:
+            await previous  # deltas must reach a peer in order
+        for dst, ref in pushes:
+            await self._acknowledged(dst, ref)
+        if parts:
+            await self.master.store_sink_parts.remote(parts)
+        for peer, blobs in backups.items():
+            actor = self.hosts.get(peer)
+            if actor is None:
+                continue
+            try:
+                await actor.receive_backups.remote(blobs)
+            except RayActorError:
+                pass  # the peer died: recovery re-plans the chain, a full checkpoint follows
 
     async def _heartbeats(self) -> None:
         while not self.stopped:
             try:
-                if self.core.backup_store is not None:
-                    self.core.backup_store.flush()  # lazy persistence of the replication buffer
-                self.master.heartbeat.remote(self.container_id, self.core.statistics())
+                if self.backup_store is not None:
+                    self.backup_store.flush()  # lazy persistence of the replication buffer
+                self.master.heartbeat.remote(self.host_id, {c: core.statistics() for c, core in self.cores.items()})
             except Exception:  # noqa: BLE001 - the master may be restarting
                 pass
             await asyncio.sleep(self.heartbeat_s)
 
+    # -- recovery ------------------------------------------------------------------
+
+    async def add_senders(self, container_id: int, coverage: dict[int, frozenset]) -> None:
+        """A hosted container accepts new senders that re-host part of a dead sender's slices."""
+        async with self.conds[container_id]:
+            self.cores[container_id].add_senders(coverage)
+            self.conds[container_id].notify_all()
+
+    async def reroute(self, container_id: int, stage_id: int, slices: list[int], target: int, target_host: Any,
+                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int]) -> int:
+        """Send ``slices`` of ``stage_id`` to ``target`` from now on and replay what it is owed.
+
+        Returns the number of epochs replayed. The replay messages are
+        pushed in epoch order and awaited (the receiver's window paces them).
+        """
+        core, cond = self.cores[container_id], self.conds[container_id]
+        async with cond:
+            self.peers[target] = target_host
+            self.unreachable.discard(target)
+            replay = core.reroute(stage_id, slices, target, progress, resume)
+        for epoch in sorted(replay):
+            await target_host.push.remote(target, epoch, container_id, replay[epoch])
+        return len(replay)
+
+    async def retarget_backups(self, container_id: int, backup_peers: dict[int, list[int]],
+                               hosts: dict[int, Any]) -> None:
+        """New backup hosts for a container's slices (the next checkpoints are full ones)."""
+        self.hosts.update(hosts)
+        core = self.cores[container_id]
+        if core.checkpointer is not None:
+            async with self.conds[container_id]:
+                core.checkpointer.retarget(backup_peers)
+
+    async def ping(self) -> int:
+        """Liveness probe of the master."""
+        return self.host_id
+
+    async def inject_delay(self, seconds: float) -> None:
+        """Failure injection: spend ``seconds`` more per epoch (a slow or overloaded container)."""
+        self.delay_s = seconds
+
+    async def corrupt_backup(self, stage_id: int, slice_id: int, truncate: bool = False) -> bool:
+        """Failure injection: damage the backup this host holds of a slice (False when it holds none)."""
+        if self.backup_store is None or (stage_id, slice_id) not in self.backup_store.holds():
+            return False
+        self.backup_store.corrupt(stage_id, slice_id, truncate)
+        return True
+
+    # -- backups and reading ------------------------------------------------------------
+
     async def receive_backups(self, blobs: list[bytes]) -> None:
         """Checkpoints of a peer's slices (kept in the replication buffer, flushed lazily)."""
-        self.core.receive_backups(blobs)
+        if self.backup_store is None:
+            raise RuntimeError(f"host {self.host_id} holds no backups (no backup store)")
+        for b in blobs:
+            self.backup_store.put(b)
+
+    async def backup_catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
+        """Verified (stage, slice, epoch) of every backup held, and the damaged ones."""
+        if self.backup_store is None:
+            return [], []
+        self.backup_store.flush()
+        return self.backup_store.catalog()
 
     async def backups_held(self) -> list[tuple[int, int, int]]:
-        """(stage, slice, epoch) of every backup this container holds (after a flush to lmdb)."""
-        store = self.core.backup_store
-        if store is None:
-            return []
-        store.flush()
-        return [(st, sl, store.latest_epoch(st, sl)) for st, sl in store.holds()]
+        """(stage, slice, epoch) of every backup this host holds (after a flush to lmdb)."""
+        return (await self.backup_catalog())[0]
 
     async def backup_bytes(self, stage_id: int, slice_id: int) -> bytes:
         """The merged, verified full backup of a peer's slice, encoded."""
         from slices.checkpoint import encode
 
-        return encode(self.core.backup_store.latest(stage_id, slice_id))
+        return encode(self.backup_store.latest(stage_id, slice_id))
 
-    async def slice_snapshot(self, slice_id: int) -> bytes:
-        """A full checkpoint of a local slice now (does not start a new delta)."""
+    async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes:
+        """A full checkpoint of a hosted slice now (does not start a new delta)."""
         from slices.checkpoint import capture, encode
 
-        core = self.core
+        core = self.cores[self.container_id if container_id is None else container_id]
         return encode(capture(core.slices[slice_id], delta=False, epoch=core.next_epoch - 1, clear=False))
 
-    async def statistics(self) -> ContainerStatistics:
-        """Counters of this container."""
-        return self.core.statistics()
+    async def statistics(self) -> dict[int, ContainerStatistics]:
+        """Counters of every hosted container."""
+        return {c: core.statistics() for c, core in self.cores.items()}
 
-    async def collect(self, sink_id: int) -> pa.Table | None:
-        """Rows a memory sink of this container holds."""
-        writer = self.core.sink_writers.get(sink_id)
-        return writer.collect() if writer is not None else None
+    async def recovery_info(self) -> dict[int, dict[str, Any]]:
+        """Per hosted container: when each restored slice was restored and first produced output."""
+        return {c: {"restored_at": dict(core.restored_at), "first_output_at": dict(core.first_output_at)}
+                for c, core in self.cores.items() if core.restored_at}
 
-    async def collect_dead_letters(self) -> pa.Table | None:
-        """Dead letters held by this container's memory dead-letter sink."""
-        w = self.core.dead_letter_writer
-        return w.collect() if w is not None else None
+    async def sink_parts(self, sink_id: int) -> dict[tuple[int, int], pa.Table]:
+        """(slice, epoch) -> rows of a memory sink (or dead letters) over the hosted containers."""
+        out: dict[tuple[int, int], pa.Table] = {}
+        for core in self.cores.values():
+            out.update(core.sink_parts(sink_id))
+        return out
 
-    async def read_output_log(self, stream_id: int, slice_id: int, after_seq: int = -1) -> pa.Table:
+    async def read_output_log(self, stream_id: int, slice_id: int, after_seq: int = -1,
+                              container_id: int | None = None) -> pa.Table:
         """Replay read: rows of (stream, slice) with out_seq > ``after_seq`` from the output log."""
-        if self.core.output_log is None:
+        core = self.cores[self.container_id if container_id is None else container_id]
+        if core.output_log is None:
             raise RuntimeError("this job runs without an output log")
-        return self.core.output_log.read(stream_id, slice_id, after_seq)
+        return core.output_log.read(stream_id, slice_id, after_seq)
 
     async def stop(self, cleanup: bool = False) -> None:
         """Stop processing; pending pushes are released. ``cleanup`` deletes the local store."""
         self.stopped = True
-        if self.cond is not None:
-            async with self.cond:
-                self.cond.notify_all()
+        for cond in self.conds.values():
+            async with cond:
+                cond.notify_all()
         if cleanup:
             for t in self._tasks:
                 t.cancel()
-            if self.core is not None and self.core.output_log is not None:
-                self.core.output_log.close()
-            if self.core is not None and self.core.backup_store is not None:
-                self.core.backup_store.close(flush=False)
+            for core in self.cores.values():
+                if core.output_log is not None:
+                    core.output_log.close()
+            if self.backup_store is not None:
+                self.backup_store.close(flush=False)
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -62,7 +62,10 @@ class BackupStore:
                 raise ValueError(f"{ckpt.describe()}: the chain ends at epoch {last}")
             chain.append(data)
             if len(chain) - 1 > self.merge_every:
-                self.chains[key] = [encode(self._merged(key))]
+                try:
+                    self.chains[key] = [encode(self._merged(key))]
+                except CheckpointCorrupt:
+                    pass  # a damaged link: keep the chain as is, so restore reports it (and uses another copy)
         self._unflushed.add(key)
 
     def _merged(self, key: SliceKey) -> SliceCheckpoint:

@@ -73,6 +73,7 @@ class ContainerStatistics:
     busy_s: float
     cpu_s: float
     rss_bytes: int
+    checkpoints: int = 0  # slice checkpoints taken (shipped to backups)
 
 
 class ContainerCore:
@@ -453,7 +454,8 @@ class ContainerCore:
             self.container_id, self.stage.name, tuple(self.slices), self.next_epoch, self.num_epochs,
             sum(s.events_in for s in stats), sum(s.events_out for s in stats),
             sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox),
-            self.buffered_bytes(), self.busy_s, cpu, rss)
+            self.buffered_bytes(), self.busy_s, cpu, rss,
+            self.checkpointer.taken if self.checkpointer is not None else 0)
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""

@@ -1,9 +1,11 @@
-"""The JobMaster Ray actor: deploys the stages, owns the placement, watches containers.
+"""The JobMaster Ray actor: deploys the stages, owns the placement, watches hosts, recovers lost slices.
 
-Owns: creating the ResourceContainer actors (spread over the cluster's
-nodes), wiring their routing tables from the placement, collecting
-heartbeats, progress and completion, and turning a failure into a job
-status with a readable error. The data plane never waits on the master.
+Owns: creating the ResourceContainer actors (hosts, spread over the
+cluster's nodes), wiring their routing tables from the placement,
+collecting heartbeats, progress and completion, detecting dead hosts, and
+running the recovery plan (``master.recovery``) when one dies. The data
+plane never waits on the master. Every recovery step is logged and kept in
+``timeline`` with the containers and slices it concerns.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from typing import Any
 
 import pyarrow as pa
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
-from containers.core import ContainerStatistics
-from master.backups import backup_plan
+from containers.core import DEAD_LETTERS, ContainerStatistics
 from master.placement import Placement, initial_placement
+from master.recovery import host_backup_peers, live_hosts, lost_containers, plan_recovery, restore_order
 
 log = logging.getLogger("chronostream.master")
 
@@ -35,34 +38,60 @@ class JobMaster:
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
                  max_inflight_epochs: int = 4, heartbeat_timeout_s: float = 60.0,
                  output_log: bool = True, checkpoint_every: int = 0, backup_factor: int = 2,
-                 full_checkpoint_every: int = 8) -> None:
+                 full_checkpoint_every: int = 8, recompute_lost: bool = False, heartbeat_s: float = 0.5) -> None:
         self.plan = plan
         self.workdir = workdir
         self.max_inflight_epochs = max_inflight_epochs
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_s = heartbeat_s
         self.output_log = output_log
         self.checkpoint_every = checkpoint_every
         self.backup_factor = backup_factor
         self.full_checkpoint_every = full_checkpoint_every
+        self.recompute_lost = recompute_lost
         self.placement: Placement = initial_placement(plan, containers_per_stage)
-        self.handles: dict[int, Any] = {}
-        self.nodes: dict[int, str] = {}
+        self.host_of: dict[int, int] = {}  # container id -> host id
+        self.handles: dict[int, Any] = {}  # host id -> actor
+        self.alive: set[int] = set()  # live host ids
+        self.nodes: dict[int, str] = {}  # host id -> node id
         self.last_seen: dict[int, float] = {}
         self.stats: dict[int, ContainerStatistics] = {}
         self.done: set[int] = set()
+        self.source_refs: dict[int, list] = {}
+        self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
         self.state = "created"
         self.error: BaseException | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
-        self.events: list[tuple[float, str]] = []
+        self.timeline: list[tuple[float, str, dict[str, Any]]] = []
+        self.recovery_lock = asyncio.Lock()
+        self.next_id = 0
 
-    def _event(self, text: str) -> None:
-        self.events.append((time.time(), text))
-        log.info(text)
+    def _event(self, kind: str, **info: Any) -> None:
+        self.timeline.append((time.time(), kind, info))
+        log.info("%s %s", kind, info)
+
+    def _new_host(self, host_id: int, node: str | None) -> Any:
+        me = ray.get_runtime_context().current_actor
+        strategy: Any = "SPREAD" if node is None else NodeAffinitySchedulingStrategy(node, soft=False)
+        h = ResourceContainer.options(scheduling_strategy=strategy, max_concurrency=1000).remote(
+            host_id, me, self.workdir, self.heartbeat_s)
+        self.handles[host_id] = h
+        self.alive.add(host_id)
+        self.last_seen[host_id] = time.monotonic()
+        return h
+
+    def _stage_hosts(self, stage_id: int) -> dict[int, Any]:
+        return {self.host_of[c]: self.handles[self.host_of[c]] for c in self.placement.containers[stage_id]}
+
+    def _peers_of(self, stage_id: int) -> dict[int, Any]:
+        """Actors hosting the containers a container of ``stage_id`` sends to."""
+        return {c: self.handles[self.host_of[c]] for d in self.plan.downstream_stages(stage_id)
+                for c in self.placement.containers[d]}
 
     async def deploy(self, source_refs: dict[int, list]) -> dict[str, Any]:
         """Create, configure and start every container. Returns the placement."""
-        me = ray.get_runtime_context().current_actor
+        self.source_refs = source_refs
         # Spread each stage's containers over the alive nodes round-robin. SPREAD
         # and soft node affinity are best-effort and were seen stacking a stage on
         # one node; hard affinity to a node alive now is exact (a node that dies
@@ -70,154 +99,316 @@ class JobMaster:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         for stage_id, ids in self.placement.containers.items():
             for i, c in enumerate(ids):
-                strategy: Any = "SPREAD"
-                if len(nodes) > 1:
-                    strategy = NodeAffinitySchedulingStrategy(nodes[(i + stage_id) % len(nodes)], soft=False)
-                self.handles[c] = ResourceContainer.options(
-                    scheduling_strategy=strategy, max_concurrency=1000,
-                ).remote(c, me, self.workdir)
-        configured = []
+                self.host_of[c] = c
+                self._new_host(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
+        self.next_id = max(self.host_of) + 1
+        configured = {h: a.configure.remote(self.plan, self.max_inflight_epochs, self.checkpoint_every,
+                                            self.full_checkpoint_every) for h, a in self.handles.items()}
+        for h, ref in configured.items():
+            self.nodes[h] = await ref
+        added = []
         for stage_id, ids in self.placement.containers.items():
-            routes = self.placement.routes_for(self.plan, stage_id)
-            senders = self.placement.senders_for(self.plan, stage_id)
-            peers = {c: self.handles[c] for r in routes.values() for c in r.containers()}
-            peers.update({c: self.handles[c] for c in ids})  # same-stage peers hold our backups
-            src = source_refs.get(stage_id, [None])[0]
-            chain = backup_plan(ids, {c: self.placement.slices_of(c) for c in ids}, self.backup_factor)
+            chain = host_backup_peers(self.placement, self.host_of, stage_id, self.backup_factor)
             for c in ids:
-                mine = {s: chain[s] for s in self.placement.slices_of(c)}
-                configured.append((c, self.handles[c].configure.remote(
-                    self.plan, stage_id, self.placement.slices_of(c), routes, senders, peers, src,
-                    self.max_inflight_epochs, self.output_log, mine, self.checkpoint_every,
-                    self.full_checkpoint_every)))
-        for c, ref in configured:
-            self.nodes[c] = await ref
+                added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
+        await asyncio.gather(*added)
         self.started_at = time.time()
-        now = time.monotonic()
-        for c in self.handles:
-            self.last_seen[c] = now
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
         self.state = "running"
-        self._event(f"job running: {len(self.handles)} containers over {len(set(self.nodes.values()))} node(s)")
+        self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
         asyncio.get_running_loop().create_task(self._watch())
         return self.placement.as_dict(self.plan)
 
-    async def _watch(self) -> None:
-        # Failure detection for this issue: a container that stops answering fails
-        # the job with a clear error (recovery comes with the fault-tolerance work).
-        while self.state == "running":
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for c, h in self.handles.items():
-                if c in self.done:
-                    continue
-                if now - self.last_seen.get(c, now) > self.heartbeat_timeout_s:
-                    self._fail(c, RuntimeError(f"container {c} missed heartbeats for {self.heartbeat_timeout_s}s"))
-                    return
+    def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
+                       restore_from: dict[int, list[tuple[int, Any]]] | None = None):
+        src = self.source_refs.get(stage_id, [None])[0]
+        return self.handles[self.host_of[c]].add_container.remote(
+            c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
+            self.placement.sender_coverage(self.plan, stage_id), self._peers_of(stage_id),
+            self._stage_hosts(stage_id), src, self.output_log, backup_peers, restore_from)
 
-    def _fail(self, container_id: int, error: BaseException) -> None:
+    # -- watching ------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while self.state == "running":
+            await asyncio.sleep(self.heartbeat_s)
+            dead = await self._probe(sorted(self.alive))
+            now = time.monotonic()
+            silent = {h for h in self.alive - dead if now - self.last_seen.get(h, now) > self.heartbeat_timeout_s}
+            for h in dead:
+                self._event("fault_detected", host=h, by="probe (actor dead)")
+            for h in silent:
+                self._event("fault_detected", host=h, by=f"no heartbeat for {now - self.last_seen[h]:.1f}s")
+            if (dead | silent) and self.state == "running":
+                await self._recover(dead | silent)
+
+    async def _probe(self, hosts: list[int]) -> set[int]:
+        """Hosts whose actor is dead (a ping raises). A busy host just answers late: not dead."""
+        async def one(h: int) -> bool:
+            try:
+                await asyncio.wait_for(self.handles[h].ping.remote(), timeout=max(1.0, self.heartbeat_s * 4))
+                self.last_seen[h] = time.monotonic()
+                return False
+            except RayActorError:
+                return True
+            except asyncio.TimeoutError:
+                return False
+        results = await asyncio.gather(*[one(h) for h in hosts])
+        return {h for h, d in zip(hosts, results) if d}
+
+    async def container_unreachable(self, container_id: int, reporter: int) -> None:
+        """A host could not push to ``container_id``: check its host now rather than at the next probe."""
+        h = self.host_of.get(container_id)
+        if h is None or h not in self.alive or self.state != "running":
+            return
+        if await self._probe([h]):
+            self._event("fault_detected", host=h, by=f"host {reporter} (push failed)")
+            await self._recover({h})
+
+    # -- recovery ------------------------------------------------------------------
+
+    async def _recover(self, dead_hosts: set[int]) -> None:
+        async with self.recovery_lock:
+            dead = dead_hosts & self.alive
+            if not dead or self.state != "running":
+                return
+            try:
+                await self._recover_hosts(dead)
+            except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
+                log.exception("recovery failed")
+                self._fail(None, exc)
+
+    async def _recover_hosts(self, dead: set[int]) -> None:
+        t0 = time.time()
+        for h in dead:
+            try:
+                ray.kill(self.handles[h], no_restart=True)  # fence a host that only looked dead
+            except Exception:  # noqa: BLE001
+                pass
+        self.alive -= dead
+        lost = lost_containers(self.placement, self.host_of, dead)
+        self._event("recovery_planning", hosts=sorted(dead), containers=sorted(lost))
+        if not lost:
+            return
+        backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        damaged: dict[tuple[int, int], list[str]] = {}
+        catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in sorted(self.alive)],
+                                        return_exceptions=True)
+        for h, cat in zip(sorted(self.alive), catalogs):
+            if isinstance(cat, BaseException):
+                continue
+            good, bad = cat
+            for st, sl, epoch in good:
+                backups.setdefault((st, sl), []).append((h, epoch))
+            for st, sl, error in bad:
+                self._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
+                damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
+        checkpointed = {(st, s) for c, (st, slices) in lost.items()
+                        if c in self.stats and self.stats[c].checkpoints > 0 for s in slices}
+        chain = {}
+        for st in {st for st, _ in lost.values()}:
+            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).items():
+                chain.update({(st, s): hs for s, hs in peers.items()})
+        plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
+                             checkpointed, self.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
+                             chain, damaged)
+        self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
+        for a in plan:
+            if a.host is None:  # every host of the stage died: start a new one
+                a.host = self.next_id
+                self.next_id += 1
+                self._new_host(a.host, None)
+                self.nodes[a.host] = await self.handles[a.host].configure.remote(
+                    self.plan, self.max_inflight_epochs, self.checkpoint_every, self.full_checkpoint_every)
+            self.host_of[a.new_id] = a.host
+        # 1. Consumers accept the new containers as senders (before any sends).
+        calls = []
+        for a in plan:
+            self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices,
+                        backup_epochs=a.epochs)
+            cov = frozenset((a.stage_id, s) for s in a.slices)
+            for d in self.plan.downstream_stages(a.stage_id):
+                for c in self.placement.containers[d]:
+                    if self.host_of[c] in self.alive:
+                        calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {a.new_id: cov}))
+            self.placement.rehost(a.replaces, a.new_id, a.slices)
+        await asyncio.gather(*calls)
+        # 2. Each host restores its share, in parallel.
+        infos = await asyncio.gather(*[self._add_container(
+            a.new_id, a.stage_id, a.slices, {}, {s: [(h, self.handles[h]) for h in restore_order(a.holders[s], a.host)]
+                                                 for s in a.slices}) for a in plan])
+        for a, info in zip(plan, infos):
+            for r in info["rejected"]:
+                self._event("backup_rejected", container=a.new_id, error=r)
+            self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices,
+                        seconds=round(info["restore_end"] - info["restore_start"], 4), resume=info["resume"])
+        await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in plan])
+        # 3. Producers reroute the slices and replay their output logs, in parallel.
+        reroutes = []
+        for a, info in zip(plan, infos):
+            for u in self.plan.upstream_stages(a.stage_id):
+                for c in self.placement.containers[u]:
+                    if self.host_of[c] in self.alive:
+                        reroutes.append(self.handles[self.host_of[c]].reroute.remote(
+                            c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
+        replayed = await asyncio.gather(*reroutes)
+        # 4. Backups over the stage's hosts as they are now (full checkpoints follow).
+        retargets = []
+        for st in sorted({a.stage_id for a in plan}):
+            hosts = self._stage_hosts(st)
+            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).items():
+                retargets.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
+        await asyncio.gather(*retargets)
+        self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
+                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
+                    seconds=round(time.time() - t0, 3))
+
+    # -- reports from hosts ------------------------------------------------------------
+
+    def _fail(self, container_id: int | None, error: BaseException) -> None:
         if self.state in ("failed", "stopped"):
             return
-        stage = self.plan.stages[self.placement.stage_of[container_id]].name
+        where = ""
+        if container_id is not None and container_id in self.placement.stage_of:
+            where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
         self.state = "failed"
         self.error = error
         self.finished_at = time.time()
-        self._event(f"job failed in container {container_id} (stage {stage!r}): {error}")
-        for h in self.handles.values():
-            h.stop.remote()
+        self._event("job_failed", where=where.strip(), error=str(error))
+        for h in self.alive:
+            self.handles[h].stop.remote()
 
-    async def heartbeat(self, container_id: int, stats: ContainerStatistics) -> None:
-        """Liveness and progress from a container."""
-        self.last_seen[container_id] = time.monotonic()
-        self.stats[container_id] = stats
+    async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:
+        """Liveness and progress from a host."""
+        self.last_seen[host_id] = time.monotonic()
+        self.stats.update(stats)
 
     async def container_done(self, container_id: int, stats: ContainerStatistics) -> None:
         """A container processed its last epoch."""
         self.stats[container_id] = stats
         self.done.add(container_id)
-        if len(self.done) == len(self.handles) and self.state == "running":
+        live = [c for ids in self.placement.containers.values() for c in ids]
+        if all(c in self.done for c in live) and self.state == "running" and not self.recovery_lock.locked():
             self.state = "finished"
             self.finished_at = time.time()
-            self._event("job finished")
+            self._event("job_finished")
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
         """A container hit an error it cannot handle."""
         self._fail(container_id, error)
 
+    async def store_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
+        """Memory-sink rows up to a checkpoint (they outlive the container that made them)."""
+        for k, p in parts.items():
+            self.sink_parts.setdefault(k, {}).update(p)
+
+    # -- reading ---------------------------------------------------------------
+
     async def status(self) -> dict[str, Any]:
         """State ("running", "finished", "failed", "stopped"), error, progress."""
+        live = [c for ids in self.placement.containers.values() for c in ids]
+        if self.state == "running" and live and all(c in self.done for c in live) \
+                and not self.recovery_lock.locked():
+            self.state = "finished"  # the last container finished during a recovery
+            self.finished_at = time.time()
+            self._event("job_finished")
         return {
             "state": self.state,
             "error": self.error,
-            "containers": len(self.handles),
-            "done": len(self.done),
+            "containers": len(live),
+            "done": len([c for c in live if c in self.done]),
             "elapsed_s": (self.finished_at or time.time()) - self.started_at if self.started_at else 0.0,
             "epochs": self.plan.num_epochs,
-            "min_epoch": min((s.next_epoch for s in self.stats.values()), default=0),
+            "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
+            "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
         }
 
     async def placement_view(self) -> dict[str, Any]:
-        """Stage name -> container id -> slices, plus each container's node."""
-        return {"stages": self.placement.as_dict(self.plan), "nodes": dict(self.nodes)}
+        """Stage name -> container id -> slices, each container's host, and each host's node."""
+        return {"stages": self.placement.as_dict(self.plan), "nodes": dict(self.nodes),
+                "hosts": dict(self.host_of)}
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
-        """Latest statistics of every container (fresh from the containers)."""
-        refs = {c: h.statistics.remote() for c, h in self.handles.items()}
+        """Latest statistics of every live container (fresh from the hosts)."""
+        hosts = sorted(self.alive)
+        fresh = await asyncio.gather(*[self.handles[h].statistics.remote() for h in hosts], return_exceptions=True)
         out = {}
-        for c, r in refs.items():
-            try:
-                out[c] = await r
-            except Exception:  # noqa: BLE001 - a dead container reports its last heartbeat
-                if c in self.stats:
-                    out[c] = self.stats[c]
-        return out
+        for r in fresh:
+            if not isinstance(r, BaseException):
+                out.update(r)
+        live = {c for ids in self.placement.containers.values() for c in ids}
+        return {c: out.get(c, self.stats.get(c)) for c in sorted(live) if c in out or c in self.stats}
+
+    async def recovery_timeline(self) -> list[tuple[float, str, dict[str, Any]]]:
+        """What happened, in order: faults, detection, per-slice restore and first output after recovery."""
+        events = list(self.timeline)
+        infos = await asyncio.gather(*[self.handles[h].recovery_info.remote() for h in sorted(self.alive)],
+                                     return_exceptions=True)
+        for info in infos:
+            if isinstance(info, BaseException):
+                continue
+            for c, d in info.items():
+                for s, t in d["first_output_at"].items():
+                    events.append((t, "first_output", {"container": c, "slice": s}))
+        return sorted(events, key=lambda e: e[0])
 
     async def collect(self, sink_name: str) -> pa.Table:
-        """All rows of a memory sink, sorted by (producer slice, out_seq)."""
+        """All rows of a memory sink (or the dead letters), sorted by (producer slice, out_seq)."""
         dl = self.plan.dead_letter_sink
         if dl is not None and dl.name == sink_name:
-            parts = await asyncio.gather(*[h.collect_dead_letters.remote() for h in self.handles.values()])
-            parts = [p for p in parts if p is not None]
-            dead = self.plan.source_dead_letters
-            if dead:
-                parts.insert(0, pa.Table.from_pylist(dead))
-            return pa.concat_tables(parts, promote_options="permissive") if parts else pa.table({})
-        sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
-        if sink is None:
-            raise KeyError(f"no sink named {sink_name!r}; sinks: {[s.name for s in self.plan.sinks]}")
-        stage = self.plan.streams[sink.stream_id].stage_id
-        hs = [self.handles[c] for c in self.placement.containers[stage]]
-        parts = await asyncio.gather(*[h.collect.remote(sink.sink_id) for h in hs])
-        parts = [p for p in parts if p is not None]
-        if not parts:
+            sink_id = DEAD_LETTERS
+        else:
+            sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
+            if sink is None:
+                raise KeyError(f"no sink named {sink_name!r}; sinks: {[s.name for s in self.plan.sinks]}")
+            sink_id = sink.sink_id
+        parts = dict(self.sink_parts.get(sink_id, {}))
+        for held in await asyncio.gather(*[self.handles[h].sink_parts.remote(sink_id) for h in sorted(self.alive)]):
+            parts.update(held)
+        tables = [t for _, t in sorted(parts.items()) if t.num_rows]
+        if sink_id == DEAD_LETTERS:
+            if self.plan.source_dead_letters:
+                tables.insert(0, pa.Table.from_pylist(self.plan.source_dead_letters))
+            return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+        if not tables:
             return pa.table({})
-        return sort_output(pa.concat_tables(parts, promote_options="permissive"))
+        return sort_output(pa.concat_tables(tables, promote_options="permissive"))
 
     async def backup_catalog(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Container id -> (stage, slice, epoch) of the backups it holds."""
-        refs = {c: h.backups_held.remote() for c, h in self.handles.items()}
-        return {c: await r for c, r in refs.items()}
+        """Host id -> (stage, slice, epoch) of the backups it holds."""
+        hosts = sorted(self.alive)
+        return dict(zip(hosts, await asyncio.gather(*[self.handles[h].backups_held.remote() for h in hosts])))
 
     async def backup_plan(self) -> dict[int, dict[int, list[int]]]:
-        """Stage id -> slice -> the containers that should hold its backups (the chain)."""
-        return {st: backup_plan(ids, {c: self.placement.slices_of(c) for c in ids}, self.backup_factor)
-                for st, ids in self.placement.containers.items()}
+        """Stage id -> slice -> the hosts that should hold its backups (the chain)."""
+        out: dict[int, dict[int, list[int]]] = {}
+        for st in self.placement.containers:
+            for peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).values():
+                out.setdefault(st, {}).update(peers)
+        return out
 
     async def container_handles(self) -> dict[int, Any]:
-        """Actor handles by container id (for tests and the failure harness)."""
-        return dict(self.handles)
+        """The actor hosting each live container, by container id (tests and the failure harness)."""
+        return {c: self.handles[self.host_of[c]] for ids in self.placement.containers.values() for c in ids}
+
+    async def host_handles(self) -> dict[int, Any]:
+        """Live hosts by host id."""
+        return {h: self.handles[h] for h in sorted(self.alive)}
 
     async def stop(self, cleanup: bool = True) -> None:
-        """Stop and release every container; ``cleanup`` deletes their local stores."""
+        """Stop and release every host; ``cleanup`` deletes their local stores."""
         if self.state == "running":
             self.state = "stopped"
             self.finished_at = time.time()
-        for h in self.handles.values():
+        for h in sorted(self.alive):
             try:
-                await h.stop.remote(cleanup)
-            except Exception:  # noqa: BLE001 - a dead container has nothing left to stop
+                await self.handles[h].stop.remote(cleanup)
+            except Exception:  # noqa: BLE001 - a dead host has nothing left to stop
                 pass
         if cleanup:
             shutil.rmtree(self.workdir, ignore_errors=True)
         for h in self.handles.values():
-            ray.kill(h)
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,215 @@
+"""Failure injection against a running job, and the check that its output is still exact.
+
+Owns: the user-facing fault schedule (``Fault``), applying it to a running
+``Job`` (``inject``), seeded random campaigns (``random_faults``), the
+merged timeline (fault, detection, recovery start/end per slice, first
+output after recovery) and ``run_with_faults``, which runs a query with a
+schedule and compares every sink with the serial executor row for row.
+Talks to the job only through its master and its hosts' failure-injection
+calls; never touches the runtime's internals.
+
+>>> Fault("kill", at_epoch=5, stage="count").describe()
+"kill a container of stage 'count' at epoch 5"
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+KINDS = ("kill", "kill_two", "delay", "corrupt_backup", "truncate_backup")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` applied once the job has passed ``at_epoch`` (every container).
+
+    Kinds: ``kill`` (one container's host dies: ``ray.kill``), ``kill_two``
+    (two hosts of the stage at once), ``delay`` (the host spends
+    ``seconds`` more per epoch from then on), ``corrupt_backup`` /
+    ``truncate_backup`` (one backup replica of the stage's slices held by a
+    peer is damaged; combine with a later ``kill`` of the slice's owner to
+    see the other replica used). ``stage`` picks the stage (any stateful
+    one when None); ``index`` which of its containers (by sorted id).
+    """
+
+    kind: str
+    at_epoch: int
+    stage: str | None = None
+    index: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; kinds: {KINDS}")
+
+    def describe(self) -> str:
+        """``kill a container of stage 'count' at epoch 5``."""
+        what = {"kill": "kill a container", "kill_two": "kill two containers", "delay": f"delay a container by "
+                f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
+                "truncate a backup"}[self.kind]
+        return f"{what} of stage {self.stage!r} at epoch {self.at_epoch}"
+
+
+@dataclass
+class ChaosReport:
+    """What ``run_with_faults`` saw: the faults applied, the timeline, and the comparison."""
+
+    applied: list[tuple[float, Fault, dict[str, Any]]] = field(default_factory=list)
+    timeline: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
+    mismatches: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when every sink equals the serial executor's."""
+        return not self.mismatches
+
+    def format_timeline(self) -> str:
+        """The timeline as text, times relative to the first event."""
+        if not self.timeline:
+            return "(no events)"
+        t0 = self.timeline[0][0]
+        lines = []
+        for t, kind, info in self.timeline:
+            details = ", ".join(f"{k}={v}" for k, v in info.items())
+            lines.append(f"{t - t0:8.3f}s  {kind:<18} {details}")
+        return "\n".join(lines)
+
+
+def _stateful_stages(job: Any) -> list[str]:
+    return [s.name for s in job.plan.stages if s.kind == "operator"]
+
+
+def _containers_of(job: Any, stage: str) -> list[int]:
+    return sorted(int(c) for c in job.placement()["stages"][stage])
+
+
+def inject(job: Any, fault: Fault) -> dict[str, Any]:
+    """Apply one fault now; return what was hit (container, host, slices)."""
+    import ray
+
+    stage = fault.stage or _stateful_stages(job)[0]
+    ids = _containers_of(job, stage)
+    handles = ray.get(job.master.container_handles.remote())
+    hosts = job.placement()["hosts"]
+    victim = ids[fault.index % len(ids)]
+    if fault.kind == "kill":
+        ray.kill(handles[victim], no_restart=True)
+        return {"stage": stage, "container": victim, "host": hosts[victim]}
+    if fault.kind == "kill_two":
+        if len(ids) < 2:
+            raise ValueError(f"stage {stage!r} has {len(ids)} container(s); kill_two needs 2")
+        second = ids[(fault.index + 1) % len(ids)]
+        for c in (victim, second):
+            ray.kill(handles[c], no_restart=True)
+        return {"stage": stage, "containers": [victim, second], "hosts": [hosts[victim], hosts[second]]}
+    if fault.kind == "delay":
+        ray.get(handles[victim].inject_delay.remote(fault.seconds))
+        return {"stage": stage, "container": victim, "seconds": fault.seconds}
+    # corrupt/truncate: damage the replica of the victim's first slice that a
+    # recovery would try first (the first holder in its backup chain).
+    sid = job.plan.stage(stage).stage_id
+    slice_ = job.placement()["stages"][stage][victim][0]
+    chain = ray.get(job.master.backup_plan.remote())[sid][slice_]
+    host_handles = ray.get(job.master.host_handles.remote())
+    for h in chain:
+        if ray.get(host_handles[h].corrupt_backup.remote(sid, slice_, fault.kind == "truncate_backup")):
+            return {"stage": stage, "slice": slice_, "holder_host": h}
+    return {"stage": stage, "slice": slice_, "holder_host": None}
+
+
+def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containers: int = 3,
+                  kinds: tuple[str, ...] = ("kill",)) -> list[Fault]:
+    """A seeded random schedule of ``n`` faults spread over epochs [1, max_epoch).
+
+    >>> [f.at_epoch for f in random_faults(1, 3, ["count"], 40)]
+    [5, 9, 37]
+    """
+    rng = random.Random(seed)
+    epochs = sorted(rng.sample(range(1, max(2, max_epoch)), min(n, max(1, max_epoch - 1))))
+    return [Fault(rng.choice(kinds), e, rng.choice(stages), rng.randrange(containers)) for e in epochs]
+
+
+def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_s: float = 600.0,
+                   settle: bool = True) -> list[tuple[float, Fault, dict[str, Any]]]:
+    """Apply ``faults`` in epoch order as the job passes each ``at_epoch``; return what was applied.
+
+    With ``settle``, each kill waits for its recovery to end before the next
+    fault is considered (faults one at a time, as in a campaign).
+    """
+    applied = []
+    deadline = time.monotonic() + timeout_s
+    for fault in sorted(faults, key=lambda f: f.at_epoch):
+        while True:
+            p = job.progress()
+            if p["state"] != "running":
+                return applied
+            if p["min_epoch"] >= fault.at_epoch:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job never reached epoch {fault.at_epoch}")
+            time.sleep(poll_s)
+        before = job.progress().get("recoveries", 0)
+        hit = inject(job, fault)
+        applied.append((time.time(), fault, hit))
+        if settle and fault.kind in ("kill", "kill_two"):
+            while job.progress().get("recoveries", 0) <= before and job.progress()["state"] == "running":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("recovery did not end")
+                time.sleep(poll_s)
+    return applied
+
+
+def compare_with_serial(job: Any, query: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """Each sink's rows vs the serial executor's: (mismatch descriptions, row counts)."""
+    from chronostream.client import run
+
+    expected = run(query, executor="serial")
+    mismatches, rows = {}, {}
+    for sink in job.plan.sinks:
+        got = job.results(sink.name)
+        want = expected.results(sink.name)
+        rows[sink.name] = got.num_rows
+        if got.to_pylist() != want.to_pylist():
+            mismatches[sink.name] = _describe_difference(got, want)
+    return mismatches, rows
+
+
+def _describe_difference(got: pa.Table, want: pa.Table) -> str:
+    g = {(r["_slice"], r["_seq"]): r for r in got.to_pylist()}
+    w = {(r["_slice"], r["_seq"]): r for r in want.to_pylist()}
+    missing = sorted(set(w) - set(g))
+    extra = sorted(set(g) - set(w))
+    differ = sorted(k for k in set(g) & set(w) if g[k] != w[k])
+    return (f"{got.num_rows} rows vs {want.num_rows}: {len(missing)} missing (first {missing[:3]}), "
+            f"{len(extra)} extra (first {extra[:3]}), {len(differ)} differ (first {differ[:3]})")
+
+
+def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0, **run_kw: Any) -> ChaosReport:
+    """Run ``query`` on Ray, apply ``faults``, wait, and compare every sink with the serial executor.
+
+    ``run_kw`` goes to ``chronostream.run`` (``containers``, ``checkpoint_every``...)::
+
+        report = run_with_faults(q, [Fault("kill", at_epoch=10, stage="count")],
+                                 containers=3, checkpoint_every=2)
+        assert report.ok, report.mismatches
+        print(report.format_timeline())
+    """
+    from chronostream.client import run
+
+    job = run(query, **run_kw)
+    report = ChaosReport()
+    try:
+        report.applied = apply_schedule(job, faults, timeout_s=timeout_s)
+        job.wait(timeout_s=timeout_s)
+        report.mismatches, report.rows = compare_with_serial(job, query)
+        events = [(t, "fault_injected", {"fault": f.describe(), **hit}) for t, f, hit in report.applied]
+        report.timeline = sorted(events + job.timeline(), key=lambda e: e[0])
+    finally:
+        job.stop()
+    return report
