@@ -27,6 +27,8 @@ def canonical_key(value: Any) -> Any:
     >>> canonical_key(("a", float("nan")))[1] is NAN_KEY, canonical_key(-0.0)
     (True, 0.0)
     """
+    if type(value) is str:  # the common case first: state keys are mostly strings
+        return value
     if isinstance(value, float):
         if value != value:
             return NAN_KEY

@@ -231,13 +231,19 @@ class ListState(_Handle):
 
     def items(self, key: Any) -> Iterator[Any]:
         """The items of ``key``, first to last (a chunk at a time)."""
+        return self.scan(key)
+
+    def scan(self, key: Any, start: int | None = None) -> Iterator[Any]:
+        """The items from absolute index ``start`` (default: the head) to the last, a chunk at a time."""
         key = canonical_key(key)
         head, tail = self.index_range(key)
+        head = head if start is None else max(start, head)
         if tail <= head:
             return
         c = self.chunk_size
+        get = self.state.get
         for n in range(head // c, (tail - 1) // c + 1):
-            chunk = self.state.get(("c", key, n))
+            chunk = get(("c", key, n))
             yield from chunk[max(head - n * c, 0):min(tail - n * c, c)]
 
     def clear(self, key: Any) -> None:

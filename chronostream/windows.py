@@ -373,20 +373,31 @@ class WindowAggregate(Operator):
         pos = self.events.index_range(key)[1]  # absolute position of this event in the key's queue
         heads = [pos] * len(self.windows) if st is None else list(st["heads"])
         aggs = [{"n": 0, "s": {}} for _ in self.windows] if st is None else st["agg"]
-        new_heads, new_aggs = [], []
+        new_heads, new_aggs, expired = [], [], []
         for w, win in enumerate(self.windows):
             h = heads[w]
+            gone: list[list] = []  # the queued events leaving this window: [time, queued values...]
             if win.kind == "count":
                 new_h = max(h, pos + 1 - win.size)
+                if new_h > h:
+                    for item in self.events.scan(key, h):
+                        gone.append(item)
+                        if len(gone) == new_h - h:
+                            break
             else:
-                new_h, cutoff = h, t_eff - win.size
-                while new_h < pos and self.events.item_at(key, new_h)[0] <= cutoff:
-                    new_h += 1
+                cutoff = t_eff - win.size
+                for item in self.events.scan(key, h):  # in time order: stop at the first one still in
+                    if item[0] > cutoff:
+                        break
+                    gone.append(item)
+                new_h = h + len(gone)
+            expired.append(gone)
             sums = dict(aggs[w]["s"])
             for c in self.sum_columns:
                 acc = _sum_add(sums.get(c), vals[c], +1)
-                for p in range(h, new_h):
-                    acc = _sum_add(acc, self._queued(key, p, c), -1)
+                i = 1 + self.queued_columns.index(c)
+                for item in gone:
+                    acc = _sum_add(acc, item[i], -1)
                 if isinstance(acc, int) and not -2**63 <= acc < 2**63:
                     raise OverflowError(f"windowed int64 sum of column {c!r} overflows")
                 sums[c] = acc
@@ -396,12 +407,13 @@ class WindowAggregate(Operator):
         row = self._out_row(event)
         self.events.append(key, [t_eff] + [vals[c] for c in self.queued_columns])
         for w, win in enumerate(self.windows):
-            h, new_h = heads[w], new_heads[w]
+            new_h = new_heads[w]
             for c in self.distinct_columns:
                 m = self.distinct[(c, w)]
                 m.increment(key, vals[c], 1)
-                for p in range(h, new_h):
-                    m.increment(key, self._queued(key, p, c), -1)
+                i = 1 + self.queued_columns.index(c)
+                for item in expired[w]:
+                    m.increment(key, item[i], -1)
             for a, c in self.extreme_specs:
                 dq = self.extremes[(a, c, w)]
                 while dq.len(key) and dq.peekleft(key)[0] < new_h:
@@ -431,9 +443,6 @@ class WindowAggregate(Operator):
             self.events.popleft(key)
         self.keys.set(key, {"t": t_eff, "heads": new_heads, "agg": new_aggs})
         self._ctx.produce_update("out", row)  # one row per event: keeps the event's lineage
-
-    def _queued(self, key: Any, pos: int, column: str) -> Any:
-        return self.events.item_at(key, pos)[1 + self.queued_columns.index(column)]
 
     # -- hopping and tumbling ------------------------------------------------------------------
 

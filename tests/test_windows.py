@@ -84,9 +84,8 @@ def brute_force(windows: list, events: list[dict], lateness) -> list:
         if isinstance(w0, (cs.TumblingWindow, cs.HoppingWindow)):
             hw = w0.as_hopping() if isinstance(w0, cs.TumblingWindow) else w0
 
-            def starts_of(x):
-                return [s for s in range(hw.offset - 10 * hw.size, x + 1) if (s - hw.offset) % hw.hop == 0
-                        and s <= x < s + hw.size]
+            def starts_of(x):  # every grid start s with s <= x < s + size
+                return [s for s in range(x - hw.size + 1, x + 1) if (s - hw.offset) % hw.hop == 0]
 
             if hw.emit == "close":
                 done = emitted.setdefault(k, set())
