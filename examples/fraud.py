@@ -10,8 +10,9 @@ event queue per card:
 and the rule "more than 4 payments of a card in 5 minutes", evaluated two
 ways: on the exact sliding window, and on 5-minute windows hopping by
 1 minute (the approximation Railgun argues against). The payments are
-``chronostream.datasets.payments``: seeded, Zipf-skewed cards, log-normal
-amounts, Poisson event times over 7 days, plus card-testing bursts.
+``chronostream.datasets.payments``: seeded, Zipf-skewed cards (exponent
+0.8 over 100,000 cards here), log-normal amounts, Poisson event times over
+7 days, plus card-testing bursts (one per 200 payments).
 
     python -m examples.fraud                      # 200,000 payments, in-process runtime
     python -m examples.fraud --rows 20000 --executor serial
@@ -33,7 +34,7 @@ SEVEN_DAYS_S = 7 * 86_400
 MAX_PAYMENTS_IN_5_MIN = 4
 
 
-def fraud_query(rows: int, cards: int = 10_000, seed: int = 42, slices: int = 8) -> cs.Query:
+def fraud_query(rows: int, cards: int = 100_000, seed: int = 42, slices: int = 8, skew: float = 0.8) -> cs.Query:
     """Profiles per card at every payment (sink ``profiles``), and the 5-minute rule's alerts two ways.
 
     Sinks: ``profiles`` (card, ts, count_5m, sum_amount_5m, count_7d,
@@ -42,7 +43,7 @@ def fraud_query(rows: int, cards: int = 10_000, seed: int = 42, slices: int = 8)
     window_start, window_end, count).
     """
     q = cs.Query()
-    pay = q.source("payments", payments(rows, cards=cards, seed=seed), order_by="ts").key_by("card")
+    pay = q.source("payments", payments(rows, cards=cards, s=skew, seed=seed), order_by="ts").key_by("card")
     profiles = pay.window([cs.SlidingWindow(FIVE_MINUTES_S, time="ts", name="5m"),
                            cs.SlidingWindow(SEVEN_DAYS_S, time="ts", name="7d")],
                           count=True, sum="amount", slices=slices, name="profiles")
@@ -56,13 +57,14 @@ def fraud_query(rows: int, cards: int = 10_000, seed: int = 42, slices: int = 8)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--cards", type=int, default=10_000)
+    ap.add_argument("--cards", type=int, default=100_000)
+    ap.add_argument("--skew", type=float, default=0.8, help="Zipf exponent of card frequencies")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--slices", type=int, default=8)
     ap.add_argument("--executor", choices=["local", "serial", "ray"], default="local")
     ap.add_argument("--containers", type=int, default=2)
     args = ap.parse_args()
-    q = fraud_query(args.rows, args.cards, args.seed, args.slices)
+    q = fraud_query(args.rows, args.cards, args.seed, args.slices, args.skew)
     start = time.perf_counter()
     kwargs = {} if args.executor == "serial" else {"containers": args.containers}
     job = cs.run(q, executor=args.executor, **kwargs)
