@@ -55,6 +55,25 @@ class Checkpointer:
         return fresh
 
 
+def run_restoring_half_way(make, step, ops: list, cut: int, copy_model) -> None:
+    """Apply ``ops`` to a handle and its model, checkpointing (full, then deltas) up to ``cut``;
+    restore a fresh handle from the merged chain and apply the rest to both, each against its own model."""
+    state = KeyValueState("s")
+    handle = make(state)
+    model: dict = {}
+    ckpt = Checkpointer(state)
+    ckpt.take()
+    for i, op in enumerate(ops[:cut]):
+        step(handle, model, op)
+        if i % 5 == 4:
+            ckpt.take()
+    ckpt.take()
+    restored, model2 = make(ckpt.restored()), copy_model(model)
+    for op in ops[cut:]:
+        step(handle, model, op)
+        step(restored, model2, op)
+
+
 def queue_step(h: QueueState, model: dict, op: tuple) -> None:
     """Apply one operation to the handle and to the model (key -> deque); every answer must agree."""
     name, key, item = op
@@ -81,22 +100,8 @@ def queue_step(h: QueueState, model: dict, op: tuple) -> None:
        st.integers(1, 5), st.data())
 def test_queue_matches_a_deque_and_survives_checkpoint_restore(ops, chunk, data):
     """QueueState == collections.deque under random appends/pops, before and after a delta-chain restore."""
-    cut = data.draw(st.integers(0, len(ops)))
-    state = KeyValueState("s")
-    q = QueueState(state, chunk_size=chunk)
-    model: dict = {}
-    ckpt = Checkpointer(state)
-    ckpt.take()
-    for i, op in enumerate(ops[:cut]):
-        queue_step(q, model, op)
-        if i % 7 == 6:
-            ckpt.take()
-    ckpt.take()
-    restored = QueueState(ckpt.restored(), chunk_size=chunk)
-    model2 = {k: deque(v) for k, v in model.items()}
-    for op in ops[cut:]:
-        queue_step(q, model, op)
-        queue_step(restored, model2, op)
+    run_restoring_half_way(lambda state: QueueState(state, chunk_size=chunk), queue_step, ops,
+                           data.draw(st.integers(0, len(ops))), lambda m: {k: deque(v) for k, v in m.items()})
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,49 +127,36 @@ def test_list_matches_a_python_list(ops, chunk):
         assert lst.len(key) == len(m)
 
 
+def map_step(h: MapState, model: dict, op: tuple) -> None:
+    """Apply one operation to the map handle and to the model (key -> dict); every answer must agree."""
+    name, key, mk, v = op
+    d = model.setdefault(key, {})
+    if name == "set":
+        h.set(key, mk, v)
+        d[mk] = v
+    elif name == "delete":
+        h.delete(key, mk)
+        d.pop(mk, None)
+    elif isinstance(d.get(mk, 0), int):
+        h.increment(key, mk, v)
+        d[mk] = d.get(mk, 0) + v
+        if d[mk] == 0:
+            del d[mk]
+    assert h.len(key) == len(d)
+    assert dict(h.items(key)) == d
+    assert sorted(map(repr, h.keys(key))) == sorted(map(repr, d))
+    assert h.get(key, mk, "none") == d.get(mk, "none")
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["set", "set", "delete", "incr"]), keys,
                           st.one_of(st.integers(0, 6), st.tuples(st.text(max_size=1), st.integers(0, 2))),
                           st.integers(-3, 3)), max_size=120),
        st.integers(1, 4), st.data())
 def test_map_matches_a_dict_and_survives_checkpoint_restore(ops, page, data):
-    """MapState == dict of dicts (get, len, items as a set) before and after a delta-chain restore."""
-    cut = data.draw(st.integers(0, len(ops)))
-    state = KeyValueState("s")
-    m = MapState(state, page_size=page)
-    model: dict = {}
-    ckpt = Checkpointer(state)
-    ckpt.take()
-
-    def step(h, mod, op):
-        name, key, mk, v = op
-        d = mod.setdefault(key, {})
-        if name == "set":
-            h.set(key, mk, v)
-            d[mk] = v
-        elif name == "delete":
-            h.delete(key, mk)
-            d.pop(mk, None)
-        elif isinstance(d.get(mk, 0), int):
-            h.increment(key, mk, v)
-            d[mk] = d.get(mk, 0) + v
-            if d[mk] == 0:
-                del d[mk]
-        assert h.len(key) == len(d)
-        assert dict(h.items(key)) == d
-        assert sorted(map(repr, h.keys(key))) == sorted(map(repr, d))
-        assert h.get(key, mk, "none") == d.get(mk, "none")
-
-    for i, op in enumerate(ops[:cut]):
-        step(m, model, op)
-        if i % 5 == 4:
-            ckpt.take()
-    ckpt.take()
-    restored = MapState(ckpt.restored(), page_size=page)
-    model2 = {k: dict(v) for k, v in model.items()}
-    for op in ops[cut:]:
-        step(m, model, op)
-        step(restored, model2, op)
+    """MapState == dict of dicts (get, len, items, keys) before and after a delta-chain restore."""
+    run_restoring_half_way(lambda state: MapState(state, page_size=page), map_step, ops,
+                           data.draw(st.integers(0, len(ops))), lambda m: {k: dict(v) for k, v in m.items()})
 
 
 @settings(max_examples=60, deadline=None)
