@@ -23,7 +23,10 @@ from chronostream.operators import KeyedAggregate, KeyedJoin, Operator
 from chronostream.serial import SerialResult, run_serial
 from chronostream.sinks import MemorySink, ParquetSink, Sink, read_parquet_sink
 from chronostream.state import KeyValueState
+from chronostream.statelib import ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.types import extend_sub_order
+from chronostream.windows import (CountWindow, HoppingWindow, LateEventError, SlidingWindow, TumblingWindow,
+                                  WindowAggregate)
 
 __all__ = [
     "CompletedJob", "Job", "JobStatus", "ensure_ray", "run",
@@ -35,5 +38,7 @@ __all__ = [
     "SerialResult", "run_serial",
     "MemorySink", "ParquetSink", "Sink", "read_parquet_sink",
     "KeyValueState", "extend_sub_order",
+    "ListState", "MapState", "QueueState", "TopKState", "ValueState",
+    "CountWindow", "HoppingWindow", "LateEventError", "SlidingWindow", "TumblingWindow", "WindowAggregate",
 ]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ from chronostream.sinks import MemorySink, Sink
 from chronostream.readers import LogSource
 from chronostream.sourcelog import SourceLog
 from chronostream.sources import SourceData, assign_global_order, to_table
+from chronostream.windows import WindowAggregate, WindowSpec, plan_windows
 
 #: Slices of a stateful stage when ``slices=`` is not given. Slices are the
 #: unit of migration and recovery: more slices = finer elasticity, at a small
@@ -204,6 +205,41 @@ class Stream:
             raise QueryError(f"aggregate() needs at least one of {AGGREGATES}")
         return self.query.operator(KeyedAggregate, {"in": self}, list(self.key), specs,
                                    slices=slices, name=name or f"{self.name}.aggregate")
+
+    def window(self, windows: WindowSpec | Sequence[WindowSpec], *, count: bool = False,
+               sum: str | Sequence[str] = (), mean: str | Sequence[str] = (), min: str | Sequence[str] = (),
+               max: str | Sequence[str] = (), distinct: str | Sequence[str] = (),
+               allowed_lateness: Any = None, slices: int | None = None, name: str | None = None) -> "Stream":
+        """Per-key window aggregates, evaluated at every event (see ``chronostream.windows``).
+
+        ``windows``: a ``SlidingWindow(size, time=col)`` (exact: the key's
+        events in ``(t - size, t]``), a ``CountWindow(n)``, a list of those
+        (named; they share one event queue), or one ``TumblingWindow`` /
+        ``HoppingWindow``. Output: one row per event for sliding windows (the
+        key columns, the time column, then ``count``, ``sum_<col>``,
+        ``mean_<col>``, ``min_<col>``, ``max_<col>``, ``distinct_<col>``,
+        suffixed ``_<name>`` with several windows); hopping windows add
+        ``window_start``/``window_end`` and emit per window. An event older
+        than its key's latest time by more than ``allowed_lateness`` (default
+        0) is a bad input (``LateEventError``); within it, its time is clamped.
+
+        >>> import chronostream as cs
+        >>> q = cs.Query()
+        >>> pay = q.source("p", [{"card": "a", "ts": t, "amount": 1} for t in (0, 100, 250, 400)])
+        >>> _ = pay.key_by("card").window(cs.SlidingWindow(300, time="ts"), count=True, sum="amount",
+        ...                               slices=2).sink(name="w")
+        >>> [r["count"] for r in cs.run(q, executor="serial").results("w").to_pylist()]
+        [1, 2, 3, 2]
+        """
+        if self.key is None:
+            raise QueryError("window() needs a keyed stream: call key_by() first")
+        specs: list[tuple[str, str | None]] = [("count", None)] if count else []
+        for agg, cols in (("sum", sum), ("mean", mean), ("min", min), ("max", max), ("distinct", distinct)):
+            for c in ([cols] if isinstance(cols, str) else cols):
+                specs.append((agg, c))
+        normalized, lateness = plan_windows(windows, specs, allowed_lateness)
+        return self.query.operator(WindowAggregate, {"in": self}, list(self.key), normalized, specs, lateness,
+                                   slices=slices, name=name or f"{self.name}.window")
 
     def count(self, slices: int | None = None, name: str | None = None) -> "Stream":
         """Running count per key."""

