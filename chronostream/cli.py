@@ -1,4 +1,4 @@
-"""The ``chronostream`` command line: ``demo``, ``run`` and ``validate``.
+"""The ``chronostream`` command line: ``demo``, ``run``, ``chaos`` and ``validate``.
 
 Owns: argument parsing and the printing of summaries. Everything it does
 goes through the public API (``chronostream.run`` and the Job handle).
@@ -45,6 +45,39 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_kill(spec: str) -> "Fault":
+    from chronostream.chaos import Fault
+
+    stage, _, epoch = spec.partition("@")
+    if not stage or not epoch.isdigit():
+        raise SystemExit(f"--kill takes STAGE@EPOCH (e.g. count@10), got {spec!r}")
+    return Fault("kill", int(epoch), stage)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    """Run a query with faults, compare every sink with the serial executor, print the timeline."""
+    from chronostream.chaos import Fault, random_faults, run_with_faults
+
+    query = _load_query(args.file)
+    faults = [_parse_kill(k) for k in args.kill]
+    stages = [s.name for s in cs.compile_query(query)[0].stages if s.kind == "operator"]
+    if args.faults:
+        epochs = cs.compile_query(query)[0].num_epochs or 10
+        faults += random_faults(args.seed, args.faults, stages, max(2, epochs * 3 // 4), args.containers)
+    if args.delay:
+        source = next(s.name for s in cs.compile_query(query)[0].stages if s.kind == "source")
+        faults.insert(0, Fault("delay", 0, source, seconds=args.delay))
+    for f in faults:
+        print("scheduled:", f.describe())
+    report = run_with_faults(query, faults, containers=args.containers, checkpoint_every=args.checkpoint_every,
+                             backup_factor=args.backup_factor)
+    print(report.format_timeline())
+    for name, n in report.rows.items():
+        verdict = "OK" if name not in report.mismatches else f"DIFFERS: {report.mismatches[name]}"
+        print(f"sink {name!r}: {n} rows, {verdict} (vs the serial executor)")
+    return 0 if report.ok else 1
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a Parquet sink directory against expected rows (Parquet) with Spark."""
     from chronostream.spark import spark_session, validate
@@ -66,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--containers", type=int, default=2, help="containers per stage (default 2)")
     d.add_argument("--rows", type=int, default=0, help="use only the first N flights (0 = all)")
     d.add_argument("--out", default="out/demo", help="output directory (Parquet sink)")
+    d.add_argument("--no-kill", action="store_true", help="do not kill a container mid-run")
     r = sub.add_parser("run", help="run a query defined in a Python file (build() or `query`)")
     r.add_argument("file")
     r.add_argument("--executor", default="ray", choices=["ray", "serial", "local"])
@@ -78,13 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     v.add_argument("--drop-system", action="store_true",
                    help="ignore _slice/_seq/_sub in the expected file (compare user columns and _order)")
+    c = sub.add_parser("chaos", help="run a query file with injected faults and check its output is exact")
+    c.add_argument("file")
+    c.add_argument("--kill", action="append", default=[], help="STAGE@EPOCH: kill a container (repeatable)")
+    c.add_argument("--faults", type=int, default=0, help="add N random kills (seeded by --seed)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--containers", type=int, default=3, help="containers per stage (default 3)")
+    c.add_argument("--checkpoint-every", type=int, default=2, help="epochs between checkpoints (default 2)")
+    c.add_argument("--backup-factor", type=int, default=2)
+    c.add_argument("--delay", type=float, default=0.0,
+                   help="slow the source by S seconds per epoch, so faults land mid-stream")
     args = parser.parse_args(argv)
+    if args.command == "chaos":
+        return cmd_chaos(args)
     if args.command == "validate":
         return cmd_validate(args)
     if args.command == "demo":
         from chronostream.demo import run_demo
 
-        return run_demo(containers=args.containers, rows=args.rows, out=Path(args.out))
+        return run_demo(containers=args.containers, rows=args.rows, out=Path(args.out), kill=not args.no_kill)
     return cmd_run(args)
 
 

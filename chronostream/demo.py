@@ -4,8 +4,11 @@ Owns: the demo's steps and its summary table. Spark (local[2]) feeds the
 flights into a sequence-numbered source log; the job runs on Ray (started
 in this process) reading that log; Spark validates the job's Parquet
 output: exactly-once identities, and equality, row for row, with the same
-running statistics computed by Spark SQL window functions. Container kills
-and scaling mid-run come with the fault-tolerance and elasticity work.
+running statistics computed by Spark SQL window functions. A third of the
+way through, the failure harness (``chronostream.chaos``) kills one of the
+route-statistics containers; its slices are rebuilt from their chained
+backups by the two other containers and the output must still validate.
+Scaling mid-run comes with the elasticity work.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import chronostream as cs
 from chronostream.datasets import flights
 
 
-def build_query(log_dir: Path, out_dir: Path, slices: int = 32, name: str = "route_delays") -> cs.Query:
+def build_query(log_dir: Path, out_dir: Path, slices: int = 32, name: str = "route_delays",
+                epoch_events: int = 8192) -> cs.Query:
     """Per (origin, dest): running count, mean and max of the departure delay, in event-time order."""
-    q = cs.Query(epoch_events=8192)
+    q = cs.Query(epoch_events=epoch_events)
     src = q.source_log(str(log_dir), "flights")
     departed = src.filter_batches(lambda t: pc.is_valid(t["dep_delay"]))
     departed.key_by(["origin", "dest"]).aggregate(count=True, mean=["dep_delay"], max=["dep_delay"],
@@ -53,13 +57,39 @@ def _bar(done: int, total: int | None, width: int = 30) -> str:
     return "[" + "#" * k + "." * (width - k) + f"] {done}/{total} epochs"
 
 
-def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo")) -> int:
+def _recovery_lines(timeline: list, applied: list) -> list[tuple[str, str]]:
+    """Summary lines for the fault and the recovery, times relative to the kill."""
+    if not applied:
+        return [("fault", "none injected: the job finished before the kill point")]
+    t_kill, fault, hit = applied[0]
+    rel = lambda t: f"+{(t - t_kill) * 1000:,.0f} ms"  # noqa: E731
+    lines = [("fault", f"killed container {hit['container']} of stage {hit['stage']!r} at epoch {fault.at_epoch}")]
+    for t, kind, info in timeline:
+        if t < t_kill:
+            continue
+        if kind == "fault_detected":
+            lines.append(("  detected", f"{rel(t)} by {info['by']}"))
+        elif kind == "slices_restored":
+            lines.append(("  restored", f"{rel(t)} slices {info['slices']} on host {info['host']} "
+                                        f"(from epoch {min(info['resume'].values())})"))
+        elif kind == "recovery_end":
+            lines.append(("  recovered", f"{rel(t)} ({info['epochs_replayed']} epoch messages replayed "
+                                         "from upstream output logs)"))
+    firsts = [t for t, kind, _ in timeline if kind == "first_output" and t >= t_kill]
+    if firsts:
+        lines.append(("  first output", f"{rel(min(firsts))} (first recovered slice), {rel(max(firsts))} (last)"))
+    return lines
+
+
+def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), kill: bool = True) -> int:
     """Run the demo; print progress and a summary table; return the exit code (1 = invalid)."""
+    from chronostream.chaos import Fault, apply_schedule
     from chronostream.spark import feed, spark_session, validate
 
     print("ChronoStream demo: running departure-delay statistics per route, 2013 NYC flights")
-    print("  (a container kill and a scale-out/in mid-run are not in this demo yet: they come with"
-          " the fault-tolerance and elasticity work)")
+    if kill:
+        print("  (a route-statistics container is killed a third of the way through; scale-out/in"
+              " mid-run comes with the elasticity work)")
     if out.exists():
         shutil.rmtree(out)
     log_dir, out_dir = out / "source-log", out / "route_delays"
@@ -75,8 +105,15 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo")) -
     print("  2/3 the job runs on Ray ...", flush=True)
     cs.ensure_ray()
     t0 = time.perf_counter()
-    job = cs.run(build_query(log_dir, out_dir), containers=containers)
+    query = build_query(log_dir, out_dir, epoch_events=4096)
+    stats_containers = max(3, containers) if kill else containers
+    job = cs.run(query, containers={"flights": containers, "route_delays": stats_containers},
+                 checkpoint_every=4 if kill else 0)
+    applied: list = []
     try:
+        epochs = job.plan.num_epochs or 1
+        if kill:
+            applied = apply_schedule(job, [Fault("kill", at_epoch=max(1, epochs // 3), stage="route_delays")])
         while True:
             info = job.progress()
             sys.stdout.write("\r      " + _bar(info["min_epoch"], info["epochs"]))
@@ -88,9 +125,10 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo")) -
         elapsed = time.perf_counter() - t0
         sys.stdout.write("\r      " + _bar(info["epochs"] or 0, info["epochs"]) + "\n")
         placement = job.placement()
-        outputs = sum(s.events_out for s in job.statistics().values() if s.stage == "route_delays")
+        timeline = job.timeline()
     finally:
         job.stop()
+    outputs = cs.read_parquet_sink(out_dir).num_rows
     print("  3/3 Spark validates the output ...", flush=True)
     t_val = time.perf_counter()
     report = validate(out_dir, expected_route_delays(df), key=["_order"], spark=spark, show=False)
@@ -99,10 +137,11 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo")) -
     lines = [
         ("events in", f"{fed.total_rows:,} flights (fed by Spark in {feed_s:.1f} s)"),
         ("outputs", f"{outputs:,} route updates (one per departed flight)"),
-        ("containers", ", ".join(f"{k}: {len(v)}" for k, v in placement["stages"].items())),
-        ("job time", f"{elapsed:.1f} s (deploy + run)"),
+        ("containers", ", ".join(f"{k}: {len(v)}" for k, v in placement["stages"].items())
+         + " (after recovery)" * bool(applied)),
+        ("job time", f"{elapsed:.1f} s (deploy + run + recovery)"),
         ("throughput", f"{fed.total_rows / elapsed:,.0f} events/s"),
-        ("what happened", "ran to completion; no faults injected, no scaling (not implemented yet)"),
+        *(_recovery_lines(timeline, applied) if kill else [("faults", "none (--no-kill)")]),
         ("output", str(out_dir)),
         ("validation", f"{verdict} (Spark, {val_s:.1f} s): {report.n_duplicates} duplicated, "
                        f"{report.n_missing_identities} missing identities, {report.n_unexpected} wrong rows"),

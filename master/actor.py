@@ -211,7 +211,8 @@ class JobMaster:
                 chain.update({(st, s): hs for s, hs in peers.items()})
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
                              checkpointed, self.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
-                             chain, damaged)
+                             chain, damaged, {s.stage_id: self.plan.downstream_stages(s.stage_id)
+                                             for s in self.plan.stages})
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # every host of the stage died: start a new one

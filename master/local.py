@@ -221,7 +221,8 @@ class LocalCluster:
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
                              self.checkpointed, self.recompute_lost,
-                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged)
+                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
+                             {s.stage_id: self.plan.downstream_stages(s.stage_id) for s in self.plan.stages})
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # no live container left in the stage: a new host

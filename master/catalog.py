@@ -1,0 +1,134 @@
+"""Owns the master's durable catalog: what a restarted master needs to resume a job.
+
+Stored in one lmdb environment under the job's work directory: the
+placement (containers per stage, slice -> container, stage of each
+container), which host runs each container, the live hosts and their
+nodes, the next free id, the containers that finished, the memory-sink rows
+handed over at checkpoints, the job's state and its timeline. Values are
+msgpack (Arrow IPC for sink rows). Each ``save_*`` call is one lmdb
+transaction. Knows no Ray.
+
+>>> import tempfile, numpy as np
+>>> from master.placement import Placement
+>>> cat = MasterCatalog(tempfile.mkdtemp())
+>>> p = Placement({0: [0, 1]}, {0: np.array([0, 1, 0])}, {0: 0, 1: 0})
+>>> cat.save_layout(p, {0: 0, 1: 1}, {0, 1}, {0: "n", 1: "n"}, 2)
+>>> cat.load_layout()[0].slices_of(0)
+[0, 2]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from containers.lmdb_store import put_all
+from master.placement import Placement
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+class MasterCatalog:
+    """The master's state in lmdb (``exists()`` tells a restarted master to resume)."""
+
+    def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # sync=True: the catalog is small and must survive the master's process.
+        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0)
+
+    def exists(self) -> bool:
+        """True when a layout was saved (the job was deployed)."""
+        with self.env.begin() as txn:
+            return txn.get(b"layout") is not None
+
+    def _get(self, key: bytes, default: Any = None) -> Any:
+        with self.env.begin() as txn:
+            v = txn.get(key)
+        return default if v is None else _unpack(v)
+
+    def save_layout(self, placement: Placement, host_of: dict[int, int], alive: set[int],
+                    nodes: dict[int, str], next_id: int) -> None:
+        """Placement, container -> host, live hosts, host -> node and the next free id."""
+        layout = {"containers": {str(k): v for k, v in placement.containers.items()},
+                  "slices": {str(k): v.tolist() for k, v in placement.slice_to_container.items()},
+                  "stage_of": {str(k): v for k, v in placement.stage_of.items()},
+                  "host_of": {str(k): v for k, v in host_of.items()}, "alive": sorted(alive),
+                  "nodes": {str(k): v for k, v in nodes.items()}, "next_id": next_id}
+        put_all(self.env, [(b"layout", _pack(layout))])
+
+    def load_layout(self) -> tuple[Placement, dict[int, int], set[int], dict[int, str], int]:
+        """The saved layout (see ``save_layout``)."""
+        d = self._get(b"layout")
+        placement = Placement({int(k): list(v) for k, v in d["containers"].items()},
+                              {int(k): np.array(v, dtype=np.int64) for k, v in d["slices"].items()},
+                              {int(k): v for k, v in d["stage_of"].items()})
+        return (placement, {int(k): v for k, v in d["host_of"].items()}, set(d["alive"]),
+                {int(k): v for k, v in d["nodes"].items()}, d["next_id"])
+
+    def save_progress(self, state: str, done: set[int], started_at: float, finished_at: float) -> None:
+        """Job state, finished containers and times."""
+        put_all(self.env, [(b"progress", _pack({"state": state, "done": sorted(done), "started_at": started_at,
+                                                "finished_at": finished_at}))])
+
+    def load_progress(self) -> dict[str, Any]:
+        """The saved job state (see ``save_progress``)."""
+        return self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
+
+    def add_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
+        """Memory-sink rows (sink id -> (slice, epoch) -> rows), one key per part."""
+        items = [(f"sink:{k}:{s}:{e}".encode(), _ipc(t)) for k, per in parts.items() for (s, e), t in per.items()]
+        put_all(self.env, items)
+
+    def load_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
+        """Every saved memory-sink part."""
+        out: dict[int, dict[tuple[int, int], pa.Table]] = {}
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(b"sink:"):
+                for key, value in cur:
+                    if not key.startswith(b"sink:"):
+                        break
+                    _, k, s, e = key.decode().split(":")
+                    out.setdefault(int(k), {})[(int(s), int(e))] = pa.ipc.open_stream(pa.py_buffer(value)).read_all()
+        return out
+
+    def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]]) -> None:
+        """One timeline event (kept in order by ``seq``)."""
+        put_all(self.env, [(b"event:%012d" % seq, _pack(list(event)))])
+
+    def load_events(self) -> list[tuple[float, str, dict[str, Any]]]:
+        """The saved timeline."""
+        out = []
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(b"event:"):
+                for key, value in cur:
+                    if not key.startswith(b"event:"):
+                        break
+                    t, kind, info = _unpack(value)
+                    out.append((t, kind, info))
+        return out
+
+    def close(self) -> None:
+        """Close the environment."""
+        self.env.close()
