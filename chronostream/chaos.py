@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-KINDS = ("kill", "kill_two", "delay", "corrupt_backup", "truncate_backup")
+KINDS = ("kill", "kill_two", "kill_master", "delay", "corrupt_backup", "truncate_backup")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class Fault:
     """One fault: ``kind`` applied once the job has passed ``at_epoch`` (every container).
 
     Kinds: ``kill`` (one container's host dies: ``ray.kill``), ``kill_two``
-    (two hosts of the stage at once), ``delay`` (the host spends
+    (two hosts of the stage at once), ``kill_master`` (the job master's
+    process dies; Ray restarts it and it resumes from its catalog),
+    ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
     peer is damaged; combine with a later ``kill`` of the slice's owner to
@@ -49,6 +51,8 @@ class Fault:
 
     def describe(self) -> str:
         """``kill a container of stage 'count' at epoch 5``."""
+        if self.kind == "kill_master":
+            return f"kill the job master at epoch {self.at_epoch}"
         what = {"kill": "kill a container", "kill_two": "kill two containers", "delay": f"delay a container by "
                 f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
                 "truncate a backup"}[self.kind]
@@ -93,6 +97,9 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     """Apply one fault now; return what was hit (container, host, slices)."""
     import ray
 
+    if fault.kind == "kill_master":
+        ray.kill(job.master, no_restart=False)
+        return {"master": True}
     stage = fault.stage or _stateful_stages(job)[0]
     ids = _containers_of(job, stage)
     handles = ray.get(job.master.container_handles.remote())
@@ -157,6 +164,11 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
         before = job.progress().get("recoveries", 0)
         hit = inject(job, fault)
         applied.append((time.time(), fault, hit))
+        if settle and fault.kind == "kill_master":
+            while not any(k == "master_restarted" for _, k, _ in job.timeline()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the master did not restart")
+                time.sleep(poll_s)
         if settle and fault.kind in ("kill", "kill_two"):
             while job.progress().get("recoveries", 0) <= before and job.progress()["state"] == "running":
                 if time.monotonic() > deadline:

@@ -25,6 +25,10 @@ from chronostream.sinks import ParquetSink, read_parquet_sink
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
 
+#: Ray namespace of the jobs' actors (hosts are detached named actors, found again by a restarted master).
+RAY_NAMESPACE = "chronostream"
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Start Ray in this process (default) or connect to ``address`` / ``$RAY_ADDRESS``."""
     import ray
@@ -33,9 +37,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=True)
+        ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
         return
     ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, logging_level="WARNING",
+             namespace=RAY_NAMESPACE,
              object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
              log_to_driver=True)
 
@@ -86,8 +91,9 @@ class Job:
     Parquet sink's directory, ``stop()`` releases its actors.
     """
 
-    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any]) -> None:
+    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any], workdir: str = "") -> None:
         self.plan = plan
+        self.workdir = workdir  # the hosts' local stores and the master's catalog live under it
         self.master = master
         self._placement = placement
         self._result_cache: dict[str, pa.Table] = {}
@@ -273,6 +279,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     master = JobMaster.options(max_concurrency=1000).remote(
         plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log,
-        checkpoint_every, backup_factor, full_checkpoint_every, recompute_lost)
-    placement = ray.get(master.deploy.remote(refs))
-    return Job(plan, master, placement)
+        checkpoint_every, backup_factor, full_checkpoint_every, recompute_lost, 0.5, refs,
+        os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8])
+    placement = ray.get(master.deploy.remote())
+    return Job(plan, master, placement, workdir)

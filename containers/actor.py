@@ -126,9 +126,9 @@ class ResourceContainer:
         if restore_from is not None:
             t0 = time.time()
             ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
-            core.restore_slices({s: c for s, (c, _) in ckpts.items()})
-            info.update(restore_start=t0, restore_end=time.time(),
-                        rejected=[r for _, rej in ckpts.values() for r in rej],
+            core.restore_slices({s: c for s, (c, _, _) in ckpts.items()})
+            info.update(restore_start=t0, restore_end=time.time(), bytes=sum(n for _, _, n in ckpts.values()),
+                        rejected=[r for _, rej, _ in ckpts.values() for r in rej],
                         resume={s: core.log_start[s] for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
@@ -145,14 +145,16 @@ class ResourceContainer:
         for h, actor in holders:
             try:
                 if h == self.host_id and self.backup_store is not None:
-                    return self.backup_store.latest(stage_id, slice_id), rejected
-                return decode(await actor.backup_bytes.remote(stage_id, slice_id), "backup"), rejected
+                    return (self.backup_store.latest(stage_id, slice_id), rejected,
+                            self.backup_store.size(stage_id, slice_id))
+                data = await actor.backup_bytes.remote(stage_id, slice_id)
+                return decode(data, "backup"), rejected, len(data)
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
                 rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
         if holders:
             name = self.plan.stages[stage_id].name if self.plan else stage_id
             raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
-        return None, rejected
+        return None, rejected, 0
 
     async def start(self, container_ids: list[int] | None = None) -> None:
         """Start processing the given containers (default: all not started)."""

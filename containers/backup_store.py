@@ -101,6 +101,10 @@ class BackupStore:
                 bad.append((st, sl, str(exc)))
         return good, bad
 
+    def size(self, stage_id: int, slice_id: int) -> int:
+        """Bytes of the checkpoints held for a slice (its chain)."""
+        return sum(len(b) for b in self.chains.get((stage_id, slice_id), []))
+
     def holds(self) -> list[SliceKey]:
         """(stage, slice) of every backup held."""
         return sorted(self.chains)

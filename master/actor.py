@@ -25,21 +25,30 @@ from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
+from master.catalog import MasterCatalog
 from master.placement import Placement, initial_placement
 from master.recovery import host_backup_peers, live_hosts, lost_containers, plan_recovery, restore_order
 
 log = logging.getLogger("chronostream.master")
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class JobMaster:
-    """One per job. Created by ``chronostream.run``."""
+    """One per job. Created by ``chronostream.run``.
+
+    Restartable: Ray re-runs the constructor after the master's process
+    dies; it finds its catalog (``master.catalog``) and resumes: hosts are
+    detached named actors, so they outlived it and kept processing; calls
+    they made meanwhile are retried until the master answers again.
+    """
 
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
                  max_inflight_epochs: int = 4, heartbeat_timeout_s: float = 60.0,
                  output_log: bool = True, checkpoint_every: int = 0, backup_factor: int = 2,
-                 full_checkpoint_every: int = 8, recompute_lost: bool = False, heartbeat_s: float = 0.5) -> None:
+                 full_checkpoint_every: int = 8, recompute_lost: bool = False, heartbeat_s: float = 0.5,
+                 source_refs: dict[int, list] | None = None, job_key: str = "job") -> None:
         self.plan = plan
+        self.job_key = job_key
         self.workdir = workdir
         self.max_inflight_epochs = max_inflight_epochs
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -57,7 +66,7 @@ class JobMaster:
         self.last_seen: dict[int, float] = {}
         self.stats: dict[int, ContainerStatistics] = {}
         self.done: set[int] = set()
-        self.source_refs: dict[int, list] = {}
+        self.source_refs: dict[int, list] = source_refs or {}
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
         self.state = "created"
         self.error: BaseException | None = None
@@ -66,15 +75,56 @@ class JobMaster:
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
+        self._watching = False
+        self.catalog = MasterCatalog(f"{workdir}/master")
+        self.resumed = self.catalog.exists()
+        if self.resumed:
+            self._resume()
+
+    def _host_name(self, host_id: int) -> str:
+        return f"chronostream-{self.job_key}-host-{host_id}"
+
+    def _resume(self) -> None:
+        """A restarted master: reload the catalog and find the hosts again."""
+        self.placement, self.host_of, self.alive, self.nodes, self.next_id = self.catalog.load_layout()
+        prog = self.catalog.load_progress()
+        self.state, self.done = prog["state"], set(prog["done"])
+        self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
+        self.sink_parts = self.catalog.load_sink_parts()
+        self.timeline = self.catalog.load_events()
+        now = time.monotonic()
+        for h in sorted(self.alive):
+            try:
+                self.handles[h] = ray.get_actor(self._host_name(h))
+                self.last_seen[h] = now
+            except ValueError:  # it died while the master was away: recovered by the watch loop
+                self.handles[h] = None
+                self.last_seen[h] = now - 2 * self.heartbeat_timeout_s
+        self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of))
+
+    def _ensure_watching(self) -> None:
+        if not self._watching and self.state == "running":
+            self._watching = True
+            asyncio.get_running_loop().create_task(self._watch())
+
+    def _save_layout(self) -> None:
+        self.catalog.save_layout(self.placement, self.host_of, self.alive, self.nodes, self.next_id)
+
+    def _save_progress(self) -> None:
+        self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
 
     def _event(self, kind: str, **info: Any) -> None:
-        self.timeline.append((time.time(), kind, info))
+        event = (time.time(), kind, info)
+        self.timeline.append(event)
+        self.catalog.add_event(len(self.timeline), event)
         log.info("%s %s", kind, info)
 
     def _new_host(self, host_id: int, node: str | None) -> Any:
         me = ray.get_runtime_context().current_actor
         strategy: Any = "SPREAD" if node is None else NodeAffinitySchedulingStrategy(node, soft=False)
-        h = ResourceContainer.options(scheduling_strategy=strategy, max_concurrency=1000).remote(
+        # Detached and named: a host outlives a master restart and is found again by name.
+        h = ResourceContainer.options(scheduling_strategy=strategy, max_concurrency=1000, lifetime="detached",
+                                      name=self._host_name(host_id)).remote(
             host_id, me, self.workdir, self.heartbeat_s)
         self.handles[host_id] = h
         self.alive.add(host_id)
@@ -89,9 +139,11 @@ class JobMaster:
         return {c: self.handles[self.host_of[c]] for d in self.plan.downstream_stages(stage_id)
                 for c in self.placement.containers[d]}
 
-    async def deploy(self, source_refs: dict[int, list]) -> dict[str, Any]:
+    async def deploy(self) -> dict[str, Any]:
         """Create, configure and start every container. Returns the placement."""
-        self.source_refs = source_refs
+        if self.resumed or self.handles:  # a retried call after a restart: already deployed
+            self._ensure_watching()
+            return self.placement.as_dict(self.plan)
         # Spread each stage's containers over the alive nodes round-robin. SPREAD
         # and soft node affinity are best-effort and were seen stacking a stage on
         # one node; hard affinity to a node alive now is exact (a node that dies
@@ -115,8 +167,10 @@ class JobMaster:
         self.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
         self.state = "running"
+        self._save_layout()
+        self._save_progress()
         self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
-        asyncio.get_running_loop().create_task(self._watch())
+        self._ensure_watching()
         return self.placement.as_dict(self.plan)
 
     def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
@@ -145,6 +199,8 @@ class JobMaster:
     async def _probe(self, hosts: list[int]) -> set[int]:
         """Hosts whose actor is dead (a ping raises). A busy host just answers late: not dead."""
         async def one(h: int) -> bool:
+            if self.handles.get(h) is None:
+                return True
             try:
                 await asyncio.wait_for(self.handles[h].ping.remote(), timeout=max(1.0, self.heartbeat_s * 4))
                 self.last_seen[h] = time.monotonic()
@@ -169,7 +225,8 @@ class JobMaster:
 
     async def _recover(self, dead_hosts: set[int]) -> None:
         async with self.recovery_lock:
-            dead = dead_hosts & self.alive
+            # Hosts a restarted master could not find again are dead as well.
+            dead = (dead_hosts | {h for h in self.alive if self.handles.get(h) is None}) & self.alive
             if not dead or self.state != "running":
                 return
             try:
@@ -180,12 +237,22 @@ class JobMaster:
 
     async def _recover_hosts(self, dead: set[int]) -> None:
         t0 = time.time()
+        # One plan for everything that died together (a node takes all its hosts):
+        # hosts on dead nodes, and any other host that no longer answers.
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+        on_dead_nodes = {h for h in self.alive if self.nodes.get(h) in dead_nodes}
+        more = (on_dead_nodes | await self._probe(sorted(self.alive - dead))) - dead
+        if more:
+            self._event("fault_detected", hosts=sorted(more), by="probe during recovery"
+                        + (" (node died)" if on_dead_nodes else ""))
+            dead = dead | more
         for h in dead:
             try:
                 ray.kill(self.handles[h], no_restart=True)  # fence a host that only looked dead
             except Exception:  # noqa: BLE001
                 pass
         self.alive -= dead
+        self._save_layout()
         lost = lost_containers(self.placement, self.host_of, dead)
         self._event("recovery_planning", hosts=sorted(dead), containers=sorted(lost))
         if not lost:
@@ -242,7 +309,8 @@ class JobMaster:
             for r in info["rejected"]:
                 self._event("backup_rejected", container=a.new_id, error=r)
             self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices,
-                        seconds=round(info["restore_end"] - info["restore_start"], 4), resume=info["resume"])
+                        seconds=round(info["restore_end"] - info["restore_start"], 4), resume=info["resume"],
+                        mb=round(info["bytes"] / 1e6, 3))
         await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in plan])
         # 3. Producers reroute the slices and replay their output logs, in parallel.
         reroutes = []
@@ -260,6 +328,7 @@ class JobMaster:
             for c, peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).items():
                 retargets.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
         await asyncio.gather(*retargets)
+        self._save_layout()
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
                     hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
                     seconds=round(time.time() - t0, 3))
@@ -275,23 +344,33 @@ class JobMaster:
         self.state = "failed"
         self.error = error
         self.finished_at = time.time()
+        self._save_progress()
         self._event("job_failed", where=where.strip(), error=str(error))
         for h in self.alive:
-            self.handles[h].stop.remote()
+            if self.handles.get(h) is not None:
+                self.handles[h].stop.remote()
 
     async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:
         """Liveness and progress from a host."""
+        self._ensure_watching()
         self.last_seen[host_id] = time.monotonic()
         self.stats.update(stats)
 
     async def container_done(self, container_id: int, stats: ContainerStatistics) -> None:
         """A container processed its last epoch."""
+        self._ensure_watching()
         self.stats[container_id] = stats
         self.done.add(container_id)
+        self._check_finished()
+        self._save_progress()
+
+    def _check_finished(self) -> None:
         live = [c for ids in self.placement.containers.values() for c in ids]
-        if all(c in self.done for c in live) and self.state == "running" and not self.recovery_lock.locked():
+        if self.state == "running" and live and all(c in self.done for c in live) \
+                and not self.recovery_lock.locked():
             self.state = "finished"
             self.finished_at = time.time()
+            self._save_progress()
             self._event("job_finished")
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
@@ -300,6 +379,7 @@ class JobMaster:
 
     async def store_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
         """Memory-sink rows up to a checkpoint (they outlive the container that made them)."""
+        self.catalog.add_sink_parts(parts)
         for k, p in parts.items():
             self.sink_parts.setdefault(k, {}).update(p)
 
@@ -307,12 +387,9 @@ class JobMaster:
 
     async def status(self) -> dict[str, Any]:
         """State ("running", "finished", "failed", "stopped"), error, progress."""
+        self._ensure_watching()
+        self._check_finished()  # the last container may have finished during a recovery
         live = [c for ids in self.placement.containers.values() for c in ids]
-        if self.state == "running" and live and all(c in self.done for c in live) \
-                and not self.recovery_lock.locked():
-            self.state = "finished"  # the last container finished during a recovery
-            self.finished_at = time.time()
-            self._event("job_finished")
         return {
             "state": self.state,
             "error": self.error,
@@ -401,15 +478,17 @@ class JobMaster:
         if self.state == "running":
             self.state = "stopped"
             self.finished_at = time.time()
+        self._save_progress()
         for h in sorted(self.alive):
             try:
                 await self.handles[h].stop.remote(cleanup)
             except Exception:  # noqa: BLE001 - a dead host has nothing left to stop
                 pass
+        self.catalog.close()
         if cleanup:
             shutil.rmtree(self.workdir, ignore_errors=True)
         for h in self.handles.values():
             try:
-                ray.kill(h)
+                ray.kill(h)  # detached: nothing else would release them
             except Exception:  # noqa: BLE001
                 pass

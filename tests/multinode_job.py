@@ -16,12 +16,49 @@ import chronostream as cs
 from queries import QUERIES
 
 
+def kill_a_node(cluster: Cluster) -> None:
+    """A job on 3 nodes loses a worker node mid-stream (its processes and local stores)."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    from chronostream.chaos import Fault, apply_schedule
+
+    build, sinks, _ = QUERIES["running_sum"]
+    query = build(7)
+    query.epoch_events = 40
+    job = cs.run(query, containers=3, address=cluster.address, checkpoint_every=2, heartbeat_timeout_s=5)
+    apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.08)])
+    while job.progress()["min_epoch"] < 20:
+        time.sleep(0.05)
+    victim = cluster.list_all_nodes()[1]  # a worker node (index 0 is the head)
+    placement = job.placement()
+    lost = sorted(h for h, node in placement["nodes"].items() if node == victim.node_id)
+    cluster.remove_node(victim)
+    workdir = Path(job.workdir)
+    for h in lost:  # the node's local store goes with it
+        shutil.rmtree(workdir / f"host-{h}", ignore_errors=True)
+    job.wait(timeout_s=300)
+    same = all(job.results(s).to_pylist() == cs.run(build(7), executor="serial").results(s).to_pylist()
+               for s in sinks)
+    kinds = [k for _, k, _ in job.timeline()]
+    job.stop()
+    print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end")}))
+
+
 def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 150 * 2**20})
     for _ in range(2):
         cluster.add_node(num_cpus=1, object_store_memory=150 * 2**20)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
+    ray.init(address=cluster.address, logging_level="WARNING", namespace=cs.client.RAY_NAMESPACE)
+    if sys.argv[1:] == ["kill-node"]:
+        try:
+            kill_a_node(cluster)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        return
     try:
         build, sinks, _ = QUERIES["running_sum"]
         job = cs.run(build(7), containers=3, address=cluster.address)

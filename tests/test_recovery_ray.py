@@ -73,3 +73,13 @@ def test_seeded_random_kill_campaign_ends_with_exact_output(ray_session, seed):
                              containers={"payments": 1, "running_sum": 3, "stats": 3}, checkpoint_every=2)
     assert report.ok, report.mismatches
     assert len([f for _, f, _ in report.applied if f.kind == "kill"]) == 3
+
+
+def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
+    faults = [SLOW_SOURCE, Fault("kill_master", at_epoch=10), Fault("kill", at_epoch=25, stage="stats")]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 3},
+                             checkpoint_every=2)
+    assert report.ok, report.mismatches
+    kinds_ = kinds(report)
+    assert "master_restarted" in kinds_
+    assert kinds_.index("master_restarted") < kinds_.index("recovery_end"), "the restarted master recovers"
