@@ -126,10 +126,11 @@ class ResourceContainer:
         if restore_from is not None:
             t0 = time.time()
             ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
-            core.restore_slices({s: c for s, (c, _, _) in ckpts.items()})
-            info.update(restore_start=t0, restore_end=time.time(), bytes=sum(n for _, _, n in ckpts.values()),
-                        rejected=[r for _, rej, _ in ckpts.values() for r in rej],
-                        resume={s: core.log_start[s] for s in slices},
+            core.restore_slices({s: c for s, (c, _, _, _) in ckpts.items()},
+                                {s: out for s, (_, out, _, _) in ckpts.items()})
+            info.update(restore_start=t0, restore_end=time.time(), bytes=sum(n for *_, n in ckpts.values()),
+                        rejected=[r for _, _, rej, _ in ckpts.values() for r in rej],
+                        resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
         self.cores[container_id] = core
@@ -139,22 +140,24 @@ class ResourceContainer:
     async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]):
         """The newest verified checkpoint of a slice among ``holders`` (own store first, no transfer)."""
         from chronostream.errors import RecoveryError
-        from slices.checkpoint import CheckpointCorrupt, decode
+        from slices.checkpoint import CheckpointCorrupt, decode, decode_outputs
 
         rejected = []
         for h, actor in holders:
             try:
                 if h == self.host_id and self.backup_store is not None:
-                    return (self.backup_store.latest(stage_id, slice_id), rejected,
-                            self.backup_store.size(stage_id, slice_id))
-                data = await actor.backup_bytes.remote(stage_id, slice_id)
-                return decode(data, "backup"), rejected, len(data)
+                    store = self.backup_store
+                    carried = [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)]
+                    return store.latest(stage_id, slice_id), carried, rejected, store.size(stage_id, slice_id)
+                data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
+                return (decode(data, "backup"), [decode_outputs(b) for b in outs], rejected,
+                        len(data) + sum(len(b) for b in outs))
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
                 rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
         if holders:
             name = self.plan.stages[stage_id].name if self.plan else stage_id
             raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
-        return None, rejected, 0
+        return None, [], rejected, 0
 
     async def start(self, container_ids: list[int] | None = None) -> None:
         """Start processing the given containers (default: all not started)."""
@@ -332,11 +335,30 @@ class ResourceContainer:
         """(stage, slice, epoch) of every backup this host holds (after a flush to lmdb)."""
         return (await self.backup_catalog())[0]
 
-    async def backup_bytes(self, stage_id: int, slice_id: int) -> bytes:
-        """The merged, verified full backup of a peer's slice, encoded."""
+    async def backup_bytes(self, stage_id: int, slice_id: int, with_outputs: bool = False):
+        """The merged, verified full backup of a peer's slice, encoded (and its carried-outputs frames)."""
         from slices.checkpoint import encode
 
-        return encode(self.backup_store.latest(stage_id, slice_id))
+        data = encode(self.backup_store.latest(stage_id, slice_id))
+        return (data, self.backup_store.carried_outputs(stage_id, slice_id)) if with_outputs else data
+
+    async def backup_epochs(self) -> dict[tuple[int, int], int]:
+        """(stage, slice) -> newest checkpoint epoch held (cheap: for the master's GC)."""
+        return self.backup_store.epochs() if self.backup_store is not None else {}
+
+    async def gc(self, low_water: dict[int, int]) -> int:
+        """Drop outputs every consumer's checkpoint covers: stage id -> last such epoch."""
+        dropped = 0
+        for cid, core in self.cores.items():
+            lw = low_water.get(core.stage.stage_id, -1)
+            if lw >= 0:
+                async with self.conds[cid]:
+                    dropped += core.gc(lw)
+        if self.backup_store is not None:
+            for stage_id, lw in low_water.items():
+                if lw >= 0:
+                    dropped += self.backup_store.trim_outputs(stage_id, lw)
+        return dropped
 
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes:
         """A full checkpoint of a hosted slice now (does not start a new delta)."""

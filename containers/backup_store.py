@@ -19,7 +19,8 @@ import lmdb
 import msgpack
 
 from containers.lmdb_store import put_all
-from slices.checkpoint import CheckpointCorrupt, SliceCheckpoint, decode, encode, merge
+from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
+                               merge)
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -41,16 +42,32 @@ class BackupStore:
         self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False)
         self.merge_every = merge_every
         self.chains: dict[SliceKey, list[bytes]] = {}  # replication buffer: [full, delta, delta, ...]
+        # Carried outputs per slice: [(from epoch, to epoch, frame)], oldest first (see CarriedOutputs).
+        self.outputs: dict[SliceKey, list[tuple[int, int, bytes]]] = {}
+        self.newest: dict[SliceKey, int] = {}  # epoch of the newest checkpoint received (cheap catalog)
         self._unflushed: set[SliceKey] = set()
         with self.env.begin() as txn:
             for k, v in txn.cursor():
-                stage, sl = (int(x) for x in k.decode().split(":"))
-                self.chains[(stage, sl)] = list(msgpack.unpackb(v, raw=False))
+                name = k.decode()
+                if name.startswith("out:"):
+                    stage, sl = (int(x) for x in name[4:].split(":"))
+                    self.outputs[(stage, sl)] = [tuple(x) for x in msgpack.unpackb(v, raw=False)]
+                else:
+                    stage, sl = (int(x) for x in name.split(":"))
+                    self.chains[(stage, sl)] = list(msgpack.unpackb(v, raw=False))
 
     def put(self, data: bytes) -> None:
-        """Receive one encoded checkpoint of a peer's slice (verified before it is kept)."""
+        """Receive one encoded checkpoint, or carried outputs, of a peer's slice (verified before it is kept)."""
+        if is_outputs(data):
+            out = decode_outputs(data, "incoming carried outputs")
+            key = (out.stage_id, out.slice_id)
+            segs = [] if out.replace else self.outputs.get(key, [])
+            self.outputs[key] = segs + [(out.from_epoch, out.epoch, data)]
+            self._unflushed.add(key)
+            return
         ckpt = decode(data, "incoming backup")
         key = (ckpt.stage_id, ckpt.slice_id)
+        self.newest[key] = ckpt.epoch
         if ckpt.kind == "full":
             self.chains[key] = [data]
         else:
@@ -102,8 +119,33 @@ class BackupStore:
         return good, bad
 
     def size(self, stage_id: int, slice_id: int) -> int:
-        """Bytes of the checkpoints held for a slice (its chain)."""
-        return sum(len(b) for b in self.chains.get((stage_id, slice_id), []))
+        """Bytes of the checkpoints and carried outputs held for a slice."""
+        key = (stage_id, slice_id)
+        return sum(len(b) for b in self.chains.get(key, [])) + sum(len(b) for *_, b in self.outputs.get(key, []))
+
+    def total_bytes(self) -> int:
+        """Bytes held in the replication buffer (every chain and carried output)."""
+        return sum(self.size(st, sl) for st, sl in set(self.chains) | set(self.outputs))
+
+    def carried_outputs(self, stage_id: int, slice_id: int) -> list[bytes]:
+        """The carried-outputs frames held for a slice, oldest first."""
+        return [b for *_, b in self.outputs.get((stage_id, slice_id), [])]
+
+    def trim_outputs(self, stage_id: int, upto_epoch: int) -> int:
+        """Drop carried outputs of ``stage_id`` that end at or before ``upto_epoch`` (GC); return how many."""
+        dropped = 0
+        for key in [k for k in self.outputs if k[0] == stage_id]:
+            segs = self.outputs[key]
+            keep = [seg for seg in segs if seg[1] > upto_epoch]
+            if len(keep) != len(segs):
+                dropped += len(segs) - len(keep)
+                self.outputs[key] = keep
+                self._unflushed.add(key)
+        return dropped
+
+    def epochs(self) -> dict[SliceKey, int]:
+        """(stage, slice) -> epoch of the newest checkpoint received (not re-verified: for GC)."""
+        return dict(self.newest)
 
     def holds(self) -> list[SliceKey]:
         """(stage, slice) of every backup held."""
@@ -115,6 +157,9 @@ class BackupStore:
             return 0
         items = [(f"{s}:{sl}".encode(), msgpack.packb(self.chains[(s, sl)], use_bin_type=True))
                  for s, sl in sorted(self._unflushed) if (s, sl) in self.chains]
+        items += [(f"out:{s}:{sl}".encode(), msgpack.packb([list(x) for x in self.outputs[(s, sl)]],
+                                                           use_bin_type=True))
+                  for s, sl in sorted(self._unflushed) if (s, sl) in self.outputs]
         put_all(self.env, items)
         n = len(self._unflushed)
         self._unflushed.clear()

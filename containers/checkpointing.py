@@ -12,9 +12,13 @@ encoding happens right after, before the next epoch. Knows no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-from slices.checkpoint import capture, encode
+from slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs
 from slices.slice import SliceRuntime
+
+#: (slice, full, checkpoint epoch, previous checkpoint epoch) -> the outputs to carry, or None.
+CarryOutputs = Callable[[int, bool, int, int], "CarriedOutputs | None"]
 
 
 @dataclass
@@ -51,8 +55,12 @@ class SliceCheckpointer:
         """True when the end of ``epoch`` is a checkpoint boundary."""
         return last or (epoch + 1) % self.every_epochs == 0
 
-    def after_epoch(self, epoch: int, last: bool = False) -> dict[int, list[bytes]]:
-        """Checkpoint every local slice if ``epoch`` ends a period; return peer -> encoded checkpoints."""
+    def after_epoch(self, epoch: int, last: bool = False, carry: CarryOutputs | None = None) -> dict[int, list[bytes]]:
+        """Checkpoint every local slice if ``epoch`` ends a period; return peer -> encoded checkpoints.
+
+        ``carry`` gives the outputs each checkpoint carries (see
+        ``slices.checkpoint.CarriedOutputs``); their frame follows the checkpoint's.
+        """
         out: dict[int, list[bytes]] = {}
         if not self.due(epoch, last):
             return out
@@ -65,12 +73,18 @@ class SliceCheckpointer:
             delta = prev >= 0 and sch.since_full.get(s, 0) + 1 < self.full_every
             ckpt = capture(rt, delta=delta, prev_epoch=prev, epoch=epoch)
             data = encode(ckpt)
+            carried = carry(s, not delta, ckpt.epoch, prev) if carry is not None else None
             # A slice restored from a newer checkpoint than ``epoch`` is captured
             # at its own epoch; the next delta must name that one.
             sch.last_epoch[s] = ckpt.epoch
             sch.since_full[s] = sch.since_full.get(s, 0) + 1 if delta else 0
             self.taken += 1
             self.bytes_out += len(data) * len(peers)
+            extra = encode_outputs(carried) if carried is not None else None
+            if extra is not None:
+                self.bytes_out += len(extra) * len(peers)
             for p in peers:
                 out.setdefault(p, []).append(data)
+                if extra is not None:
+                    out[p].append(extra)
         return out

@@ -74,6 +74,8 @@ class ContainerStatistics:
     cpu_s: float
     rss_bytes: int
     checkpoints: int = 0  # slice checkpoints taken (shipped to backups)
+    log_entries: int = 0  # batches in the output log (bounded by GC)
+    backup_bytes: int = 0  # bytes of peers' checkpoints and carried outputs held by this host
 
 
 class ContainerCore:
@@ -105,6 +107,9 @@ class ContainerCore:
         self.log_start: dict[int, int] = {s: 0 for s in local_slices}
         self.restored_at: dict[int, float] = {}
         self.first_output_at: dict[int, float] = {}
+        # Output GC: epochs <= low_water are covered by every consumer's checkpoint.
+        self.low_water = -1
+        self.carried_seq: dict[tuple[int, int], int] = {}  # (slice, stream) -> next_seq at the last checkpoint
         self.output_log = output_log
         self.sink_writers = sink_writers or {}
         self.dead_letter_writer = dead_letter_writer
@@ -222,7 +227,7 @@ class ContainerCore:
                 parts = w.take_parts(epoch)
                 if parts:
                     self.outgoing_sink_parts.setdefault(k, {}).update(parts)
-            for peer, blobs in self.checkpointer.after_epoch(epoch, last=self.done).items():
+            for peer, blobs in self.checkpointer.after_epoch(epoch, last=self.done, carry=self._carried).items():
                 self.outgoing_backups.setdefault(peer, []).extend(blobs)
         return messages
 
@@ -337,15 +342,55 @@ class ContainerCore:
                     messages[c][sid] = part
         return messages
 
+    # -- carried outputs and GC -------------------------------------------------------
+
+    def _logged_streams(self) -> list[int]:
+        return [sid for sid in self.stage.produced if self.plan.streams[sid].consumers]
+
+    def _carried(self, slice_id: int, full: bool, epoch: int, prev_epoch: int):
+        """The outputs a checkpoint of ``slice_id`` carries: since the low-water mark (full) or
+        since the previous checkpoint (delta), read back from the output log."""
+        from slices.checkpoint import CarriedOutputs
+
+        sids = self._logged_streams()
+        if self.output_log is None or not sids:
+            return None
+        tables: dict[int, pa.Table] = {}
+        first = self.low_water + 1 if full else prev_epoch + 1
+        for sid in sids:
+            if full:
+                t = self.output_log.read(sid, slice_id, -1)
+                if t.num_rows:
+                    t = t.filter(pa.array(np.asarray(t.column(ORDER)) >= first * self.plan.epoch_events))
+            else:
+                t = self.output_log.read(sid, slice_id, self.carried_seq.get((slice_id, sid), 0) - 1)
+            if t.num_rows:
+                tables[sid] = t
+            self.carried_seq[(slice_id, sid)] = self.slices[slice_id].next_seq.get(sid, 0)
+        return CarriedOutputs(self.stage.stage_id, slice_id, max(first, 0), epoch, full, tables)
+
+    def gc(self, low_water: int) -> int:
+        """Forget logged outputs of epochs <= ``low_water`` (every consumer's checkpoint covers them)."""
+        if low_water <= self.low_water:
+            return 0
+        self.low_water = low_water
+        if self.output_log is None:
+            return 0
+        bound = (low_water + 1) * self.plan.epoch_events
+        return sum(self.output_log.trim(sid, s, bound) for sid in self._logged_streams() for s in self.slices)
+
     # -- recovery ----------------------------------------------------------------
 
-    def restore_slices(self, checkpoints: dict[int, Any]) -> int:
+    def restore_slices(self, checkpoints: dict[int, Any], carried: dict[int, list[Any]] | None = None) -> int:
         """Load the slices' checkpoints (``SliceCheckpoint`` or None: rebuild from the start).
 
         The core resumes at the epoch after the oldest checkpoint; a slice
         whose checkpoint is newer skips the epochs it already holds (its
         upstream rows for them are below its progress vector anyway).
-        Returns the first epoch this core processes.
+        ``carried[s]`` (``CarriedOutputs``, oldest first) rebuilds the slice's
+        output log up to its checkpoint, so consumers restored from older
+        checkpoints can still be replayed to. Returns the first epoch this
+        core processes.
         """
         from slices.checkpoint import restore
 
@@ -357,9 +402,40 @@ class ContainerCore:
             if ckpt is not None:
                 restore(self.slices[s], ckpt)
             self.log_start[s] = self.slices[s].last_epoch + 1
+            if ckpt is not None and carried and carried.get(s):
+                self.log_start[s] = self._relog(s, carried[s], ckpt.epoch)
+            for sid in self._logged_streams():
+                self.carried_seq[(s, sid)] = self.slices[s].next_seq.get(sid, 0)
             self.restored_at[s] = now
-        self.next_epoch = min(self.log_start.values())
+        self.next_epoch = min(rt.last_epoch + 1 for rt in self.slices.values())
         return self.next_epoch
+
+    def _relog(self, slice_id: int, segments: list[Any], epoch: int) -> int:
+        """Write carried outputs back to the output log; return the first epoch now logged.
+
+        Segments must be contiguous up to the checkpoint's epoch; from a gap
+        on, only what follows counts (a consumer needing rows before it gets
+        ``ReplayUnavailable``, never a hole).
+        """
+        start, expect = epoch + 1, None
+        for seg in segments:
+            if expect is None or seg.from_epoch != expect:
+                start = seg.from_epoch  # a new contiguous run (after a gap, older rows do not count)
+            expect = seg.epoch + 1
+        if expect is None or expect < epoch + 1:
+            return epoch + 1  # the outputs do not reach the checkpoint
+        if self.output_log is not None:
+            written: dict[int, int] = {}
+            for seg in segments:
+                batch = {}
+                for sid, t in seg.tables.items():
+                    seq = np.asarray(t.column(SEQ))
+                    keep = seq > written.get(sid, -1)
+                    if keep.any():
+                        batch[(sid, slice_id)] = t.filter(pa.array(keep))
+                        written[sid] = int(seq[keep].max())
+                self.output_log.append_epoch(batch)
+        return start
 
     def progress_of(self, slice_id: int) -> dict[int, list[int]]:
         """A local slice's progress vector as plain data (stream id -> out_seq per producer slice)."""
@@ -393,12 +469,13 @@ class ContainerCore:
             for m in replay.values():
                 m[END_KEY] = self.num_epochs  # type: ignore[assignment]
         for p, start in self.log_start.items():
+            start = max(start, self.low_water + 1)  # older rows were dropped by GC
             late = [s for s in slices if resume[s] < start]
             if late:
                 raise ReplayUnavailable(
                     f"stage {self.plan.stages[stage_id].name!r} slices {late} resume at epoch "
                     f"{min(resume[s] for s in late)}, but the output of stage {self.stage.name!r} slice {p} "
-                    f"before epoch {start} was lost with the container that hosted it")
+                    f"before epoch {start} was lost with the container that hosted it or dropped by GC")
         rows = self._replay_rows(stage_id, slices, moved, progress)
         for sid, t in rows.items():
             epochs = np.asarray(t.column(ORDER)) // self.plan.epoch_events
@@ -455,7 +532,9 @@ class ContainerCore:
             sum(s.events_in for s in stats), sum(s.events_out for s in stats),
             sum(s.duplicates_dropped for s in stats), self.messages_dropped, len(self.inbox),
             self.buffered_bytes(), self.busy_s, cpu, rss,
-            self.checkpointer.taken if self.checkpointer is not None else 0)
+            self.checkpointer.taken if self.checkpointer is not None else 0,
+            self.output_log.entries() if self.output_log is not None else 0,
+            self.backup_store.total_bytes() if self.backup_store is not None else 0)
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""

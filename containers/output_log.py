@@ -17,7 +17,7 @@ import lmdb
 import numpy as np
 import pyarrow as pa
 
-from chronostream.types import SEQ
+from chronostream.types import ORDER, SEQ
 from containers.lmdb_store import put_all
 
 _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-endian sorts right)
@@ -93,6 +93,34 @@ class OutputLog:
         if not parts:
             return pa.table({})
         return pa.concat_tables(parts, promote_options="permissive")
+
+    def trim(self, stream_id: int, slice_id: int, before_order: int) -> int:
+        """Delete the logged batches of (stream, slice) whose rows all have ``_order < before_order`` (GC).
+
+        Batches are in out_seq order, and so in epoch order: the scan stops
+        at the first batch that must stay. Returns how many were deleted.
+        """
+        prefix = struct.pack(">II", stream_id, slice_id)
+        dead = []
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not key.startswith(prefix):
+                        break
+                    last = _decode(value).column(ORDER)
+                    if len(last) and int(np.max(np.asarray(last))) >= before_order:
+                        break
+                    dead.append(key)
+        if dead:
+            with self.env.begin(write=True) as txn:
+                for key in dead:
+                    txn.delete(key)
+        return len(dead)
+
+    def entries(self) -> int:
+        """Number of logged batches (for GC statistics and tests)."""
+        return int(self.env.stat()["entries"])
 
     def close(self) -> None:
         """Close the lmdb environment."""

@@ -27,7 +27,8 @@ from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
 from master.catalog import MasterCatalog
 from master.placement import Placement, initial_placement
-from master.recovery import host_backup_peers, live_hosts, lost_containers, plan_recovery, restore_order
+from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
+                             restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -76,6 +77,8 @@ class JobMaster:
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
         self._watching = False
+        self.gc_every_ticks = 4  # output GC every 4 heartbeat periods (2 s)
+        self.gc_dropped = 0
         self.catalog = MasterCatalog(f"{workdir}/master")
         self.resumed = self.catalog.exists()
         if self.resumed:
@@ -184,8 +187,12 @@ class JobMaster:
     # -- watching ------------------------------------------------------------------
 
     async def _watch(self) -> None:
+        tick = 0
         while self.state == "running":
             await asyncio.sleep(self.heartbeat_s)
+            tick += 1
+            if tick % self.gc_every_ticks == 0:
+                await self._collect_garbage()
             dead = await self._probe(sorted(self.alive))
             now = time.monotonic()
             silent = {h for h in self.alive - dead if now - self.last_seen.get(h, now) > self.heartbeat_timeout_s}
@@ -211,6 +218,20 @@ class JobMaster:
                 return False
         results = await asyncio.gather(*[one(h) for h in hosts])
         return {h for h, d in zip(hosts, results) if d}
+
+    async def _collect_garbage(self) -> None:
+        """Drop outputs no recovery can need: below every consumer stage's oldest newest checkpoint."""
+        if not self.checkpoint_every or self.recompute_lost or self.recovery_lock.locked():
+            return  # (recomputing a lost slice from the start needs every log from epoch 0)
+        hosts = sorted(self.alive)
+        try:
+            held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
+            marks = low_water_marks(self.plan, list(held))
+            if any(v >= 0 for v in marks.values()):
+                dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
+                self.gc_dropped += sum(dropped)
+        except RayActorError:
+            pass  # a host died: the watch loop recovers it; GC waits for the next round
 
     async def container_unreachable(self, container_id: int, reporter: int) -> None:
         """A host could not push to ``container_id``: check its host now rather than at the next probe."""
@@ -278,8 +299,7 @@ class JobMaster:
                 chain.update({(st, s): hs for s, hs in peers.items()})
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
                              checkpointed, self.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
-                             chain, damaged, {s.stage_id: self.plan.downstream_stages(s.stage_id)
-                                             for s in self.plan.stages})
+                             chain, damaged)
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # every host of the stage died: start a new one
@@ -399,6 +419,7 @@ class JobMaster:
             "epochs": self.plan.num_epochs,
             "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
             "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
+            "gc_dropped": self.gc_dropped,
         }
 
     async def placement_view(self) -> dict[str, Any]:

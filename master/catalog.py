@@ -55,6 +55,7 @@ class MasterCatalog:
         self.path.mkdir(parents=True, exist_ok=True)
         # sync=True: the catalog is small and must survive the master's process.
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0)
+        self.closed = False
 
     def exists(self) -> bool:
         """True when a layout was saved (the job was deployed)."""
@@ -69,6 +70,8 @@ class MasterCatalog:
     def save_layout(self, placement: Placement, host_of: dict[int, int], alive: set[int],
                     nodes: dict[int, str], next_id: int) -> None:
         """Placement, container -> host, live hosts, host -> node and the next free id."""
+        if self.closed:
+            return  # the job was stopped: late reports are not kept
         layout = {"containers": {str(k): v for k, v in placement.containers.items()},
                   "slices": {str(k): v.tolist() for k, v in placement.slice_to_container.items()},
                   "stage_of": {str(k): v for k, v in placement.stage_of.items()},
@@ -87,6 +90,8 @@ class MasterCatalog:
 
     def save_progress(self, state: str, done: set[int], started_at: float, finished_at: float) -> None:
         """Job state, finished containers and times."""
+        if self.closed:
+            return  # the job was stopped: late reports are not kept
         put_all(self.env, [(b"progress", _pack({"state": state, "done": sorted(done), "started_at": started_at,
                                                 "finished_at": finished_at}))])
 
@@ -96,6 +101,8 @@ class MasterCatalog:
 
     def add_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
         """Memory-sink rows (sink id -> (slice, epoch) -> rows), one key per part."""
+        if self.closed:
+            return  # the job was stopped: late reports are not kept
         items = [(f"sink:{k}:{s}:{e}".encode(), _ipc(t)) for k, per in parts.items() for (s, e), t in per.items()]
         put_all(self.env, items)
 
@@ -114,6 +121,8 @@ class MasterCatalog:
 
     def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]]) -> None:
         """One timeline event (kept in order by ``seq``)."""
+        if self.closed:
+            return  # the job was stopped: late reports are not kept
         put_all(self.env, [(b"event:%012d" % seq, _pack(list(event)))])
 
     def load_events(self) -> list[tuple[float, str, dict[str, Any]]]:
@@ -130,5 +139,6 @@ class MasterCatalog:
         return out
 
     def close(self) -> None:
-        """Close the environment."""
+        """Close the environment (later saves are ignored)."""
+        self.closed = True
         self.env.close()

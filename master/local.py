@@ -30,8 +30,9 @@ from containers.backup_store import BackupStore
 from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
 from master.placement import Placement
-from master.recovery import (host_backup_peers, lost_containers, live_hosts, plan_recovery, restore_order)
-from slices.checkpoint import CheckpointCorrupt
+from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
+                             restore_order)
+from slices.checkpoint import CheckpointCorrupt, decode_outputs
 
 
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
@@ -139,6 +140,8 @@ class LocalCluster:
                 progressed = True
             progressed |= self._deliver()
             self._ship(backups)
+            if self.fault_tolerant and not self.recompute_lost:  # recomputing needs every log from epoch 0
+                self.collect_garbage()
             rnd += 1
             if not progressed:
                 readers = [c for c in self.cores.values() if c.reader is not None and not c.done]
@@ -186,6 +189,17 @@ class LocalCluster:
                 stage = self.placement.stage_of[sender]
                 self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
 
+    def collect_garbage(self) -> int:
+        """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
+        marks = low_water_marks(self.plan, [store.epochs() for store in self.stores.values()])
+        dropped = 0
+        for core in self.cores.values():
+            dropped += core.gc(marks.get(core.stage.stage_id, -1))
+        for store in self.stores.values():
+            for stage_id, lw in marks.items():
+                dropped += store.trim_outputs(stage_id, lw)
+        return dropped
+
     # -- faults and recovery -------------------------------------------------------
 
     def kill(self, hosts: list[int]) -> None:
@@ -221,8 +235,7 @@ class LocalCluster:
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
                              self.checkpointed, self.recompute_lost,
-                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
-                             {s.stage_id: self.plan.downstream_stages(s.stage_id) for s in self.plan.stages})
+                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged)
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # no live container left in the stage: a new host
@@ -242,8 +255,8 @@ class LocalCluster:
             self.placement.rehost(a.replaces, a.new_id, a.slices)
         for a in plan:
             core = self._core(a.new_id, a.slices, None)
-            core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
-                                 for s in a.slices})
+            loaded = {s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host)) for s in a.slices}
+            core.restore_slices({s: ck for s, (ck, _) in loaded.items()}, {s: out for s, (_, out) in loaded.items()})
             self.cores[a.new_id] = core
         for a in plan:  # after every new core exists: a lost producer's replacement reroutes too
             core = self.cores[a.new_id]
@@ -252,7 +265,7 @@ class LocalCluster:
                     if c in self.cores:
                         replay = self.cores[c].reroute(
                             a.stage_id, a.slices, a.new_id, {s: core.progress_of(s) for s in a.slices},
-                            {s: core.log_start[s] for s in a.slices})
+                            {s: core.slices[s].last_epoch + 1 for s in a.slices})
                         self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
             self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
                         resume_epoch=core.next_epoch)
@@ -271,11 +284,13 @@ class LocalCluster:
         return out
 
     def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]):
-        """The newest verified checkpoint among ``holders`` (None: rebuild from the start)."""
+        """The newest verified checkpoint among ``holders`` and its carried outputs (None: rebuild from the start)."""
         errors = []
         for h in holders:
             try:
-                return self.stores[h].latest(stage_id, slice_id)
+                store = self.stores[h]
+                return (store.latest(stage_id, slice_id),
+                        [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)])
             except (CheckpointCorrupt, KeyError) as exc:
                 errors.append(f"host {h}: {exc}")
                 self._event("backup_rejected", stage=stage_id, slice=slice_id, host=h, error=str(exc))
@@ -284,7 +299,7 @@ class LocalCluster:
 
             raise RecoveryError(f"no usable backup of stage {self.plan.stages[stage_id].name!r} slice {slice_id}: "
                                 + "; ".join(errors))
-        return None
+        return None, []
 
     # -- reading -------------------------------------------------------------
 

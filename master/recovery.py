@@ -57,8 +57,7 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                   checkpointed: set[SliceKey] | frozenset = frozenset(),
                   recompute_lost: bool = False, stage_names: dict[int, str] | None = None,
                   chain: dict[SliceKey, list[int]] | None = None,
-                  damaged: dict[SliceKey, list[str]] | None = None,
-                  downstream: dict[int, list[int]] | None = None) -> list[Adoption]:
+                  damaged: dict[SliceKey, list[str]] | None = None) -> list[Adoption]:
     """Plan the adoption of every slice of the ``lost`` containers.
 
     ``lost``: dead container -> (stage, slices); ``backups``: (stage, slice)
@@ -69,9 +68,7 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     order, to break ties: the l = 1 holders of a container's slices are
     all different peers, so preferring them spreads the work; ``damaged``:
     checkpoints refused by their checksum, named in the error when no
-    copy is left; ``downstream``: stage -> the stages it feeds, to align
-    restore points when a producer and its consumer are both lost
-    (``align_restore_points``).
+    copy is left.
 
     >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
     >>> [(a.new_id, a.host, a.slices) for a in plan]
@@ -114,41 +111,7 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
             a.slices.append(s)
             a.holders[s] = [h for h, _ in copies]
             a.epochs[s] = copies[0][1] if copies else -1
-    if downstream:
-        align_restore_points(adoptions, downstream)
     return adoptions
-
-
-def align_restore_points(adoptions: list[Adoption], downstream: dict[int, list[int]]) -> list[SliceKey]:
-    """Rebuild from the start each lost producer slice whose backup is newer than a lost consumer's.
-
-    A consumer restored at epoch C needs its producers' output after C;
-    a producer restored at C' > C logs only from C' + 1, and its older
-    output died with its container. Rebuilding the producer from the start
-    re-produces it all (its live consumers drop what they had). Stages are
-    visited consumers first (stage ids are topological), so the rule
-    cascades upstream. Returns the slices changed.
-
-    >>> a = [Adoption(5, 0, 0, 1, [0], {0: [1]}, {0: 8}), Adoption(6, 2, 1, 3, [1], {1: [3]}, {1: 4})]
-    >>> align_restore_points(a, {0: [1], 1: []}), a[0].epochs, a[0].holders
-    ([(0, 0)], {0: -1}, {0: []})
-    """
-    epoch = {(a.stage_id, s): a.epochs[s] for a in adoptions for s in a.slices}
-    changed: list[SliceKey] = []
-    for stage in sorted({st for st, _ in epoch}, reverse=True):
-        consumers = [e for (st, _), e in epoch.items() if st in downstream.get(stage, [])]
-        if not consumers:
-            continue
-        floor = min(consumers)
-        for key in [k for k in epoch if k[0] == stage and epoch[k] > floor]:
-            epoch[key] = -1
-            changed.append(key)
-    for a in adoptions:
-        for s in a.slices:
-            if (a.stage_id, s) in changed:
-                a.holders[s] = []
-                a.epochs[s] = -1
-    return changed
 
 
 def restore_order(holders: list[int], host: int | None) -> list[int]:
@@ -184,3 +147,30 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
         by_host.setdefault(hosts[c], []).extend(placement.slices_of(c))
     chain = backup_plan(sorted(by_host), by_host, backup_factor)
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
+
+
+def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]]) -> dict[int, int]:
+    """Producer stage -> the last epoch whose outputs no consumer can need again (GC).
+
+    A consumer slice restored after a failure resumes after its newest
+    backed-up checkpoint; so a producer's outputs of epochs up to the
+    oldest such checkpoint over all slices of all its consumer stages are
+    never replayed again (-1: keep everything). ``backup_epochs``: what each
+    live holder reports (``BackupStore.epochs``).
+
+    >>> import chronostream as cs
+    >>> from chronostream.dag import compile_query
+    >>> q = cs.Query()
+    >>> _ = q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    >>> plan, _ = compile_query(q)
+    >>> low_water_marks(plan, [{(1, 0): 7}, {(1, 1): 5, (1, 0): 9}])
+    {0: 5}
+    """
+    newest: dict[SliceKey, int] = {}
+    for held in backup_epochs:
+        for key, e in held.items():
+            newest[key] = max(newest.get(key, -1), e)
+    covered = {st.stage_id: min(newest.get((st.stage_id, s), -1) for s in range(st.num_slices))
+               for st in plan.stages}
+    return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
+            for st in plan.stages if plan.downstream_stages(st.stage_id)}

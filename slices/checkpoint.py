@@ -168,21 +168,18 @@ def merge(base: SliceCheckpoint, delta: SliceCheckpoint) -> SliceCheckpoint:
                            delta.next_seq, state, {})
 
 
-def encode(ckpt: SliceCheckpoint) -> bytes:
-    """Bytes of a checkpoint: magic, header (with the payload's CRC-32), payload."""
-    payload = _pack({"progress": {str(k): v for k, v in ckpt.progress.items()},
-                     "next_seq": {str(k): v for k, v in ckpt.next_seq.items()},
-                     "state": ckpt.state, "outputs": {str(k): v for k, v in ckpt.outputs.items()}})
-    header = _pack({"v": VERSION, "stage": ckpt.stage_id, "slice": ckpt.slice_id, "epoch": ckpt.epoch,
-                    "kind": ckpt.kind, "prev": ckpt.prev_epoch, "len": len(payload), "crc": zlib.crc32(payload)})
-    body = MAGIC + _LEN.pack(len(header)) + header + payload
+def _frame(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
+    """magic, header length, msgpack header (with the payload's length and CRC-32), payload, trailing CRC."""
+    header = {**header, "len": len(payload), "crc": zlib.crc32(payload)}
+    hb = _pack(header)
+    body = magic + _LEN.pack(len(hb)) + hb + payload
     return body + _LEN.pack(zlib.crc32(body))  # a trailing CRC covers the header too
 
 
-def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
-    """Parse and verify checkpoint bytes; ``CheckpointCorrupt`` names what is wrong."""
-    if len(data) < 12 or data[:4] != MAGIC:
-        raise CheckpointCorrupt(f"{what}: not a checkpoint (bad magic or too short)")
+def _unframe(data: bytes, magic: bytes, what: str) -> tuple[dict[str, Any], bytes]:
+    """Verify a frame; return (header, payload) or raise ``CheckpointCorrupt`` naming the slice."""
+    if len(data) < 12 or data[:4] != magic:
+        raise CheckpointCorrupt(f"{what}: not a {magic.decode()} frame (bad magic or too short)")
     (hlen,) = _LEN.unpack(data[4:8])
     try:
         header = msgpack.unpackb(data[8:8 + hlen], raw=False)
@@ -201,11 +198,75 @@ def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
         raise CheckpointCorrupt(f"{what} ({name}): truncated: {len(payload)} of {header['len']} payload bytes")
     if zlib.crc32(payload) != header["crc"]:
         raise CheckpointCorrupt(f"{what} ({name}): checksum mismatch")
+    return header, payload
+
+
+def encode(ckpt: SliceCheckpoint) -> bytes:
+    """Bytes of a checkpoint: magic, header (with the payload's CRC-32), payload."""
+    payload = _pack({"progress": {str(k): v for k, v in ckpt.progress.items()},
+                     "next_seq": {str(k): v for k, v in ckpt.next_seq.items()},
+                     "state": ckpt.state, "outputs": {str(k): v for k, v in ckpt.outputs.items()}})
+    return _frame(MAGIC, {"v": VERSION, "stage": ckpt.stage_id, "slice": ckpt.slice_id, "epoch": ckpt.epoch,
+                          "kind": ckpt.kind, "prev": ckpt.prev_epoch}, payload)
+
+
+def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
+    """Parse and verify checkpoint bytes; ``CheckpointCorrupt`` names what is wrong."""
+    header, payload = _unframe(data, MAGIC, what)
     body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     return SliceCheckpoint(header["stage"], header["slice"], header["epoch"], header["kind"], header["prev"],
                            {int(k): list(v) for k, v in body["progress"].items()},
                            {int(k): v for k, v in body["next_seq"].items()},
                            body["state"], {int(k): v for k, v in body["outputs"].items()})
+
+
+# -- carried outputs ---------------------------------------------------------------------
+
+OUTPUTS_MAGIC = b"CSOL"
+
+
+@dataclass
+class CarriedOutputs:
+    """A slice's logged outputs of epochs ``from_epoch..epoch`` (stream id -> rows), shipped with its checkpoints.
+
+    A container that dies takes its output log with it; its consumers may
+    still need those rows (a consumer restored from an older checkpoint
+    than the producer's). So each checkpoint ships the outputs since the
+    previous one (``replace=False``), and each full checkpoint the outputs
+    since the job's low-water mark (``replace=True``): a backup holder can
+    rebuild the output log of a restored slice from there.
+    """
+
+    stage_id: int
+    slice_id: int
+    from_epoch: int
+    epoch: int
+    replace: bool
+    tables: dict[int, pa.Table]
+
+    def nbytes(self) -> int:
+        """Bytes of the rows carried."""
+        return sum(t.nbytes for t in self.tables.values())
+
+
+def encode_outputs(out: CarriedOutputs) -> bytes:
+    """Bytes of carried outputs: the checkpoint frame with magic ``CSOL`` and Arrow IPC per stream."""
+    payload = _pack({str(sid): table_part(t)["ipc"] for sid, t in out.tables.items()})
+    return _frame(OUTPUTS_MAGIC, {"v": VERSION, "stage": out.stage_id, "slice": out.slice_id, "epoch": out.epoch,
+                                  "from": out.from_epoch, "replace": out.replace}, payload)
+
+
+def decode_outputs(data: bytes, what: str = "carried outputs") -> CarriedOutputs:
+    """Parse and verify carried outputs (``CheckpointCorrupt`` when damaged)."""
+    header, payload = _unframe(data, OUTPUTS_MAGIC, what)
+    body = msgpack.unpackb(payload, raw=False)
+    return CarriedOutputs(header["stage"], header["slice"], header["from"], header["epoch"], header["replace"],
+                          {int(k): read_table_part({"ipc": v}) for k, v in body.items()})
+
+
+def is_outputs(data: bytes) -> bool:
+    """True when ``data`` is a carried-outputs frame (not a checkpoint)."""
+    return data[:4] == OUTPUTS_MAGIC
 
 
 # -- slices ------------------------------------------------------------------------------

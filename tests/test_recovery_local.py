@@ -196,3 +196,35 @@ def test_seeded_node_failures_kill_one_container_of_every_stage_and_the_output_i
     victims = [rng.choice(cl.placement.containers[st.stage_id]) for st in cl.plan.stages]
     cl.run(kills={rng.randint(2, 10): victims})
     assert_equals_serial(name, cl)
+
+
+def test_gc_keeps_output_logs_and_backups_bounded_over_many_checkpoint_cycles():
+    """200 epochs, a checkpoint every 2 (100 cycles): output logs and carried outputs are trimmed
+    below every consumer's checkpoint, so they stay a few epochs long; a kill late in the run
+    still recovers exactly from what GC kept."""
+    import queries
+
+    query = queries.rekey_pipeline(5, n_lines=600)
+    query.epoch_events = 3
+    plan, sources = compile_query(query)
+    cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 3)), sources, checkpoint_every=2)
+    assert plan.num_epochs == 200
+    samples = []
+    collect = cl.collect_garbage
+
+    def sampled():
+        dropped = collect()
+        samples.append((max(c.output_log.entries() for c in cl.cores.values()),
+                        max(sum(len(segs) for segs in s.outputs.values()) for s in cl.stores.values()),
+                        max(s.total_bytes() for s in cl.stores.values())))
+        return dropped
+
+    cl.collect_garbage = sampled
+    cl.run(kills={150: [cl.placement.containers[plan.stage("count").stage_id][0]]})
+    entries, segments, held = zip(*samples)
+    assert max(entries) <= 12, "an output log keeps a few epochs, not 200"
+    assert max(segments) <= 8, "backup holders keep a few carried-output segments"
+    half = len(held) // 2
+    assert max(held[half:]) <= 2 * max(held[:half]), "backup memory does not grow with the run"
+    expected = cs.run_serial(queries.rekey_pipeline(5, n_lines=600)).results("buckets").to_pylist()
+    assert cl.results("buckets").to_pylist() == expected

@@ -83,3 +83,25 @@ def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_process
     kinds_ = kinds(report)
     assert "master_restarted" in kinds_
     assert kinds_.index("master_restarted") < kinds_.index("recovery_end"), "the restarted master recovers"
+
+
+def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
+    """With checkpoints, the master's GC trims every output log below the consumers' checkpoints."""
+    q = running_sum(6, n=2400)
+    q.epoch_events = 20  # 120 epochs
+    job = cs.run(q, containers={"payments": 2, "running_sum": 2, "stats": 2}, checkpoint_every=2)
+    try:
+        from chronostream.chaos import apply_schedule
+        apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.04)])
+        job.wait(timeout_s=120)
+        import ray
+        status = ray.get(job.master.status.remote())
+        logged = {c: s.log_entries for c, s in job.statistics().items() if s.stage == "payments"}
+        expected = cs.run(running_sum(6, n=2400), executor="serial")
+        for sink in ("sums", "stats"):
+            assert job.results(sink).to_pylist() == expected.results(sink).to_pylist()
+    finally:
+        job.stop()
+    assert status["gc_dropped"] > 0
+    # Each source container logs 2 slices x 1 stream x 120 epochs = 240 batches without GC.
+    assert all(n < 60 for n in logged.values()), logged
