@@ -131,15 +131,35 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
 
 
 def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containers: int = 3,
-                  kinds: tuple[str, ...] = ("kill",)) -> list[Fault]:
-    """A seeded random schedule of ``n`` faults spread over epochs [1, max_epoch).
+                  kinds: tuple[str, ...] = ("kill",), min_gap: int = 4) -> list[Fault]:
+    """A seeded random schedule of ``n`` faults at epochs in [1, max_epoch), at least ``min_gap`` apart.
 
-    >>> [f.at_epoch for f in random_faults(1, 3, ["count"], 40)]
-    [5, 9, 37]
+    Kills are capped so every stage keeps 2 containers (``containers`` per
+    stage at the start): with backup factor 2 a copy of each slice then
+    survives; a kind that would exceed the cap becomes a ``delay``.
+
+    >>> [(f.kind, f.at_epoch) for f in random_faults(0, 3, ["count"], 40, 4, ("kill", "corrupt_backup"))]
+    [('corrupt_backup', 1), ('kill', 13), ('corrupt_backup', 38)]
     """
     rng = random.Random(seed)
-    epochs = sorted(rng.sample(range(1, max(2, max_epoch)), min(n, max(1, max_epoch - 1))))
-    return [Fault(rng.choice(kinds), e, rng.choice(stages), rng.randrange(containers)) for e in epochs]
+    epochs: list[int] = []
+    candidates = list(range(1, max(2, max_epoch)))
+    rng.shuffle(candidates)
+    for e in candidates:
+        if len(epochs) == n:
+            break
+        if all(abs(e - x) >= min_gap for x in epochs):
+            epochs.append(e)
+    kills: dict[str, int] = {}
+    faults = []
+    for e in sorted(epochs):
+        stage, kind = rng.choice(stages), rng.choice(kinds)
+        cost = {"kill": 1, "kill_two": 2}.get(kind, 0)
+        if cost and kills.get(stage, 0) + cost > containers - 2:
+            kind = "delay"
+        kills[stage] = kills.get(stage, 0) + cost * (kind != "delay")
+        faults.append(Fault(kind, e, stage, rng.randrange(containers), 0.01 if kind == "delay" else 0.0))
+    return faults
 
 
 def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_s: float = 600.0,

@@ -6,6 +6,7 @@ Each test states one promise of the user-facing surface.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,7 +119,9 @@ def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
     from chronostream.demo import run_demo
 
     assert run_demo(containers=2, rows=20_000, out=tmp_path / "demo") == 0
-    assert "validation     PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.search(r"^\s*validation\s+PASS", out, re.M), out
+    assert re.search(r"^\s*fault\s+killed container", out, re.M), out
 
 
 def test_one_stream_as_both_inputs_of_a_join_matches_serial():

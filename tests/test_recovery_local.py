@@ -228,3 +228,26 @@ def test_gc_keeps_output_logs_and_backups_bounded_over_many_checkpoint_cycles():
     assert max(held[half:]) <= 2 * max(held[:half]), "backup memory does not grow with the run"
     expected = cs.run_serial(queries.rekey_pipeline(5, n_lines=600)).results("buckets").to_pylist()
     assert cl.results("buckets").to_pylist() == expected
+
+
+def test_a_checkpoint_that_reached_only_one_of_its_peers_when_its_container_died_is_safe():
+    """Fault during a checkpoint: the victim's newest checkpoint reached one backup peer, not
+    the other. Whichever copy recovery uses, the output is exact."""
+    cl = cluster("running_sum", containers=3, backup_factor=2, checkpoint_every=1)
+    stage = next(st.stage_id for st in cl.plan.stages if st.kind == "operator")
+    victim = cl.placement.containers[stage][0]
+    ship = cl._ship
+
+    def ship_half(backups):
+        # The victim's checkpoints of this round reach only its first peer; then it dies.
+        first = min((peer for peer, sender, _ in backups if sender == victim), default=None)
+        ship([b for b in backups if b[1] != victim or b[0] == first])
+        cl._ship = ship
+        cl.kill([victim])
+
+    def arm(cl):
+        cl._ship = ship_half
+
+    cl.run(faults={5: arm})
+    assert cl.cores.get(victim) is None and any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert_equals_serial("running_sum", cl)

@@ -66,13 +66,29 @@ def test_without_checkpoints_a_killed_containers_slices_are_recomputed_from_the_
     assert report.ok, report.mismatches
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_seeded_random_kill_campaign_ends_with_exact_output(ray_session, seed):
-    faults = random_faults(seed, 3, ["running_sum", "stats"], 45, containers=3)
+CAMPAIGN_KINDS = ("kill", "kill", "kill_two", "corrupt_backup", "delay", "kill_master")
+
+
+def campaign(seed: int, n: int):
+    faults = random_faults(seed, n, ["running_sum", "stats"], 48, containers=4, kinds=CAMPAIGN_KINDS)
     report = run_with_faults(query(), [SLOW_SOURCE] + faults,
-                             containers={"payments": 1, "running_sum": 3, "stats": 3}, checkpoint_every=2)
-    assert report.ok, report.mismatches
-    assert len([f for _, f, _ in report.applied if f.kind == "kill"]) == 3
+                             containers={"payments": 1, "running_sum": 4, "stats": 4}, checkpoint_every=2)
+    assert report.ok, (faults, report.mismatches)
+    assert len(report.applied) == n + 1, "every fault landed mid-stream"
+    return report
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_seeded_random_fault_campaign_ends_with_exact_output(ray_session, seed):
+    """3 runs x 4 faults (kills, double kills, corrupt replicas, delays, master kills), seeded."""
+    campaign(seed, 4)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(100, 110))
+def test_large_seeded_fault_campaign(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): 10 runs x 6 faults."""
+    campaign(seed, 6)
 
 
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
