@@ -21,7 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
-KINDS = ("kill", "kill_two", "kill_master", "delay", "corrupt_backup", "truncate_backup")
+KINDS = ("kill", "kill_two", "kill_master", "delay", "corrupt_backup", "truncate_backup",
+         "scale_out", "scale_in", "migrate")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Fault:
     peer is damaged; combine with a later ``kill`` of the slice's owner to
     see the other replica used). ``stage`` picks the stage (any stateful
     one when None); ``index`` which of its containers (by sorted id).
+    Not faults but scheduled the same way: ``scale_out`` / ``scale_in``
+    (``n`` hosts) and ``migrate`` (the first slice of container ``index``
+    to a new host), so a campaign can mix rescaling with failures.
     """
 
     kind: str
@@ -44,6 +48,7 @@ class Fault:
     stage: str | None = None
     index: int = 0
     seconds: float = 0.0
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -55,7 +60,8 @@ class Fault:
             return f"kill the job master at epoch {self.at_epoch}"
         what = {"kill": "kill a container", "kill_two": "kill two containers", "delay": f"delay a container by "
                 f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
-                "truncate a backup"}[self.kind]
+                "truncate a backup", "scale_out": f"add {self.n} host(s)", "scale_in": f"remove {self.n} host(s)",
+                "migrate": "migrate a slice"}[self.kind]
         return f"{what} of stage {self.stage!r} at epoch {self.at_epoch}"
 
 
@@ -101,6 +107,10 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
         ray.kill(job.master, no_restart=False)
         return {"master": True}
     stage = fault.stage or _stateful_stages(job)[0]
+    if fault.kind in ("scale_out", "scale_in"):
+        done = (job.scale_out if fault.kind == "scale_out" else job.scale_in)(stage, fault.n)
+        return {"stage": stage, "moved": sorted(s for t in done["transfers"] for s in t["slices"]),
+                "seconds": done.get("seconds")}
     ids = _containers_of(job, stage)
     handles = ray.get(job.master.container_handles.remote())
     hosts = job.placement()["hosts"]
@@ -118,6 +128,10 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     if fault.kind == "delay":
         ray.get(handles[victim].inject_delay.remote(fault.seconds))
         return {"stage": stage, "container": victim, "seconds": fault.seconds}
+    if fault.kind == "migrate":
+        slice_ = job.placement()["stages"][stage][victim][0]
+        done = job.migrate(stage, slice_)
+        return {"stage": stage, "slice": slice_, "seconds": done.get("seconds")}
     # corrupt/truncate: damage the replica of the victim's first slice that a
     # recovery would try first (the first holder in its backup chain).
     sid = job.plan.stage(stage).stage_id

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from chronostream.dag import JobPlan, Query, compile_query
 from chronostream.errors import JobFailed
+from chronostream.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.sinks import ParquetSink, read_parquet_sink
 
@@ -164,6 +165,42 @@ class Job:
 
         return ray.get(self.master.placement_view.remote())
 
+    def scale_out(self, stage: str, n: int = 1) -> dict[str, Any]:
+        """Add ``n`` containers (hosts) to ``stage`` while it runs; slices move to them live.
+
+        Only the moving slices notice: each is rebuilt on its new host from
+        a backup, runs in dual mode until it caught up, then the old copy is
+        released (docs/design.md section 7f). Returns what moved, with each
+        slice's release epoch and the pause its output saw (``pause_ms``).
+        """
+        return self._control(self.master.scale_out.remote(stage, n))
+
+    def scale_in(self, stage: str, n: int = 1) -> dict[str, Any]:
+        """Drain ``n`` of ``stage``'s hosts (those running the fewest slices) by migrating their
+        slices to the others, then release them."""
+        return self._control(self.master.scale_in.remote(stage, n))
+
+    def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None) -> dict[str, Any]:
+        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host)."""
+        return self._control(self.master.migrate.remote(stage, [slices] if isinstance(slices, int) else slices,
+                                                        to_container))
+
+    def _control(self, ref: Any) -> dict[str, Any]:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:  # surface the master's own error type
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            raise cause from None
+
+    def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
+        """(producer slice, epoch) -> wall time a memory sink first received that part (diagnostics:
+        shows which slices produced output when, e.g. during a migration)."""
+        import ray
+
+        return ray.get(self.master.sink_write_times.remote(sink_name))
+
     def statistics(self) -> dict[int, Any]:
         """Per-container statistics (``ContainerStatistics``)."""
         import ray
@@ -224,8 +261,9 @@ class CompletedJob:
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         address: str | None = None, workdir: str | None = None, max_inflight_epochs: int = 4,
         heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
-        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 8,
-        recompute_lost: bool = False) -> Job | CompletedJob:
+        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 0,
+        recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
+        gc_interval_s: float = 2.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -235,16 +273,20 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     stage, one number or ``{stage name: number}``.
 
     Fault tolerance (Ray executor): with ``checkpoint_every=K`` every slice
-    is checkpointed every K epochs (a full checkpoint, then deltas; a full
-    one every ``full_checkpoint_every``) to ``backup_factor`` peers of its
-    stage along the chain of the ChronoStream paper. When a container dies
+    is checkpointed every K epochs (a full checkpoint, then deltas, merged at
+    the backups; ``full_checkpoint_every=N`` forces a full one every N;
+    encoding runs off the epoch, in a background thread) to
+    ``backup_factor`` peers of its stage along the chain of the ChronoStream
+    paper; ``checkpoint_interval_s=T`` checkpoints at the first epoch
+    boundary T seconds after the previous round (alone or with K). When a container dies
     (detected by a failed push, a ping, or ``heartbeat_timeout_s`` of
     silence), its slices are rebuilt in parallel on the peers holding their
     backups and upstream output logs replay what they missed; the output is
     the same as without the failure. A slice whose every backup is lost
     fails the job, unless ``recompute_lost=True`` (rebuild it from the
     start). Without checkpoints (the default) a dead container's slices are
-    rebuilt from the start.
+    rebuilt from the start. Every ``gc_interval_s`` the master trims output
+    logs below what every consumer's checkpoint covers.
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -253,6 +295,11 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     [1, 2]
     """
     plan, sources = compile_query(query)
+    options = JobOptions(max_inflight_epochs=max_inflight_epochs, heartbeat_timeout_s=heartbeat_timeout_s,
+                         output_log=output_log, checkpoint_every=checkpoint_every,
+                         checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
+                         full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
+                         gc_interval_s=gc_interval_s)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
@@ -278,8 +325,6 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     master = JobMaster.options(max_concurrency=1000).remote(
-        plan, per_stage, workdir, max_inflight_epochs, heartbeat_timeout_s, output_log,
-        checkpoint_every, backup_factor, full_checkpoint_every, recompute_lost, 0.5, refs,
-        os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8])
+        plan, per_stage, workdir, options, refs, os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8])
     placement = ray.get(master.deploy.remote())
     return Job(plan, master, placement, workdir)

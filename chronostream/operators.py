@@ -403,7 +403,8 @@ class KeyedAggregate(Operator):
 
     def checkpoint_state(self, delta: bool, clear: bool = True) -> dict[str, dict]:
         """The running values as a slot table: every slot, or the slots changed since the last call."""
-        from slices.checkpoint import table_part  # slices imports operators, not the reverse at load
+        # slices imports operators, not the reverse at load
+        from slices.checkpoint import frozen_table_part
 
         n = len(self.key_index)
         if delta:
@@ -416,8 +417,10 @@ class KeyedAggregate(Operator):
         for i, k in enumerate(self.key_index.take(slots) if n else []):
             cols[f"key{i}"] = k
         for name, arr in sorted(self.arrays.items()):
-            cols[name] = pa.array(arr[:n][slots]) if n else pa.array(arr[:0])
-        return {"__op__aggregate": table_part(pa.table(cols))}
+            # Copies (fancy indexing / copy()): the part is encoded later, off the epoch,
+            # while this operator goes on updating its arrays.
+            cols[name] = pa.array((arr[:n].copy() if not delta else arr[:n][slots]) if n else arr[:0].copy())
+        return {"__op__aggregate": frozen_table_part(pa.table(cols))}
 
     def restore_state(self, parts: dict[str, dict]) -> None:
         """Rebuild the key index and the running values from a full slot table."""

@@ -10,6 +10,7 @@ idempotent. Knows no Ray.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,9 +80,11 @@ class _MemoryWriter(SinkWriter):
     def __init__(self) -> None:
         self.parts: dict[tuple[int, int], pa.Table] = {}
         self.taken: set[tuple[int, int]] = set()
+        self.written_at: dict[tuple[int, int], float] = {}  # (slice, epoch) -> first write (wall time)
 
     def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
         self.parts[(slice_id, epoch)] = table  # idempotent on replay
+        self.written_at.setdefault((slice_id, epoch), time.time())
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
         out = {k: t for k, t in self.parts.items() if k[1] <= upto_epoch and k not in self.taken}

@@ -38,6 +38,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
+from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
 from containers.core import ContainerCore, ContainerStatistics, Message
 from containers.output_log import OutputLog
@@ -75,8 +76,8 @@ class ResourceContainer:
         self.hosts: dict[int, Any] = {}  # host id -> actor (backup peers)
         self.unreachable: set[int] = set()  # containers whose host died (pushes to them stop)
         self.window = 4
-        self.checkpoint_every = 0
-        self.full_checkpoint_every = 8
+        self.extra_window: dict[int, int] = {}  # a catching-up migration destination buffers more epochs
+        self.opts = JobOptions()
         self.backup_store: BackupStore | None = None
         self.stopped = False
         self.failed: BaseException | None = None
@@ -85,14 +86,12 @@ class ResourceContainer:
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         self.poll_s = 0.05
 
-    async def configure(self, plan: JobPlan, max_inflight_epochs: int, checkpoint_every: int = 0,
-                        full_checkpoint_every: int = 8) -> str:
+    async def configure(self, plan: JobPlan, options: JobOptions) -> str:
         """Set the job-wide parameters and open the backup store. Returns the node id."""
         self.plan = plan
-        self.window = max_inflight_epochs
-        self.checkpoint_every = checkpoint_every
-        self.full_checkpoint_every = full_checkpoint_every
-        if checkpoint_every:
+        self.opts = options
+        self.window = options.max_inflight_epochs
+        if options.checkpointing:
             self.backup_store = BackupStore(self.workdir / "backups")
         _warm_up()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
@@ -118,8 +117,9 @@ class ResourceContainer:
         olog = OutputLog(self.workdir / f"container-{container_id}" / "output-log") if output_log else None
         core = ContainerCore(plan, stage_id, container_id, slices, routes, senders, source_table=source_table,
                              output_log=olog, sink_writers=writers, dead_letter_writer=dl,
-                             backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
-                             full_checkpoint_every=self.full_checkpoint_every, backup_store=self.backup_store)
+                             backup_peers=backup_peers, checkpoint_every=self.opts.checkpoint_every,
+                             full_checkpoint_every=self.opts.full_checkpoint_every, backup_store=self.backup_store,
+                             checkpoint_interval_s=self.opts.checkpoint_interval_s)
         self.peers.update(peers)
         self.hosts.update(hosts)
         info: dict[str, Any] = {"container": container_id, "host": self.host_id}
@@ -167,9 +167,12 @@ class ResourceContainer:
 
     async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
         """Receive one epoch message for a hosted container (waits while its inbox is full)."""
-        core, cond = self.cores[container_id], self.conds[container_id]
+        core, cond = self.cores.get(container_id), self.conds.get(container_id)
+        if core is None or cond is None or core.retired:
+            return False  # removed, or every slice migrated away: nothing needs it
         async with cond:
-            await cond.wait_for(lambda: epoch < core.next_epoch + self.window or self.stopped)
+            await cond.wait_for(lambda: epoch < core.next_epoch + self.window + self.extra_window.get(container_id, 0)
+                                or self.stopped or core.retired)
             accepted = core.deliver(epoch, sender, message)
             cond.notify_all()
         return accepted
@@ -208,7 +211,7 @@ class ResourceContainer:
                 if parts or backups:
                     refs = [r for dq in inflight.values() for r in dq]
                     self._ship[cid] = asyncio.get_running_loop().create_task(
-                        self._ship_checkpoint(self._ship.get(cid), refs, parts, backups))
+                        self._ship_checkpoint(cid, self._ship.get(cid), refs, parts, backups))
                 for dq in inflight.values():
                     while len(dq) > self.window:
                         await self._acknowledged(*dq.popleft())
@@ -218,6 +221,8 @@ class ResourceContainer:
                     await self._acknowledged(*dq.popleft())
             if cid in self._ship:
                 await self._ship[cid]
+            if cid not in self.cores:
+                return  # removed (an aborted migration destination): nothing to report
             if not self.stopped:
                 await self.master.container_done.remote(cid, core.statistics())
         except Exception as exc:  # noqa: BLE001 - report every failure to the master
@@ -240,7 +245,7 @@ class ResourceContainer:
                 self.master.container_unreachable.remote(dst, self.host_id)
             return False
 
-    async def _ship_checkpoint(self, previous: asyncio.Task | None, pushes: list, parts: dict,
+    async def _ship_checkpoint(self, cid: int, previous: asyncio.Task | None, pushes: list, parts: dict,
                                backups: dict[int, list[bytes]]) -> None:
         if previous is not None:
             await previous  # deltas must reach a peer in order
@@ -253,9 +258,12 @@ class ResourceContainer:
             if actor is None:
                 continue
             try:
-                await actor.receive_backups.remote(blobs)
+                refused = await actor.receive_backups.remote(blobs)
             except RayActorError:
-                pass  # the peer died: recovery re-plans the chain, a full checkpoint follows
+                continue  # the peer died: recovery re-plans the chain, a full checkpoint follows
+            core = self.cores.get(cid)
+            if refused and core is not None and core.checkpointer is not None:
+                core.checkpointer.force_full([s for _, s in refused])
 
     async def _heartbeats(self) -> None:
         while not self.stopped:
@@ -276,17 +284,18 @@ class ResourceContainer:
             self.conds[container_id].notify_all()
 
     async def reroute(self, container_id: int, stage_id: int, slices: list[int], target: int, target_host: Any,
-                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int]) -> int:
+                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int], dual: bool = False) -> int:
         """Send ``slices`` of ``stage_id`` to ``target`` from now on and replay what it is owed.
 
         Returns the number of epochs replayed. The replay messages are
         pushed in epoch order and awaited (the receiver's window paces them).
+        With ``dual`` (migration) the slices' owner keeps getting them too.
         """
         core, cond = self.cores[container_id], self.conds[container_id]
         async with cond:
             self.peers[target] = target_host
             self.unreachable.discard(target)
-            replay = core.reroute(stage_id, slices, target, progress, resume)
+            replay = core.reroute(stage_id, slices, target, progress, resume, dual=dual)
         for epoch in sorted(replay):
             await target_host.push.remote(target, epoch, container_id, replay[epoch])
         return len(replay)
@@ -299,6 +308,82 @@ class ResourceContainer:
         if core.checkpointer is not None:
             async with self.conds[container_id]:
                 core.checkpointer.retarget(backup_peers)
+
+    # -- migration (master.migration; docs/design.md section 7f) ----------------------------
+
+    async def migration_snapshot(self, container_id: int, slices: list[int], to_host_id: int,
+                                 to_host: Any) -> dict[str, Any]:
+        """Warm-up: ship full checkpoints of a hosted container's ``slices`` (and their carried
+        outputs) to ``to_host``'s backup store. Taken between two epochs."""
+        core = self.cores[container_id]
+        async with self.conds[container_id]:
+            blobs = core.migration_snapshot(slices)
+            epoch = core.next_epoch - 1
+        if to_host_id == self.host_id:
+            await self.receive_backups(blobs)
+        else:
+            await to_host.receive_backups.remote(blobs)
+        return {"epoch": epoch, "bytes": sum(len(b) for b in blobs)}
+
+    async def release_route(self, container_id: int, stage_id: int, slices: list[int], target: int) -> int:
+        """End dual mode in a producer: the slices go to ``target`` only; returns the switch epoch."""
+        async with self.conds[container_id]:
+            return self.cores[container_id].release_route(stage_id, slices, target)
+
+    async def drop_dual(self, container_id: int, stage_id: int, slices: list[int]) -> None:
+        """Abort dual mode in a producer (the migration cannot finish)."""
+        async with self.conds[container_id]:
+            self.cores[container_id].drop_dual(stage_id, slices)
+
+    async def forget_released(self, container_id: int, old: int) -> None:
+        """A producer stops marking its messages to ``old`` (it released the slices)."""
+        async with self.conds[container_id]:
+            self.cores[container_id].forget_released(old)
+
+    async def release_slices(self, container_id: int, slices: list[int]) -> None:
+        """A source container releases ``slices`` before its next epoch (no upstream marker tells it)."""
+        async with self.conds[container_id]:
+            self.cores[container_id].request_release(slices)
+            self.conds[container_id].notify_all()
+
+    async def set_extra_window(self, container_id: int, epochs: int) -> None:
+        """Let a catching-up migration destination buffer ``epochs`` more epochs (0: back to normal)."""
+        self.extra_window[container_id] = epochs
+        if container_id in self.conds:
+            async with self.conds[container_id]:
+                self.conds[container_id].notify_all()
+
+    async def migration_state(self, container_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """Per hosted container: next epoch, done, released slices, when recent epochs finished."""
+        out = {}
+        for c in container_ids:
+            core = self.cores.get(c)
+            if core is not None:
+                out[c] = {"next_epoch": core.next_epoch, "done": core.done, "released": dict(core.released),
+                          "epoch_done_at": dict(core.epoch_done_at)}
+        return out
+
+    async def remove_container(self, container_id: int) -> None:
+        """Drop a hosted container that never joined the placement (an aborted migration destination)."""
+        core = self.cores.pop(container_id, None)
+        cond = self.conds.pop(container_id, None)
+        if core is None:
+            return
+        core.retire()  # its loop ends, pushes are refused
+        if cond is not None:
+            async with cond:
+                cond.notify_all()
+        core.close()
+
+    async def drain_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
+        """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""
+        out: dict[int, dict[tuple[int, int], pa.Table]] = {}
+        for core in self.cores.values():
+            for k, w in core._all_writers().items():
+                parts = getattr(w, "parts", None)
+                if parts:
+                    out.setdefault(k, {}).update(parts)
+        return out
 
     async def ping(self) -> int:
         """Liveness probe of the master."""
@@ -317,12 +402,18 @@ class ResourceContainer:
 
     # -- backups and reading ------------------------------------------------------------
 
-    async def receive_backups(self, blobs: list[bytes]) -> None:
-        """Checkpoints of a peer's slices (kept in the replication buffer, flushed lazily)."""
+    async def receive_backups(self, blobs: list[bytes]) -> list[tuple[int, int]]:
+        """Checkpoints of a peer's slices (kept in the replication buffer, flushed lazily).
+
+        Returns the (stage, slice) pairs whose delta was refused (no sound
+        chain to extend here): their sender's next checkpoint is a full one.
+        A host of a job without checkpoints opens its store on the first
+        migration snapshot it receives.
+        """
         if self.backup_store is None:
-            raise RuntimeError(f"host {self.host_id} holds no backups (no backup store)")
-        for b in blobs:
-            self.backup_store.put(b)
+            self.backup_store = BackupStore(self.workdir / "backups")
+        refused = {self.backup_store.put(b) for b in blobs}
+        return sorted(k for k in refused if k is not None)
 
     async def backup_catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
         """Verified (stage, slice, epoch) of every backup held, and the damaged ones."""
@@ -383,6 +474,15 @@ class ResourceContainer:
             out.update(core.sink_parts(sink_id))
         return out
 
+    async def sink_write_times(self, sink_id: int) -> dict[tuple[int, int], float]:
+        """(slice, epoch) -> when a memory sink of this host's containers first wrote it (wall time)."""
+        out: dict[tuple[int, int], float] = {}
+        for core in self.cores.values():
+            w = core._all_writers().get(sink_id)
+            for k, t in getattr(w, "written_at", {}).items():
+                out[k] = min(t, out.get(k, t))
+        return out
+
     async def read_output_log(self, stream_id: int, slice_id: int, after_seq: int = -1,
                               container_id: int | None = None) -> pa.Table:
         """Replay read: rows of (stream, slice) with out_seq > ``after_seq`` from the output log."""
@@ -401,8 +501,7 @@ class ResourceContainer:
             for t in self._tasks:
                 t.cancel()
             for core in self.cores.values():
-                if core.output_log is not None:
-                    core.output_log.close()
+                core.close()
             if self.backup_store is not None:
                 self.backup_store.close(flush=False)
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -7,7 +7,10 @@ paper IV) and are persisted lazily to this container's lmdb store by
 into a new full checkpoint, so a restore never replays a long chain.
 Every checkpoint is verified (magic, length, CRC-32) when it arrives and
 when it is restored; a bad one raises ``CheckpointCorrupt`` naming the
-slice and epoch. Knows no Ray.
+slice and epoch. A delta that cannot extend its chain (no chain, a gap,
+or a chain found damaged when merging) is refused without failing the
+sender: ``put`` answers that the slice needs a full checkpoint, and the
+sender's next checkpoint of it is a full one (the chain heals). Knows no Ray.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ class BackupStore:
         # Carried outputs per slice: [(from epoch, to epoch, frame)], oldest first (see CarriedOutputs).
         self.outputs: dict[SliceKey, list[tuple[int, int, bytes]]] = {}
         self.newest: dict[SliceKey, int] = {}  # epoch of the newest checkpoint received (cheap catalog)
+        # Epoch the chain ends at, from the headers of what arrived (never re-decoded:
+        # a chain's bytes may rot in place, which only a merge or restore notices).
+        self.chain_end: dict[SliceKey, int] = {}
+        self.damaged: set[SliceKey] = set()  # chains a merge found corrupt: deltas refused until a full
+        self.refused = 0  # deltas refused (the sender sends a full checkpoint instead)
         self._unflushed: set[SliceKey] = set()
         with self.env.begin() as txn:
             for k, v in txn.cursor():
@@ -54,36 +62,52 @@ class BackupStore:
                     self.outputs[(stage, sl)] = [tuple(x) for x in msgpack.unpackb(v, raw=False)]
                 else:
                     stage, sl = (int(x) for x in name.split(":"))
-                    self.chains[(stage, sl)] = list(msgpack.unpackb(v, raw=False))
+                    chain = list(msgpack.unpackb(v, raw=False))
+                    self.chains[(stage, sl)] = chain
+                    try:
+                        self.chain_end[(stage, sl)] = self.newest[(stage, sl)] = decode(chain[-1]).epoch
+                    except CheckpointCorrupt:
+                        self.damaged.add((stage, sl))
 
-    def put(self, data: bytes) -> None:
-        """Receive one encoded checkpoint, or carried outputs, of a peer's slice (verified before it is kept)."""
+    def put(self, data: bytes) -> SliceKey | None:
+        """Receive one encoded checkpoint, or carried outputs, of a peer's slice (verified before it is kept).
+
+        Returns the (stage, slice) when it needs a full checkpoint from its
+        sender (this delta did not extend a sound chain and was refused),
+        else None. A corrupt frame raises ``CheckpointCorrupt`` (it was
+        damaged in transit).
+        """
         if is_outputs(data):
             out = decode_outputs(data, "incoming carried outputs")
             key = (out.stage_id, out.slice_id)
             segs = [] if out.replace else self.outputs.get(key, [])
             self.outputs[key] = segs + [(out.from_epoch, out.epoch, data)]
             self._unflushed.add(key)
-            return
+            return None
         ckpt = decode(data, "incoming backup")
         key = (ckpt.stage_id, ckpt.slice_id)
-        self.newest[key] = ckpt.epoch
         if ckpt.kind == "full":
             self.chains[key] = [data]
+            self.damaged.discard(key)
         else:
             chain = self.chains.get(key)
-            if not chain:
-                raise ValueError(f"{ckpt.describe()}: no full checkpoint to apply it to")
-            last = decode(chain[-1], "backup").epoch
-            if ckpt.prev_epoch != last:
-                raise ValueError(f"{ckpt.describe()}: the chain ends at epoch {last}")
+            if not chain or key in self.damaged or self.chain_end.get(key) != ckpt.prev_epoch:
+                # No chain, a gap, or a damaged chain: keep what we hold (restore
+                # reports it and another replica is used) and ask for a full one.
+                self.refused += 1
+                return key
             chain.append(data)
             if len(chain) - 1 > self.merge_every:
                 try:
                     self.chains[key] = [encode(self._merged(key))]
                 except CheckpointCorrupt:
-                    pass  # a damaged link: keep the chain as is, so restore reports it (and uses another copy)
+                    self.damaged.add(key)
+                    self.refused += 1
+                    self._unflushed.add(key)
+                    return key
+        self.newest[key] = self.chain_end[key] = ckpt.epoch
         self._unflushed.add(key)
+        return None
 
     def _merged(self, key: SliceKey) -> SliceCheckpoint:
         chain = self.chains[key]
@@ -100,9 +124,9 @@ class BackupStore:
         return self._merged(key)
 
     def latest_epoch(self, stage_id: int, slice_id: int) -> int:
-        """Epoch of the newest checkpoint held for a slice (-1 when none)."""
+        """Epoch of the newest checkpoint held for a slice (-1 when none), verified."""
         chain = self.chains.get((stage_id, slice_id))
-        return decode(chain[-1]).epoch if chain else -1
+        return decode(chain[-1], f"backup of stage {stage_id} slice {slice_id}").epoch if chain else -1
 
     def catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
         """What this store can offer a recovery: ([(stage, slice, epoch)], [(stage, slice, error)]).
@@ -185,6 +209,9 @@ class BackupStore:
         """Forget a slice's backups (it moved, or this container no longer backs it up)."""
         key = (stage_id, slice_id)
         self.chains.pop(key, None)
+        self.chain_end.pop(key, None)
+        self.newest.pop(key, None)
+        self.damaged.discard(key)
         self._unflushed.discard(key)
         with self.env.begin(write=True) as txn:
             txn.delete(f"{stage_id}:{slice_id}".encode())

@@ -1,21 +1,48 @@
 """Owns when a container checkpoints its slices and where the bytes go (chained backups).
 
 Every ``every_epochs`` epochs (and after the last one) each local slice is
-captured: a full checkpoint first and then every ``full_every``-th time, a
-delta of what changed in between otherwise. The encoded checkpoints are
-returned grouped by the peer containers that back the slice up (the chain
-computed by ``master.backups``); the actor shell sends them. Capture is
-synchronous and proportional to what changed (dirty keys, dirty slots);
-encoding happens right after, before the next epoch. Knows no Ray.
+checkpointed: a full checkpoint first (and after the backup peers change),
+deltas of what changed afterwards (the backup side merges them, so restore
+cost stays bounded; ``full_every`` > 0 adds a periodic full one, the
+synchronous baseline of the benchmark). A checkpoint goes through three
+explicit phases, logged with its slice and epoch:
+
+1. ``CAPTURE`` (in the epoch, synchronous): a frozen copy of what changed
+   (dirty slots/keys) and the progress vector; the slice's dirty sets start
+   afresh, so updates of the next epochs go to the next delta (the paper's
+   overlay). Cost proportional to the delta.
+2. ``ENCODE`` (a background thread, when ``async_encode``): Arrow IPC,
+   msgpack and checksums of the frozen copy, while the container goes on
+   with the next epochs. Arrow and zlib release the GIL for large buffers.
+3. ``SHIP``: the encoded bytes, in capture order per slice (a delta must
+   follow its base), are handed to the container shell, which sends them to
+   the peers after the pushes of a later epoch were accepted.
+
+Knows no Ray.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs
+from slices.checkpoint import CarriedOutputs, SliceCheckpoint, capture, encode, encode_outputs
 from slices.slice import SliceRuntime
+
+log = logging.getLogger("chronostream.checkpoint")
+
+
+class CheckpointPhase(enum.Enum):
+    """Where a slice checkpoint is in its life (see the module docstring)."""
+
+    CAPTURE = "capture"
+    ENCODE = "encode"
+    SHIP = "ship"
 
 #: (slice, full, checkpoint epoch, previous checkpoint epoch) -> the outputs to carry, or None.
 CarryOutputs = Callable[[int, bool, int, int], "CarriedOutputs | None"]
@@ -33,16 +60,27 @@ class SliceCheckpointer:
     """Takes a container's slice checkpoints at epoch boundaries and addresses them to backups."""
 
     def __init__(self, slices: dict[int, SliceRuntime], backup_peers: dict[int, list[int]],
-                 every_epochs: int, full_every: int = 8) -> None:
-        if every_epochs < 1:
-            raise ValueError("every_epochs must be >= 1")
+                 every_epochs: int, full_every: int = 0, async_encode: bool = True,
+                 max_pending: int = 2, every_s: float = 0.0) -> None:
+        if every_epochs < 0 or every_s < 0 or not (every_epochs or every_s):
+            raise ValueError("checkpoint every K >= 1 epochs or every T > 0 seconds")
         self.slices = slices
         self.backup_peers = backup_peers
         self.every_epochs = every_epochs
-        self.full_every = max(1, full_every)
+        self.every_s = every_s
+        self._last_round_at = time.monotonic()
+        self._decided: tuple[int, bool] = (-1, False)
+        self.full_every = max(0, full_every)
         self.schedule = CheckpointSchedule()
         self.taken = 0
         self.bytes_out = 0
+        self.encode_s = 0.0  # time spent encoding (in the background thread when async)
+        # Checkpoint rounds waiting to be encoded, oldest first; at most
+        # ``max_pending`` rounds queue before capture waits (backpressure).
+        self.max_pending = max(1, max_pending)
+        self._pending: deque[Future] = deque()
+        self._encoded: list[tuple[list[tuple[int, bytes]], float]] = []  # rounds waited for by backpressure
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-encode") if async_encode else None
 
     def retarget(self, backup_peers: dict[int, list[int]]) -> None:
         """New backup peers (placement changed): every slice's next checkpoint is a full one,
@@ -51,40 +89,118 @@ class SliceCheckpointer:
         self.schedule.since_full.clear()
         self.schedule.last_epoch.clear()
 
+    def force_full(self, slices: list[int]) -> None:
+        """The next checkpoint of each of ``slices`` is a full one (a backup refused a delta)."""
+        for s in slices:
+            if s in self.schedule.last_epoch:
+                log.info("checkpoint stage %s slice %s: a backup asked for a full checkpoint",
+                         getattr(self.slices.get(s), "stage", None) and self.slices[s].stage.name, s)
+            self.schedule.last_epoch.pop(s, None)
+            self.schedule.since_full.pop(s, None)
+
     def due(self, epoch: int, last: bool) -> bool:
-        """True when the end of ``epoch`` is a checkpoint boundary."""
-        return last or (epoch + 1) % self.every_epochs == 0
+        """True when the end of ``epoch`` is a checkpoint boundary: every K epochs, the
+        first epoch boundary after T seconds since the last round, and the last epoch.
+
+        Decided once per epoch (a time trigger must not change its mind between calls).
+        """
+        if self._decided[0] == epoch:
+            return last or self._decided[1]
+        hit = bool(self.every_epochs) and (epoch + 1) % self.every_epochs == 0
+        hit = hit or (self.every_s > 0 and time.monotonic() - self._last_round_at >= self.every_s)
+        self._decided = (epoch, hit)
+        return last or hit
+
+    def _delta_next(self, s: int) -> bool:
+        sch = self.schedule
+        if sch.last_epoch.get(s, -1) < 0:
+            return False
+        return self.full_every == 0 or sch.since_full.get(s, 0) + 1 < self.full_every
 
     def after_epoch(self, epoch: int, last: bool = False, carry: CarryOutputs | None = None) -> dict[int, list[bytes]]:
-        """Checkpoint every local slice if ``epoch`` ends a period; return peer -> encoded checkpoints.
+        """Capture every local slice if ``epoch`` ends a period; return the checkpoints ready to ship.
 
-        ``carry`` gives the outputs each checkpoint carries (see
-        ``slices.checkpoint.CarriedOutputs``); their frame follows the checkpoint's.
+        Returns peer -> encoded checkpoints: with ``async_encode``, those of
+        earlier rounds whose encoding has finished (all of them, waiting,
+        when ``last``); otherwise this round's. ``carry`` gives the outputs
+        each checkpoint carries (see ``slices.checkpoint.CarriedOutputs``);
+        their frame follows the checkpoint's.
         """
-        out: dict[int, list[bytes]] = {}
-        if not self.due(epoch, last):
-            return out
+        if self.due(epoch, last):
+            self._last_round_at = time.monotonic()
+            captured = self._capture_round(epoch, carry)
+            if captured:
+                if self._pool is None:
+                    self._pending.append(_done(_encode_round(captured)))
+                else:
+                    while len(self._pending) >= self.max_pending:  # backpressure: encoding fell behind
+                        self._encoded.append(self._pending.popleft().result())
+                    self._pending.append(self._pool.submit(_encode_round, captured))
+        return self.ready(wait=last)
+
+    def _capture_round(self, epoch: int, carry: CarryOutputs | None) -> list[tuple[SliceCheckpoint, CarriedOutputs | None, list[int]]]:
         sch = self.schedule
+        captured = []
         for s, rt in self.slices.items():
             peers = self.backup_peers.get(s, [])
             if not peers:
                 continue
             prev = sch.last_epoch.get(s, -1)
-            delta = prev >= 0 and sch.since_full.get(s, 0) + 1 < self.full_every
+            delta = self._delta_next(s)
             ckpt = capture(rt, delta=delta, prev_epoch=prev, epoch=epoch)
-            data = encode(ckpt)
             carried = carry(s, not delta, ckpt.epoch, prev) if carry is not None else None
             # A slice restored from a newer checkpoint than ``epoch`` is captured
             # at its own epoch; the next delta must name that one.
             sch.last_epoch[s] = ckpt.epoch
             sch.since_full[s] = sch.since_full.get(s, 0) + 1 if delta else 0
             self.taken += 1
-            self.bytes_out += len(data) * len(peers)
-            extra = encode_outputs(carried) if carried is not None else None
-            if extra is not None:
-                self.bytes_out += len(extra) * len(peers)
-            for p in peers:
-                out.setdefault(p, []).append(data)
-                if extra is not None:
-                    out[p].append(extra)
+            log.debug("checkpoint %s: %s -> peers %s", ckpt.describe(), CheckpointPhase.CAPTURE.value, peers)
+            captured.append((ckpt, carried, list(peers)))
+        return captured
+
+    def ready(self, wait: bool = False) -> dict[int, list[bytes]]:
+        """Encoded checkpoints whose rounds are done (all of them with ``wait``), by peer, in capture order."""
+        out: dict[int, list[bytes]] = {}
+        rounds, self._encoded = self._encoded, []  # (older than every pending round)
+        while self._pending and (wait or self._pending[0].done()):
+            rounds.append(self._pending.popleft().result())
+        for blobs, seconds in rounds:
+            self.encode_s += seconds
+            for peer, data in blobs:
+                self.bytes_out += len(data)
+                out.setdefault(peer, []).append(data)
         return out
+
+    @property
+    def pending(self) -> int:
+        """Checkpoint rounds captured but not yet handed out for shipping."""
+        return len(self._pending) + len(self._encoded)
+
+    def close(self) -> None:
+        """Stop the encoding thread (pending rounds are dropped: a dying container's are lost anyway)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(value: object) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _encode_round(captured: list[tuple[SliceCheckpoint, CarriedOutputs | None, list[int]]]
+                  ) -> tuple[list[tuple[int, bytes]], float]:
+    """ENCODE phase of one round: bytes per peer (checkpoint frame, then its carried outputs)."""
+    t0 = time.perf_counter()
+    blobs: list[tuple[int, bytes]] = []
+    for ckpt, carried, peers in captured:
+        log.debug("checkpoint %s: %s", ckpt.describe(), CheckpointPhase.ENCODE.value)
+        data = encode(ckpt)
+        extra = encode_outputs(carried) if carried is not None else None
+        for p in peers:
+            blobs.append((p, data))
+            if extra is not None:
+                blobs.append((p, extra))
+        log.debug("checkpoint %s: %s (%d bytes per peer)", ckpt.describe(), CheckpointPhase.SHIP.value,
+                  len(data) + (len(extra) if extra is not None else 0))
+    return blobs, time.perf_counter() - t0

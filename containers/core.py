@@ -19,6 +19,7 @@ strictly in epoch order. Processing one epoch:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -45,6 +46,11 @@ log = logging.getLogger("chronostream.container")
 Message = dict[int, RoutedPart]
 #: Message key carrying the number of epochs once a followed source log is sealed.
 END_KEY = -1
+#: Message key: the sender's coverage for this epoch (sent once it released a slice by migration).
+COVER_KEY = -2
+#: Message key: slices of the receiver's stage the sender routes elsewhere from this epoch on
+#: (migration: the receiver releases them before processing the epoch).
+RELEASE_KEY = -3
 #: Sink id under which dead-letter parts travel (``take_sink_parts``).
 DEAD_LETTERS = -1
 #: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
@@ -76,6 +82,7 @@ class ContainerStatistics:
     checkpoints: int = 0  # slice checkpoints taken (shipped to backups)
     log_entries: int = 0  # batches in the output log (bounded by GC)
     backup_bytes: int = 0  # bytes of peers' checkpoints and carried outputs held by this host
+    released: tuple[int, ...] = ()  # slices migrated away from this container
 
 
 class ContainerCore:
@@ -87,7 +94,8 @@ class ContainerCore:
                  output_log: OutputLog | None = None, sink_writers: dict[int, SinkWriter] | None = None,
                  dead_letter_writer: SinkWriter | None = None,
                  backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
-                 full_checkpoint_every: int = 8, backup_store: BackupStore | None = None) -> None:
+                 full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
+                 async_checkpoints: bool = True, checkpoint_interval_s: float = 0.0) -> None:
         self.plan = plan
         self.stage = plan.stages[stage_id]
         self.container_id = container_id
@@ -123,12 +131,25 @@ class ContainerCore:
         if self.stage.kind == "source":
             assert source_table is not None, f"source stage {self.stage.name} needs its input"
             self.reader = make_reader(source_table, plan.order_end)
-        self.destinations = sorted({c for r in routes.values() for c in r.containers()})
+        self.destinations: list[int] = []
+        self.released_to: dict[int, set[int]] = {}
+        self._refresh_destinations()
         # Chained backups: this container checkpoints its slices to peers, and
         # holds its peers' backups in its own store.
         self.checkpointer = (SliceCheckpointer(self.slices, backup_peers or {}, checkpoint_every,
-                                               full_checkpoint_every) if checkpoint_every else None)
+                                               full_checkpoint_every, async_encode=async_checkpoints,
+                                               every_s=checkpoint_interval_s)
+                             if checkpoint_every or checkpoint_interval_s else None)
         self.backup_store = backup_store
+        # Migration (docs/design.md section 7f). Slices released to another
+        # container -> the first epoch no longer processed here; slices the
+        # master asked to release (source stages) at the next step; and, as a
+        # producer, per old owner the slices routed away from it (the marker
+        # ``RELEASE_KEY`` its messages carry until the master says it saw it).
+        self.released: dict[int, int] = {}
+        self.pending_release: set[int] = set()
+        self._retired = False
+        self.epoch_done_at: collections.OrderedDict[int, float] = collections.OrderedDict()  # last 256 epochs
         self.outgoing_backups: dict[int, list[bytes]] = {}
         self.outgoing_sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
 
@@ -138,6 +159,9 @@ class ContainerCore:
         """Accept an upstream message; False when it is a duplicate (already had or processed)."""
         if sender not in self.senders:
             raise ValueError(f"container {self.container_id} got a message from unknown sender {sender}")
+        if self.retired:
+            self.messages_dropped += 1
+            return False  # every slice migrated away: nothing here needs input any more
         if END_KEY in message and self.num_epochs is None:
             self.num_epochs = int(message[END_KEY])  # type: ignore[arg-type]
         if epoch < self.next_epoch or sender in self.inbox.get(epoch, {}):
@@ -164,6 +188,9 @@ class ContainerCore:
         Coverages form a tree (a replacement covers part of one dead sender),
         so taking senders in id order (ancestors first) and skipping any that
         overlaps what is covered picks one complete, duplicate-free set.
+        Migration keeps that shape: the destination is a new container (the
+        highest id) covering slices its source still covers in dual mode;
+        once the source releases them its messages say so (``COVER_KEY``).
         """
         got = self.inbox.get(epoch)
         if not got:
@@ -173,9 +200,11 @@ class ContainerCore:
         covered: set = set()
         chosen: dict[int, Message] = {}
         for sender in sorted(got):
-            cov = self.coverage[sender]
+            msg = got[sender]
+            # A sender that released slices by migration declares what it covers now.
+            cov = msg[COVER_KEY] if COVER_KEY in msg else self.coverage[sender]  # type: ignore[assignment]
             if cov.isdisjoint(covered):
-                chosen[sender] = got[sender]
+                chosen[sender] = msg
                 covered |= cov
         return chosen if covered == self.required else None
 
@@ -207,8 +236,19 @@ class ContainerCore:
 
     @property
     def done(self) -> bool:
-        """True when every epoch of the input is processed (never while a followed log is open)."""
-        return self.num_epochs is not None and self.next_epoch >= self.num_epochs
+        """True when every epoch of the input is processed (never while a followed log is open),
+        or when every slice migrated away (retired)."""
+        return self.retired or (self.num_epochs is not None and self.next_epoch >= self.num_epochs)
+
+    @property
+    def retired(self) -> bool:
+        """True when this container released all its slices by migration, or was retired
+        (an aborted migration destination): it processes nothing more."""
+        return self._retired or (not self.slices and bool(self.released))
+
+    def retire(self) -> None:
+        """Stop for good: no more epochs, every message refused."""
+        self._retired = True
 
     # -- one epoch ---------------------------------------------------------------
 
@@ -216,10 +256,14 @@ class ContainerCore:
         """Process the next epoch; return one message per downstream container."""
         assert self.ready(), f"container {self.container_id}: epoch {self.next_epoch} not ready"
         epoch = self.next_epoch
+        self._release(self._releases_due(epoch), epoch)
         outputs = self._process(epoch)
         self._persist(epoch, outputs)
         messages = self._route(outputs)
         self.next_epoch = epoch + 1
+        self.epoch_done_at[epoch] = time.time()
+        if len(self.epoch_done_at) > 256:
+            self.epoch_done_at.popitem(last=False)
         if self.checkpointer is not None and self.checkpointer.due(epoch, self.done):
             # Memory-sink rows up to the checkpoint go to the master before the
             # checkpoint ships: recovered slices only re-produce later epochs.
@@ -227,9 +271,12 @@ class ContainerCore:
                 parts = w.take_parts(epoch)
                 if parts:
                     self.outgoing_sink_parts.setdefault(k, {}).update(parts)
-            for peer, blobs in self.checkpointer.after_epoch(epoch, last=self.done, carry=self._carried).items():
-                self.outgoing_backups.setdefault(peer, []).extend(blobs)
+            self._queue_backups(self.checkpointer.after_epoch(epoch, last=self.done, carry=self._carried))
         return messages
+
+    def _queue_backups(self, ready: dict[int, list[bytes]]) -> None:
+        for peer, blobs in ready.items():
+            self.outgoing_backups.setdefault(peer, []).extend(blobs)
 
     def _all_writers(self) -> dict[int, SinkWriter]:
         writers: dict[int, SinkWriter] = dict(self.sink_writers)
@@ -247,17 +294,24 @@ class ContainerCore:
         w = self._all_writers().get(sink_id)
         return dict(getattr(w, "parts", {})) if w is not None else {}
 
-    def take_backups(self) -> dict[int, list[bytes]]:
-        """Encoded checkpoints to send, by peer container (emptied by the call)."""
+    def take_backups(self, wait: bool = False) -> dict[int, list[bytes]]:
+        """Encoded checkpoints to send, by peer container (emptied by the call).
+
+        With asynchronous checkpoints this includes rounds whose encoding
+        finished since the last step; ``wait`` waits for every round.
+        """
+        if self.checkpointer is not None:
+            self._queue_backups(self.checkpointer.ready(wait=wait))
         out, self.outgoing_backups = self.outgoing_backups, {}
         return out
 
-    def receive_backups(self, blobs: list[bytes]) -> None:
-        """Keep checkpoints a peer sent (verified by the store)."""
-        if self.backup_store is None:
-            raise RuntimeError(f"container {self.container_id} holds no backups (no backup store)")
-        for b in blobs:
-            self.backup_store.put(b)
+    def close(self) -> None:
+        """Release the encoding thread and the output log (the core is dropped: stopped or dead)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.output_log is not None:
+            self.output_log.close()
+
 
     def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
         results: dict[int, dict[int, pa.Table]] = {}
@@ -281,8 +335,8 @@ class ContainerCore:
             inputs: dict[int, list[pa.Table]] = {}
             for sender in sorted(messages):
                 for stream_id, part in messages[sender].items():
-                    if stream_id == END_KEY:
-                        continue
+                    if stream_id < 0:
+                        continue  # END_KEY, COVER_KEY, RELEASE_KEY
                     rows = rows_of_slice(part, s)
                     if rows is not None:
                         inputs.setdefault(stream_id, []).append(rows)
@@ -340,6 +394,13 @@ class ContainerCore:
                                    f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
                 for c, part in parts.items():
                     messages[c][sid] = part
+        if self.released:
+            cover = frozenset((self.stage.stage_id, s) for s in self.slices)
+            for m in messages.values():
+                m[COVER_KEY] = cover  # type: ignore[assignment]
+        for c, moved in self.released_to.items():
+            if c in messages:
+                messages[c][RELEASE_KEY] = tuple(sorted(moved))  # type: ignore[assignment]
         return messages
 
     # -- carried outputs and GC -------------------------------------------------------
@@ -359,9 +420,7 @@ class ContainerCore:
         first = self.low_water + 1 if full else prev_epoch + 1
         for sid in sids:
             if full:
-                t = self.output_log.read(sid, slice_id, -1)
-                if t.num_rows:
-                    t = t.filter(pa.array(np.asarray(t.column(ORDER)) >= first * self.plan.epoch_events))
+                t = self._logged_since(sid, slice_id, first)
             else:
                 t = self.output_log.read(sid, slice_id, self.carried_seq.get((slice_id, sid), 0) - 1)
             if t.num_rows:
@@ -437,12 +496,109 @@ class ContainerCore:
                 self.output_log.append_epoch(batch)
         return start
 
+    # -- migration (docs/design.md section 7f) -------------------------------------
+
+    def _refresh_destinations(self) -> None:
+        self.destinations = sorted({c for r in self.routes.values() for c in r.containers()} | set(self.released_to))
+
+    def request_release(self, slices: list[int]) -> None:
+        """Release ``slices`` before the next epoch (a source stage: no upstream marker tells it)."""
+        self.pending_release |= set(slices) & set(self.slices)
+
+    def _releases_due(self, epoch: int) -> set[int]:
+        """Slices to release before processing ``epoch``: asked for, or marked by an upstream sender."""
+        due = set(self.pending_release)
+        self.pending_release.clear()
+        if self.reader is None:
+            for msg in (self._epoch_messages(epoch) or {}).values():
+                if RELEASE_KEY in msg:
+                    due |= set(msg[RELEASE_KEY])  # type: ignore[arg-type]
+        return due & set(self.slices)
+
+    def _release(self, slices: set[int], epoch: int) -> None:
+        """Stop running ``slices`` from ``epoch`` on (migration phase 3): their new container has them.
+
+        An upstream sender marks the first epoch whose rows of the slice it
+        no longer sends here, so every epoch processed here had complete
+        input; the destination, in dual mode since before, has every epoch
+        from its restore point on. The slices' logged outputs are dropped:
+        the destination logs its own (and relogged what its consumers may need).
+        """
+        for s in sorted(slices):
+            del self.slices[s]  # (the checkpointer shares this dict: it stops capturing s too)
+            self.released[s] = epoch
+            self.log_start.pop(s, None)
+            if self.output_log is not None:
+                for sid in self._logged_streams():
+                    self.output_log.drop(sid, s)
+            log.info("migration: stage %s slice %s released by container %s at epoch %s",
+                     self.stage.name, s, self.container_id, epoch)
+
+    def release_route(self, stage_id: int, slices: list[int], target: int) -> int:
+        """End dual mode: ``stage_id``'s ``slices`` go to ``target`` only, from this core's next epoch.
+
+        Their old owners get ``RELEASE_KEY`` in this core's messages from
+        that epoch on (until ``forget_released``). Returns that epoch.
+        """
+        route_ = self.routes[stage_id]
+        table = route_.slice_to_container.copy()
+        for s in slices:
+            owner = int(table[s])
+            if owner != target:
+                self.released_to.setdefault(owner, set()).add(int(s))
+            table[s] = target
+        self.routes[stage_id] = OutputRoute(stage_id, table, {s: c for s, c in route_.dual.items() if s not in slices})
+        self._refresh_destinations()
+        return self.next_epoch
+
+    def drop_dual(self, stage_id: int, slices: list[int]) -> None:
+        """Abort dual mode for ``slices`` (a migration that cannot finish): the owner keeps them."""
+        route_ = self.routes[stage_id]
+        self.routes[stage_id] = OutputRoute(stage_id, route_.slice_to_container,
+                                            {s: c for s, c in route_.dual.items() if s not in slices})
+        self._refresh_destinations()
+
+    def forget_released(self, container_id: int) -> None:
+        """Stop marking messages to ``container_id`` (it released what it was told to)."""
+        self.released_to.pop(container_id, None)
+        self._refresh_destinations()
+
+    def migration_snapshot(self, slices: list[int]) -> list[bytes]:
+        """Full checkpoints of ``slices`` as of the last processed epoch, each followed by its
+        carried outputs: what a migration destination rebuilds them from (warm-up).
+
+        Does not start a new delta: the regular checkpoints go on as before.
+        """
+        from slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs
+
+        blobs = []
+        epoch = self.next_epoch - 1
+        for s in slices:
+            ck = capture(self.slices[s], delta=False, epoch=epoch, clear=False)
+            blobs.append(encode(ck))
+            if self.output_log is not None and self._logged_streams():
+                first = self.low_water + 1
+                tables = {sid: t for sid in self._logged_streams()
+                          if (t := self._logged_since(sid, s, first)).num_rows}
+                blobs.append(encode_outputs(CarriedOutputs(self.stage.stage_id, s, max(first, 0), ck.epoch,
+                                                           True, tables)))
+        return blobs
+
+    def _logged_since(self, stream_id: int, slice_id: int, first_epoch: int) -> pa.Table:
+        """Logged outputs of (stream, slice) derived from epochs >= ``first_epoch``."""
+        assert self.output_log is not None
+        t = self.output_log.read(stream_id, slice_id, -1)
+        if t.num_rows and first_epoch > 0:
+            t = t.filter(pa.array(np.asarray(t.column(ORDER)) >= first_epoch * self.plan.epoch_events))
+        return t
+
     def progress_of(self, slice_id: int) -> dict[int, list[int]]:
         """A local slice's progress vector as plain data (stream id -> out_seq per producer slice)."""
         return {sid: arr.tolist() for sid, arr in self.slices[slice_id].progress.consumed.items()}
 
     def reroute(self, stage_id: int, slices: list[int], target: int,
-                progress: dict[int, dict[int, list[int]]], resume: dict[int, int]) -> dict[int, Message]:
+                progress: dict[int, dict[int, list[int]]], resume: dict[int, int],
+                dual: bool = False) -> dict[int, Message]:
         """Send ``stage_id``'s ``slices`` to container ``target`` from now on; return the replay.
 
         ``progress`` is each moved slice's restored progress vector and
@@ -453,14 +609,21 @@ class ContainerCore:
         output log per (stream, producer slice), filtered by consumer slice
         and progress vector with array operations, and cut into epochs by
         ``_order`` (an epoch is a source-order range). Later epochs are
-        routed to ``target`` by ``step`` as usual.
+        routed to ``target`` by ``step`` as usual. With ``dual`` (migration
+        phase 2) the slices' owner keeps getting their rows too, until
+        ``release_route``.
         """
         route_ = self.routes[stage_id]
         moved = np.array(sorted(slices), dtype=np.int64)
-        table = route_.slice_to_container.copy()
-        table[moved] = target
-        self.routes[stage_id] = type(route_)(stage_id, table)
-        self.destinations = sorted({c for r in self.routes.values() for c in r.containers()})
+        if dual:
+            self.routes[stage_id] = OutputRoute(stage_id, route_.slice_to_container,
+                                                {**route_.dual, **{int(s): target for s in moved}})
+        else:
+            table = route_.slice_to_container.copy()
+            table[moved] = target
+            self.routes[stage_id] = OutputRoute(stage_id, table, {s: c for s, c in route_.dual.items()
+                                                                  if s not in set(moved.tolist())})
+        self._refresh_destinations()
         first = min(resume[s] for s in slices)
         replay: dict[int, Message] = {e: {} for e in range(first, self.next_epoch)}
         if not replay:
@@ -534,9 +697,10 @@ class ContainerCore:
             self.buffered_bytes(), self.busy_s, cpu, rss,
             self.checkpointer.taken if self.checkpointer is not None else 0,
             self.output_log.entries() if self.output_log is not None else 0,
-            self.backup_store.total_bytes() if self.backup_store is not None else 0)
+            self.backup_store.total_bytes() if self.backup_store is not None else 0,
+            tuple(sorted(self.released)))
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
         return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
-                   for k, part in msg.items() if k != END_KEY)
+                   for k, part in msg.items() if k >= 0)

@@ -94,6 +94,21 @@ class OutputLog:
             return pa.table({})
         return pa.concat_tables(parts, promote_options="permissive")
 
+    def drop(self, stream_id: int, slice_id: int) -> int:
+        """Delete every logged batch of (stream, slice) (the slice migrated away); return how many."""
+        prefix = struct.pack(">II", stream_id, slice_id)
+        with self.env.begin(write=True) as txn:
+            cur = txn.cursor()
+            dead = []
+            if cur.set_range(prefix):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(prefix):
+                        break
+                    dead.append(key)
+            for key in dead:
+                txn.delete(key)
+        return len(dead)
+
     def trim(self, stream_id: int, slice_id: int, before_order: int) -> int:
         """Delete the logged batches of (stream, slice) whose rows all have ``_order < before_order`` (GC).
 

@@ -9,7 +9,7 @@ per (stream, consumer stage): never per row. Knows no Ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -23,10 +23,15 @@ RoutedPart = tuple[pa.Table, np.ndarray]
 
 @dataclass
 class OutputRoute:
-    """Where one downstream stage's slices live: ``slice_to_container[slice]``."""
+    """Where one downstream stage's slices live: ``slice_to_container[slice]``.
+
+    ``dual`` maps a slice in migration (dual mode, paper III-C phase 2) to
+    a second container that gets a copy of its rows besides its owner.
+    """
 
     stage_id: int
     slice_to_container: np.ndarray
+    dual: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_slices(self) -> int:
@@ -34,8 +39,8 @@ class OutputRoute:
         return len(self.slice_to_container)
 
     def containers(self) -> list[int]:
-        """Distinct containers of the downstream stage (sorted)."""
-        return sorted(set(self.slice_to_container.tolist()))
+        """Distinct containers of the downstream stage (sorted), dual copies included."""
+        return sorted(set(self.slice_to_container.tolist()) | set(self.dual.values()))
 
 
 def consumer_slices(table: pa.Table, key: tuple[str, ...] | None, num_slices: int) -> np.ndarray:
@@ -55,9 +60,20 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute) -> dic
 
     Within a part, rows are ordered by consumer slice and keep their
     original relative order (producer slice, then out_seq) inside a slice.
+    Rows of a slice in dual mode go to its owner and to its dual container.
     """
     dst = consumer_slices(table, key, out.num_slices)
     cont = out.slice_to_container[dst]
+    rows = None  # row index per routed row (None: every row once, in order)
+    if out.dual:
+        alt = np.full(out.num_slices, -1, dtype=np.int64)
+        for s, c in out.dual.items():
+            alt[s] = c
+        copies = np.flatnonzero(alt[dst] >= 0)
+        if len(copies):
+            rows = np.concatenate((np.arange(len(dst)), copies))
+            cont = np.concatenate((cont, alt[dst[copies]]))
+            dst = dst[rows]
     # One stable sort on (container, slice): keeps producer order within a slice.
     order = np.argsort(cont * out.num_slices + dst, kind="stable")
     cont_sorted = cont[order]
@@ -65,7 +81,8 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute) -> dic
     starts = np.concatenate(([0], bounds))
     ends = np.concatenate((bounds, [len(order)]))
     parts: dict[int, RoutedPart] = {}
-    taken = table.take(pa.array(order)) if len(order) else table
+    take = order if rows is None else rows[order]
+    taken = table.take(pa.array(take)) if len(take) else table
     dst_sorted = dst[order]
     for s, e in zip(starts.tolist(), ends.tolist()):
         if e > s:

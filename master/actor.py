@@ -25,10 +25,13 @@ from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
+from chronostream.options import JobOptions
 from master.catalog import MasterCatalog
+from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
+                              group_transfers, migration_pauses, stage_hosts)
 from master.placement import Placement, initial_placement
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
-                             restore_order)
+                             recovery_slack, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -44,21 +47,13 @@ class JobMaster:
     """
 
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
-                 max_inflight_epochs: int = 4, heartbeat_timeout_s: float = 60.0,
-                 output_log: bool = True, checkpoint_every: int = 0, backup_factor: int = 2,
-                 full_checkpoint_every: int = 8, recompute_lost: bool = False, heartbeat_s: float = 0.5,
-                 source_refs: dict[int, list] | None = None, job_key: str = "job") -> None:
+                 options: JobOptions | None = None, source_refs: dict[int, list] | None = None,
+                 job_key: str = "job") -> None:
         self.plan = plan
         self.job_key = job_key
         self.workdir = workdir
-        self.max_inflight_epochs = max_inflight_epochs
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.output_log = output_log
-        self.checkpoint_every = checkpoint_every
-        self.backup_factor = backup_factor
-        self.full_checkpoint_every = full_checkpoint_every
-        self.recompute_lost = recompute_lost
+        self.opts = options or JobOptions()
+        self.heartbeat_s = self.opts.heartbeat_s
         self.placement: Placement = initial_placement(plan, containers_per_stage)
         self.host_of: dict[int, int] = {}  # container id -> host id
         self.handles: dict[int, Any] = {}  # host id -> actor
@@ -77,11 +72,15 @@ class JobMaster:
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
         self._watching = False
-        self.gc_every_ticks = 4  # output GC every 4 heartbeat periods (2 s)
+        self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
+        # Highest GC mark applied per producer stage (logs trimmed up to it); None until
+        # known (a restarted master learns them again at its first GC round).
+        self.gc_marks: dict[int, int] | None = {}
         self.catalog = MasterCatalog(f"{workdir}/master")
         self.resumed = self.catalog.exists()
         if self.resumed:
+            self.gc_marks = None
             self._resume()
 
     def _host_name(self, host_id: int) -> str:
@@ -102,7 +101,7 @@ class JobMaster:
                 self.last_seen[h] = now
             except ValueError:  # it died while the master was away: recovered by the watch loop
                 self.handles[h] = None
-                self.last_seen[h] = now - 2 * self.heartbeat_timeout_s
+                self.last_seen[h] = now - 2 * self.opts.heartbeat_timeout_s
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of))
 
     def _ensure_watching(self) -> None:
@@ -157,13 +156,12 @@ class JobMaster:
                 self.host_of[c] = c
                 self._new_host(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
         self.next_id = max(self.host_of) + 1
-        configured = {h: a.configure.remote(self.plan, self.max_inflight_epochs, self.checkpoint_every,
-                                            self.full_checkpoint_every) for h, a in self.handles.items()}
+        configured = {h: a.configure.remote(self.plan, self.opts) for h, a in self.handles.items()}
         for h, ref in configured.items():
             self.nodes[h] = await ref
         added = []
         for stage_id, ids in self.placement.containers.items():
-            chain = host_backup_peers(self.placement, self.host_of, stage_id, self.backup_factor)
+            chain = host_backup_peers(self.placement, self.host_of, stage_id, self.opts.backup_factor)
             for c in ids:
                 added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
         await asyncio.gather(*added)
@@ -182,7 +180,7 @@ class JobMaster:
         return self.handles[self.host_of[c]].add_container.remote(
             c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
             self.placement.sender_coverage(self.plan, stage_id), self._peers_of(stage_id),
-            self._stage_hosts(stage_id), src, self.output_log, backup_peers, restore_from)
+            self._stage_hosts(stage_id), src, self.opts.output_log, backup_peers, restore_from)
 
     # -- watching ------------------------------------------------------------------
 
@@ -195,7 +193,7 @@ class JobMaster:
                 await self._collect_garbage()
             dead = await self._probe(sorted(self.alive))
             now = time.monotonic()
-            silent = {h for h in self.alive - dead if now - self.last_seen.get(h, now) > self.heartbeat_timeout_s}
+            silent = {h for h in self.alive - dead if now - self.last_seen.get(h, now) > self.opts.heartbeat_timeout_s}
             for h in dead:
                 self._event("fault_detected", host=h, by="probe (actor dead)")
             for h in silent:
@@ -221,12 +219,14 @@ class JobMaster:
 
     async def _collect_garbage(self) -> None:
         """Drop outputs no recovery can need: below every consumer stage's oldest newest checkpoint."""
-        if not self.checkpoint_every or self.recompute_lost or self.recovery_lock.locked():
+        if not self.opts.checkpointing or self.opts.recompute_lost or self.recovery_lock.locked():
             return  # (recomputing a lost slice from the start needs every log from epoch 0)
         hosts = sorted(self.alive)
         try:
             held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
             marks = low_water_marks(self.plan, list(held))
+            known = self.gc_marks or {}
+            self.gc_marks = {st: max(marks.get(st, -1), known.get(st, -1)) for st in set(marks) | set(known)}
             if any(v >= 0 for v in marks.values()):
                 dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
                 self.gc_dropped += sum(dropped)
@@ -295,19 +295,18 @@ class JobMaster:
                         if c in self.stats and self.stats[c].checkpoints > 0 for s in slices}
         chain = {}
         for st in {st for st, _ in lost.values()}:
-            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).items():
+            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
                 chain.update({(st, s): hs for s, hs in peers.items()})
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
-                             checkpointed, self.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
-                             chain, damaged)
+                             checkpointed, self.opts.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
+                             chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # every host of the stage died: start a new one
                 a.host = self.next_id
                 self.next_id += 1
                 self._new_host(a.host, None)
-                self.nodes[a.host] = await self.handles[a.host].configure.remote(
-                    self.plan, self.max_inflight_epochs, self.checkpoint_every, self.full_checkpoint_every)
+                self.nodes[a.host] = await self.handles[a.host].configure.remote(self.plan, self.opts)
             self.host_of[a.new_id] = a.host
         # 1. Consumers accept the new containers as senders (before any sends).
         calls = []
@@ -345,13 +344,286 @@ class JobMaster:
         retargets = []
         for st in sorted({a.stage_id for a in plan}):
             hosts = self._stage_hosts(st)
-            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).items():
+            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
                 retargets.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
         await asyncio.gather(*retargets)
         self._save_layout()
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
                     hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
                     seconds=round(time.time() - t0, 3))
+
+    # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
+
+    def _stage_id(self, stage: str | int) -> int:
+        if isinstance(stage, int) and 0 <= stage < len(self.plan.stages):
+            return stage
+        for st in self.plan.stages:
+            if st.name == stage:
+                return st.stage_id
+        raise MigrationError(f"no stage named {stage!r}; stages: {[st.name for st in self.plan.stages]}")
+
+    def _check_can_migrate(self) -> None:
+        if self.state != "running":
+            raise MigrationError(f"the job is {self.state}: nothing to rescale")
+        if not self.opts.output_log:
+            raise MigrationError("migration replays upstream output logs: run the job with output_log=True")
+
+    async def scale_out(self, stage: str | int, n: int = 1, reason: str = "requested") -> dict[str, Any]:
+        """Add ``n`` hosts to ``stage`` and move slices so every host of it runs an even share."""
+        async with self.recovery_lock:
+            self._check_can_migrate()
+            sid = self._stage_id(stage)
+            if n < 1:
+                raise MigrationError(f"scale_out needs n >= 1, got {n}")
+            layout = stage_hosts(self.placement, self.host_of, sid)
+            new = [-(i + 1) for i in range(n)]
+            moves = balanced_moves(layout, list(layout) + new)
+            return await self._migrate(sid, moves, {h: None for h in new}, f"scale_out {n}: {reason}")
+
+    async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested") -> dict[str, Any]:
+        """Move every slice off ``n`` of ``stage``'s hosts (those running the fewest slices), then release them."""
+        async with self.recovery_lock:
+            self._check_can_migrate()
+            sid = self._stage_id(stage)
+            layout = stage_hosts(self.placement, self.host_of, sid)
+            if n < 1 or n >= len(layout):
+                raise MigrationError(f"stage {self.plan.stages[sid].name!r} runs on {len(layout)} hosts; "
+                                     f"cannot remove {n}")
+            leaving = sorted(layout, key=lambda h: (len(layout[h]), -h))[:n]
+            staying = [h for h in layout if h not in leaving]
+            moves = balanced_moves({**{h: layout[h] for h in staying},
+                                    -1: [s for h in leaving for s in layout[h]]}, staying)
+            where = container_of_slices(self.placement, sid)
+            moves = [(s, self.host_of[where[s]], t) for s, _, t in moves]
+            return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}")
+
+    async def migrate(self, stage: str | int, slices: list[int], to_container: int | None = None,
+                      reason: str = "requested") -> dict[str, Any]:
+        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host)."""
+        async with self.recovery_lock:
+            self._check_can_migrate()
+            sid = self._stage_id(stage)
+            where = container_of_slices(self.placement, sid)
+            bad = [s for s in slices if s not in where]
+            if bad or not slices:
+                raise MigrationError(f"stage {self.plan.stages[sid].name!r} has no slices {bad or slices}")
+            if to_container is not None and (to_container not in self.host_of
+                                             or self.host_of[to_container] not in self.alive):
+                raise MigrationError(f"no live container {to_container}")
+            to = -1 if to_container is None else self.host_of[to_container]
+            moves = [(s, self.host_of[where[s]], to) for s in slices if self.host_of[where[s]] != to]
+            return await self._migrate(sid, moves, {-1: None} if to_container is None else {},
+                                       f"migrate {slices}: {reason}")
+
+    async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
+                       reason: str) -> dict[str, Any]:
+        """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
+        P = MigrationPhase
+        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
+        if not transfers:
+            return {"transfers": [], "reason": reason}
+        self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
+        t0 = time.time()
+        self._event("migration_start", stage=self.plan.stages[sid].name, reason=reason,
+                    transfers=[{"from": t.source, "to": t.new_id, "slices": t.slices} for t in transfers])
+        try:
+            await self._migration_phases(sid, transfers)
+        except (RayActorError, MigrationError, asyncio.TimeoutError) as exc:
+            log.warning("migration interrupted: %s", exc)
+            self._event("migration_interrupted", error=str(exc))
+            await self._settle_migration(transfers)
+        # Backups over the stage's hosts as they are now (full checkpoints follow).
+        hosts = self._stage_hosts(sid)
+        await asyncio.gather(*[self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts)
+                               for c, peers in host_backup_peers(self.placement, self.host_of, sid,
+                                                                 self.opts.backup_factor).items()],
+                             return_exceptions=True)
+        released = await self._release_idle_hosts()
+        self._save_layout()
+        summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
+                                  "phase": t.phase.value, "resume": t.resume, "released_at": t.released_at,
+                                  "pause_ms": t.pause_ms} for t in transfers],
+                   "released_hosts": released, "seconds": round(time.time() - t0, 3), "reason": reason}
+        self._event("migration_end", stage=self.plan.stages[sid].name, **summary)
+        return summary
+
+    async def _migration_phases(self, sid: int, transfers: list[Transfer]) -> None:
+        P = MigrationPhase
+        # 0. PREPARING: a new host per placeholder, on the node running the fewest hosts.
+        made: dict[int, int] = {}
+        for t in transfers:
+            if t.host is None:
+                if t.target not in made:
+                    h = self.next_id
+                    self.next_id += 1
+                    self._new_host(h, self._least_used_node())
+                    self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
+                    made[t.target] = h
+                t.host = made[t.target]
+            t.advance(P.WARMING, host=t.host)
+        # 1. WARMING: the destination holds the newest backup, or gets a snapshot.
+        held = dict(zip(sorted(self.alive), await asyncio.gather(
+            *[self.handles[h].backup_epochs.remote() for h in sorted(self.alive)])))
+        snaps = []
+        for t in transfers:
+            newest = {s: max([e.get((sid, s), -1) for e in held.values()], default=-1) for s in t.slices}
+            own = held.get(t.host, {})
+            missing = [s for s in t.slices if newest[s] < 0 or own.get((sid, s), -1) < newest[s]]
+            snaps.append(self.handles[self.host_of[t.source]].migration_snapshot.remote(
+                t.source, missing, t.host, self.handles[t.host]) if missing else None)
+            t.snapshot = missing
+        for t, ref in zip(transfers, snaps):
+            info = await ref if ref is not None else {"epoch": None, "bytes": 0}
+            t.advance(P.REBUILDING, info["epoch"], snapshot=t.snapshot, mb=round(info["bytes"] / 1e6, 3),
+                      local=sorted(set(t.slices) - set(t.snapshot)))
+        # 2. REBUILDING: consumers accept the new containers; each restores from its host's store.
+        calls = []
+        for t in transfers:
+            self.placement.stage_of[t.new_id] = sid
+            self.host_of[t.new_id] = t.host
+            cov = frozenset((sid, s) for s in t.slices)
+            for d in self.plan.downstream_stages(sid):
+                for c in self.placement.containers[d]:
+                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {t.new_id: cov}))
+        await asyncio.gather(*calls)
+        infos = await asyncio.gather(*[self._add_container(
+            t.new_id, sid, t.slices, {}, {s: [(t.host, self.handles[t.host])] for s in t.slices}) for t in transfers])
+        await asyncio.gather(*[self.handles[t.host].set_extra_window.remote(t.new_id, 64) for t in transfers])
+        await asyncio.gather(*[self.handles[t.host].start.remote([t.new_id]) for t in transfers])
+        # 3. DUAL: producers send the slices to both copies, replaying to the new one.
+        reroutes = []
+        for t, info in zip(transfers, infos):
+            t.resume = info["resume"]
+            for u in self.plan.upstream_stages(sid):
+                for c in self.placement.containers[u]:
+                    reroutes.append(self.handles[self.host_of[c]].reroute.remote(
+                        c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
+            t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
+                      restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
+        await asyncio.gather(*reroutes)
+        await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
+                          or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
+        # 4. RELEASING: producers switch to the new copy and mark the switch to the source.
+        for t in transfers:
+            await self._release_routes(sid, t)
+            t.advance(P.RELEASING)
+        await self._until(transfers, lambda t, st: set(t.slices) <= set(st[t.source]["released"])
+                          or st[t.source]["done"], "releasing")
+        # 5. DONE.
+        for t in transfers:
+            await self._complete(sid, t)
+
+    def _least_used_node(self) -> str | None:
+        alive_nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        if len(alive_nodes) <= 1:
+            return None
+        used = {n: 0 for n in alive_nodes}
+        for h in self.alive:
+            if self.nodes.get(h) in used:
+                used[self.nodes[h]] += 1
+        return min(alive_nodes, key=lambda n: (used[n], n))
+
+    async def _states(self, transfers: list[Transfer]) -> dict[int, dict[str, Any]]:
+        ids: dict[int, list[int]] = {}
+        for t in transfers:
+            ids.setdefault(self.host_of[t.source], []).append(t.source)
+            ids.setdefault(t.host, []).append(t.new_id)
+        out: dict[int, dict[str, Any]] = {}
+        for part in await asyncio.gather(*[self.handles[h].migration_state.remote(cs_) for h, cs_ in ids.items()]):
+            out.update(part)
+        return out
+
+    async def _until(self, transfers: list[Transfer], ok, what: str, timeout_s: float = 120.0) -> None:
+        """Poll the transfers' containers until ``ok(t, states)`` holds for every transfer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = await self._states(transfers)
+            if all(t.source in st and t.new_id in st and ok(t, st) for t in transfers):
+                return
+            missing = [c for t in transfers for c in (t.source, t.new_id) if c not in st]
+            if missing:
+                raise MigrationError(f"containers {missing} are gone while {what}")
+            if time.monotonic() > deadline:
+                raise MigrationError(f"migration stuck {what} for {timeout_s}s: "
+                                     + "; ".join(t.describe() for t in transfers))
+            await asyncio.sleep(0.02)
+
+    async def _release_routes(self, sid: int, t: Transfer) -> None:
+        calls = [self.handles[self.host_of[c]].release_route.remote(c, sid, t.slices, t.new_id)
+                 for u in self.plan.upstream_stages(sid) for c in self.placement.containers[u]
+                 if self.host_of[c] in self.alive]
+        if self.plan.stages[sid].kind == "source" and self.host_of[t.source] in self.alive:
+            calls.append(self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices))
+        await asyncio.gather(*calls)
+
+    async def _complete(self, sid: int, t: Transfer) -> None:
+        """Last step of a transfer: producers stop marking, the placement moves, pauses are measured."""
+        try:
+            st = await self._states([t])
+        except RayActorError:
+            st = {}
+        src, dst = st.get(t.source), st.get(t.new_id)
+        if src is not None:
+            t.released_at = {s: e for s, e in src["released"].items() if s in t.slices}
+            if set(t.slices) <= set(src["released"]):
+                await asyncio.gather(*[self.handles[self.host_of[c]].forget_released.remote(c, t.source)
+                                       for u in self.plan.upstream_stages(sid) for c in self.placement.containers[u]
+                                       if self.host_of[c] in self.alive], return_exceptions=True)
+            if dst is not None:
+                t.pause_ms = migration_pauses(t.released_at, src["epoch_done_at"], dst["epoch_done_at"])
+        if t.host in self.alive:
+            try:
+                await self.handles[t.host].set_extra_window.remote(t.new_id, 0)
+            except RayActorError:
+                pass
+        self.placement.rehost(t.source, t.new_id, t.slices)
+        t.advance(MigrationPhase.DONE, None if dst is None else dst["next_epoch"], released_at=t.released_at,
+                  pause_ms=t.pause_ms)
+
+    async def _settle_migration(self, transfers: list[Transfer]) -> None:
+        """A host died or a phase got stuck: finish transfers whose destination runs the slices
+        (the source may be gone), abort the others (the source keeps its slices)."""
+        P = MigrationPhase
+        dead = await self._probe(sorted(self.alive))
+        for t in transfers:
+            if t.phase in (P.DONE, P.ABORTED):
+                continue
+            dst_ok = t.host is not None and t.host not in dead
+            if t.phase is P.RELEASING or (t.phase is P.DUAL and dst_ok):
+                if t.phase is P.DUAL:
+                    await self._release_routes(sid=t.stage_id, t=t)
+                    t.advance(P.RELEASING)
+                await self._complete(t.stage_id, t)
+                continue
+            await asyncio.gather(*[self.handles[self.host_of[c]].drop_dual.remote(c, t.stage_id, t.slices)
+                                   for u in self.plan.upstream_stages(t.stage_id)
+                                   for c in self.placement.containers[u] if self.host_of[c] not in dead],
+                                 return_exceptions=True)
+            if dst_ok and t.new_id in self.host_of:
+                try:
+                    await self.handles[t.host].remove_container.remote(t.new_id)
+                except RayActorError:
+                    pass
+            self.host_of.pop(t.new_id, None)
+            self.placement.stage_of.pop(t.new_id, None)
+            t.advance(P.ABORTED, reason="a host died or a phase got stuck")
+
+    async def _release_idle_hosts(self) -> list[int]:
+        """Hosts running no container of the placement any more (scale-in): keep their sink rows, stop them."""
+        busy = {self.host_of[c] for ids in self.placement.containers.values() for c in ids}
+        idle = sorted(h for h in self.alive if h not in busy)
+        for h in idle:
+            try:
+                parts = await self.handles[h].drain_sink_parts.remote()
+                if parts:
+                    await self.store_sink_parts(parts)
+                await self.handles[h].stop.remote(True)
+                ray.kill(self.handles[h])
+            except RayActorError:
+                pass
+            self.alive.discard(h)
+            self._event("host_released", host=h)
+        return idle
 
     # -- reports from hosts ------------------------------------------------------------
 
@@ -473,6 +745,19 @@ class JobMaster:
             return pa.table({})
         return sort_output(pa.concat_tables(tables, promote_options="permissive"))
 
+    async def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
+        """(slice, epoch) -> first time a live host wrote that part of a memory sink (diagnostics)."""
+        sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
+        if sink is None:
+            raise KeyError(f"no sink named {sink_name!r}; sinks: {[s.name for s in self.plan.sinks]}")
+        out: dict[tuple[int, int], float] = {}
+        for part in await asyncio.gather(*[self.handles[h].sink_write_times.remote(sink.sink_id)
+                                           for h in sorted(self.alive)], return_exceptions=True):
+            if isinstance(part, dict):
+                for k, t in part.items():
+                    out[k] = min(t, out.get(k, t))
+        return out
+
     async def backup_catalog(self) -> dict[int, list[tuple[int, int, int]]]:
         """Host id -> (stage, slice, epoch) of the backups it holds."""
         hosts = sorted(self.alive)
@@ -482,7 +767,7 @@ class JobMaster:
         """Stage id -> slice -> the hosts that should hold its backups (the chain)."""
         out: dict[int, dict[int, list[int]]] = {}
         for st in self.placement.containers:
-            for peers in host_backup_peers(self.placement, self.host_of, st, self.backup_factor).values():
+            for peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).values():
                 out.setdefault(st, {}).update(peers)
         return out
 

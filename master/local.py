@@ -29,15 +29,18 @@ from chronostream.sinks import sort_output
 from containers.backup_store import BackupStore
 from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
+from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
+                              group_transfers, migration_pauses, stage_hosts)
 from master.placement import Placement
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
-                             restore_order)
+                             restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, decode_outputs
 
 
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
               output_log: OutputLog | None = None, backup_peers: dict | None = None, checkpoint_every: int = 0,
-              full_checkpoint_every: int = 8, backup_store: BackupStore | None = None) -> ContainerCore:
+              full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
+              checkpoint_interval_s: float = 0.0) -> ContainerCore:
     """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks)."""
     stage_id = placement.stage_of[c]
     writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
@@ -46,7 +49,8 @@ def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, sli
                          placement.routes_for(plan, stage_id), placement.sender_coverage(plan, stage_id),
                          source_table=sources.get(stage_id), output_log=output_log, sink_writers=writers,
                          dead_letter_writer=dl, backup_peers=backup_peers, checkpoint_every=checkpoint_every,
-                         full_checkpoint_every=full_checkpoint_every, backup_store=backup_store)
+                         full_checkpoint_every=full_checkpoint_every, backup_store=backup_store,
+                         checkpoint_interval_s=checkpoint_interval_s)
 
 
 def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str | None = None,
@@ -74,20 +78,23 @@ class LocalCluster:
 
     def __init__(self, plan: JobPlan, placement: Placement, sources: dict, *, seed: int = 0,
                  duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
-                 backup_factor: int = 2, full_checkpoint_every: int = 8, recompute_lost: bool = False,
-                 merge_every: int = 4) -> None:
+                 backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
+                 merge_every: int = 4, checkpoint_interval_s: float = 0.0, output_logs: bool = False) -> None:
         self.plan = plan
         self.placement = placement
         self.sources = sources
         self.rng = random.Random(seed)
         self.duplicate_every = duplicate_every
-        self.fault_tolerant = checkpoint_every > 0
+        self.fault_tolerant = checkpoint_every > 0 or checkpoint_interval_s > 0
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_interval_s = checkpoint_interval_s
         self.backup_factor = backup_factor
         self.full_checkpoint_every = full_checkpoint_every
         self.recompute_lost = recompute_lost
         self.merge_every = merge_every
-        self.root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if self.fault_tolerant else None
+        # Output logs feed replay (recovery and migration): kept when checkpointing or asked for.
+        self.logged = self.fault_tolerant or output_logs
+        self.root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if self.logged else None
         ids = [c for cs_ in placement.containers.values() for c in cs_]
         self.hosts: dict[int, int] = {c: c for c in ids}  # container -> host
         self.alive: set[int] = set(ids)
@@ -105,12 +112,17 @@ class LocalCluster:
         self.checkpointed: set[tuple[int, int]] = set()
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.sent = 0
+        self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
+        self.migrations: list[Transfer] = []  # in progress, advanced once per round
+        self.migrated: list[Transfer] = []  # finished or aborted
+        self.round = 0
 
     def _core(self, c: int, slices: list[int] | None, backup_peers: dict | None) -> ContainerCore:
-        log = OutputLog(self.root / f"container-{c}" / "output-log") if self.fault_tolerant else None
+        log = OutputLog(self.root / f"container-{c}" / "output-log") if self.logged else None
         return make_core(self.plan, self.placement, c, self.sources, slices=slices, output_log=log,
                          backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
                          full_checkpoint_every=self.full_checkpoint_every,
+                         checkpoint_interval_s=self.checkpoint_interval_s,
                          backup_store=self.stores.get(self.hosts[c]))
 
     def _event(self, kind: str, **info: Any) -> None:
@@ -131,8 +143,8 @@ class LocalCluster:
         for r, hosts in (kills or {}).items():
             todo[r] = lambda cl, hosts=hosts: cl.kill(hosts)
         deadline = time.monotonic() + timeout_s
-        rnd = 0
-        while not all(c.done for c in self.cores.values()):
+        while not all(c.done for c in self.cores.values()) or self.migrations:
+            rnd = self.round
             progressed, backups = self._step_all()
             if rnd in todo:
                 todo.pop(rnd)(self)
@@ -140,13 +152,17 @@ class LocalCluster:
                 progressed = True
             progressed |= self._deliver()
             self._ship(backups)
-            if self.fault_tolerant and not self.recompute_lost:  # recomputing needs every log from epoch 0
+            progressed |= self._advance_migrations()
+            # (recomputing needs every log from epoch 0; a migration replays from its restore point)
+            if self.fault_tolerant and not self.recompute_lost and not self.migrations:
                 self.collect_garbage()
-            rnd += 1
+            self.round += 1
             if not progressed:
                 readers = [c for c in self.cores.values() if c.reader is not None and not c.done]
                 if not readers or time.monotonic() > deadline:
-                    raise RuntimeError("local run stalled: no container ready and nothing in flight")
+                    stuck = [t.describe() + f" in {t.phase.value}" for t in self.migrations]
+                    raise RuntimeError("local run stalled: no container ready and nothing in flight"
+                                       + (f"; migrations: {stuck}" if stuck else ""))
                 time.sleep(poll_s)  # a followed source log: wait for the writer
                 for c in readers:
                     c.poll_source()
@@ -155,9 +171,13 @@ class LocalCluster:
     def _step_all(self) -> tuple[bool, list]:
         progressed = False
         backups: list[tuple[int, int, list[bytes]]] = []
+        # A migration destination catching up has a backlog (the replay): it may run ahead.
+        catching_up = {t.new_id for t in self.migrations if t.phase is MigrationPhase.DUAL}
         for cid in sorted(self.cores):
             core = self.cores[cid]
-            if core.ready():
+            for _ in range(8 if cid in catching_up else 1):
+                if not core.ready():
+                    break
                 epoch = core.next_epoch
                 for dst, msg in core.step().items():
                     self.in_flight.append((dst, epoch, cid, msg))
@@ -184,14 +204,17 @@ class LocalCluster:
     def _ship(self, backups: list[tuple[int, int, list[bytes]]]) -> None:
         for peer, sender, blobs in backups:
             if peer in self.alive:
-                for b in blobs:
-                    self.stores[peer].put(b)
-                stage = self.placement.stage_of[sender]
-                self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
+                refused = [k[1] for k in (self.stores[peer].put(b) for b in blobs) if k is not None]
+                if refused and sender in self.cores and self.cores[sender].checkpointer is not None:
+                    self.cores[sender].checkpointer.force_full(refused)
+                if sender in self.cores:
+                    stage = self.placement.stage_of[sender]
+                    self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
 
     def collect_garbage(self) -> int:
         """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
         marks = low_water_marks(self.plan, [store.epochs() for store in self.stores.values()])
+        self.gc_marks = {st: max(marks.get(st, -1), self.gc_marks.get(st, -1)) for st in set(marks) | set(self.gc_marks)}
         dropped = 0
         for core in self.cores.values():
             dropped += core.gc(marks.get(core.stage.stage_id, -1))
@@ -199,6 +222,204 @@ class LocalCluster:
             for stage_id, lw in marks.items():
                 dropped += store.trim_outputs(stage_id, lw)
         return dropped
+
+    # -- migration and scaling (master.migration; docs/design.md section 7f) ----------
+
+    def stage_id(self, stage: str | int) -> int:
+        """A stage's id from its name (or id)."""
+        if isinstance(stage, int):
+            return stage
+        for st in self.plan.stages:
+            if st.name == stage:
+                return st.stage_id
+        raise MigrationError(f"no stage named {stage!r}; stages: {[st.name for st in self.plan.stages]}")
+
+    def _new_host(self) -> int:
+        h = self.next_id
+        self.next_id += 1
+        self.alive.add(h)
+        return h
+
+    def _store(self, h: int) -> BackupStore:
+        if h not in self.stores:
+            assert self.root is not None
+            self.stores[h] = BackupStore(self.root / f"host-{h}" / "backups", merge_every=self.merge_every)
+        return self.stores[h]
+
+    def migrate(self, stage: str | int, slices: list[int], to_host: int | None = None) -> list[Transfer]:
+        """Start moving ``slices`` of ``stage`` to host ``to_host`` (None: a new host).
+
+        Returns the transfers (one new container per source container);
+        ``run`` advances them one phase at a time between rounds.
+        """
+        sid = self.stage_id(stage)
+        where = container_of_slices(self.placement, sid)
+        bad = [s for s in slices if s not in where]
+        if bad:
+            raise MigrationError(f"stage {self.plan.stages[sid].name!r} has no slices {bad}")
+        placeholder = -1 if to_host is None else to_host
+        if to_host is not None and to_host not in self.alive:
+            raise MigrationError(f"host {to_host} is not alive")
+        moves = [(s, self.hosts[where[s]], placeholder) for s in slices if self.hosts[where[s]] != to_host]
+        return self._start(sid, moves, {-1: None} if to_host is None else {})
+
+    def scale_out(self, stage: str | int, n: int = 1) -> list[Transfer]:
+        """Add ``n`` hosts to ``stage`` and move slices so every host runs an even share."""
+        sid = self.stage_id(stage)
+        layout = stage_hosts(self.placement, self.hosts, sid)
+        new = [-(i + 1) for i in range(n)]  # placeholders for hosts still to be created
+        moves = balanced_moves(layout, list(layout) + new)
+        return self._start(sid, moves, {h: None for h in new})
+
+    def scale_in(self, stage: str | int, n: int = 1) -> list[Transfer]:
+        """Move every slice off ``n`` of ``stage``'s hosts (those with the fewest slices)."""
+        sid = self.stage_id(stage)
+        layout = stage_hosts(self.placement, self.hosts, sid)
+        if n >= len(layout):
+            raise MigrationError(f"stage {self.plan.stages[sid].name!r} runs on {len(layout)} hosts; "
+                                 f"cannot remove {n}")
+        leaving = sorted(layout, key=lambda h: (len(layout[h]), -h))[:n]
+        staying = [h for h in layout if h not in leaving]
+        moves = balanced_moves({**{h: layout[h] for h in staying}, -1: [s for h in leaving for s in layout[h]]},
+                               staying)
+        where = container_of_slices(self.placement, sid)
+        return self._start(sid, [(s, self.hosts[where[s]], t) for s, _, t in moves], {})
+
+    def _start(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None]) -> list[Transfer]:
+        if self.migrations:
+            raise MigrationError("a migration is in progress; one at a time")
+        if not self.logged:
+            raise MigrationError("migration replays upstream output logs: create the cluster with "
+                                 "output_logs=True or checkpoints")
+        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
+        if not transfers:
+            return []
+        self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
+        self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
+        self.migrations = transfers
+        self._event("migration_start", stage=sid, transfers=[(t.source, t.new_id, t.slices) for t in transfers])
+        return transfers
+
+    def _advance_migrations(self) -> bool:
+        """Move every transfer on by at most one phase (run calls this once per round)."""
+        if not self.migrations:
+            return False
+        before = [t.phase for t in self.migrations]
+        for t in self.migrations:
+            self._advance(t)
+        moved = before != [t.phase for t in self.migrations]
+        if all(t.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED) for t in self.migrations):
+            self._finish_migrations()
+        return moved
+
+    def _advance(self, t: Transfer) -> None:
+        P = MigrationPhase
+        src = self.cores.get(t.source)
+        if t.phase is P.PREPARING:
+            if t.host is None:  # transfers to one placeholder share the new host
+                if t.target not in self._placeholders:
+                    self._placeholders[t.target] = self._new_host()
+                t.host = self._placeholders[t.target]
+            t.advance(P.WARMING)
+        elif t.phase is P.WARMING:
+            store = self._store(t.host)
+            newest = {s: max((st.epochs().get((t.stage_id, s), -1) for st in self.stores.values()), default=-1)
+                      for s in t.slices}
+            missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
+            if missing:
+                for b in src.migration_snapshot(missing):
+                    store.put(b)
+            t.snapshot = missing
+            t.advance(P.REBUILDING, src.next_epoch - 1, snapshot=missing, local=sorted(set(t.slices) - set(missing)))
+        elif t.phase is P.REBUILDING:
+            self.placement.stage_of[t.new_id] = t.stage_id
+            self.hosts[t.new_id] = t.host
+            cov = frozenset((t.stage_id, s) for s in t.slices)
+            for d in self.plan.downstream_stages(t.stage_id):
+                for c in self.placement.containers[d]:
+                    if c in self.cores:
+                        self.cores[c].add_senders({t.new_id: cov})
+            core = self._core(t.new_id, t.slices, None)
+            loaded = {s: self._load_backup(t.stage_id, s, [t.host]) for s in t.slices}
+            core.restore_slices({s: ck for s, (ck, _) in loaded.items()}, {s: out for s, (_, out) in loaded.items()})
+            self.cores[t.new_id] = core
+            t.resume = {s: core.slices[s].last_epoch + 1 for s in t.slices}
+            for u in self.plan.upstream_stages(t.stage_id):
+                for c in self.placement.containers[u]:
+                    if c in self.cores:
+                        replay = self.cores[c].reroute(t.stage_id, t.slices, t.new_id,
+                                                       {s: core.progress_of(s) for s in t.slices}, t.resume, dual=True)
+                        self.in_flight += [(t.new_id, e, c, m) for e, m in replay.items()]
+            t.advance(P.DUAL, core.next_epoch, resume=t.resume)
+        elif t.phase is P.DUAL:
+            dst = self.cores[t.new_id]
+            if src is not None and not src.done and dst.next_epoch < src.next_epoch:
+                return  # catching up
+            self._release_routes(t)
+            if src is not None and src.reader is not None:
+                src.request_release(t.slices)  # a source stage has no upstream marker to tell it
+            t.advance(P.RELEASING, dst.next_epoch)
+        elif t.phase is P.RELEASING:
+            if src is not None and not src.done and not set(t.slices) <= set(src.released):
+                return  # the source has not reached a marked epoch yet
+            self._complete(t)
+
+    def _release_routes(self, t: Transfer) -> None:
+        for u in self.plan.upstream_stages(t.stage_id):
+            for c in self.placement.containers[u]:
+                if c in self.cores:
+                    self.cores[c].release_route(t.stage_id, t.slices, t.new_id)
+
+    def _complete(self, t: Transfer) -> None:
+        src, dst = self.cores.get(t.source), self.cores.get(t.new_id)
+        if src is not None:
+            t.released_at = {s: e for s, e in src.released.items() if s in t.slices}
+            if set(t.slices) <= set(src.released):
+                for u in self.plan.upstream_stages(t.stage_id):
+                    for c in self.placement.containers[u]:
+                        if c in self.cores:
+                            self.cores[c].forget_released(t.source)
+            if dst is not None:
+                t.pause_ms = migration_pauses(t.released_at, src.epoch_done_at, dst.epoch_done_at)
+        self.placement.rehost(t.source, t.new_id, t.slices)
+        t.advance(MigrationPhase.DONE, None if dst is None else dst.next_epoch, released_at=t.released_at,
+                  pause_ms=t.pause_ms)
+
+    def _finish_migrations(self) -> None:
+        stages = sorted({t.stage_id for t in self.migrations})
+        if self.fault_tolerant:
+            for st in stages:
+                for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
+                    if c in self.cores and self.cores[c].checkpointer is not None:
+                        self.cores[c].checkpointer.retarget(peers)
+        self._event("migration_end", transfers=[(t.source, t.new_id, t.slices, t.phase.value, t.pause_ms)
+                                                 for t in self.migrations])
+        self.migrated += self.migrations
+        self.migrations = []
+
+    def _settle_migrations(self, dead: set[int]) -> None:
+        """Hosts died mid-migration: finish what can finish (the destination has the slices),
+        abort what cannot (the destination died before the source let go)."""
+        P = MigrationPhase
+        for t in self.migrations:
+            if t.phase in (P.DONE, P.ABORTED):
+                continue
+            dst_dead = t.host in dead
+            if t.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t.phase is P.RELEASING):
+                if t.phase is P.DUAL:
+                    self._release_routes(t)
+                    t.advance(P.RELEASING)
+                self._complete(t)
+            else:
+                for u in self.plan.upstream_stages(t.stage_id):
+                    for c in self.placement.containers[u]:
+                        if c in self.cores:
+                            self.cores[c].drop_dual(t.stage_id, t.slices)
+                if t.new_id in self.cores:
+                    self.cores.pop(t.new_id).close()
+                t.advance(P.ABORTED, reason=f"hosts {sorted(dead)} died")
+        if self.migrations:
+            self._finish_migrations()
 
     # -- faults and recovery -------------------------------------------------------
 
@@ -210,17 +431,16 @@ class LocalCluster:
         lost = lost_containers(self.placement, self.hosts, dead)
         self._event("fault", hosts=sorted(dead), containers=sorted(lost))
         self.alive -= dead
-        for c in lost:
-            core = self.cores.pop(c)
-            if core.output_log is not None:
-                core.output_log.close()
+        for c in [c for c in self.cores if self.hosts[c] in dead]:  # (migration destinations too)
+            self.cores.pop(c).close()
         for h in dead:
             store = self.stores.pop(h, None)
             if store is not None:
                 store.close(flush=False)
         # Messages of the dead still in flight: some arrived, some were lost.
         self.in_flight = [m for m in self.in_flight if m[2] not in lost or self.rng.random() < 0.5]
-        self.recover(lost)
+        self._settle_migrations(dead)
+        self.recover(lost_containers(self.placement, self.hosts, dead))
 
     def recover(self, lost: dict[int, tuple[int, list[int]]]) -> None:
         """Re-host the ``lost`` containers' slices on live hosts (see ``master.recovery``)."""
@@ -235,7 +455,8 @@ class LocalCluster:
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
                              self.checkpointed, self.recompute_lost,
-                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged)
+                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
+                             restore_floor(self.plan, self.gc_marks), max(2, 2 * self.checkpoint_every))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # no live container left in the stage: a new host

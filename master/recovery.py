@@ -57,7 +57,8 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                   checkpointed: set[SliceKey] | frozenset = frozenset(),
                   recompute_lost: bool = False, stage_names: dict[int, str] | None = None,
                   chain: dict[SliceKey, list[int]] | None = None,
-                  damaged: dict[SliceKey, list[str]] | None = None) -> list[Adoption]:
+                  damaged: dict[SliceKey, list[str]] | None = None,
+                  floor: dict[int, int] | None = None, slack: int = 0) -> list[Adoption]:
     """Plan the adoption of every slice of the ``lost`` containers.
 
     ``lost``: dead container -> (stage, slices); ``backups``: (stage, slice)
@@ -68,7 +69,12 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     order, to break ties: the l = 1 holders of a container's slices are
     all different peers, so preferring them spreads the work; ``damaged``:
     checkpoints refused by their checksum, named in the error when no
-    copy is left.
+    copy is left. ``floor[stage]`` is the oldest checkpoint epoch of the
+    stage a restore may start from (upstream output logs were trimmed up to
+    it by GC); when it is known, a holder whose backup is at most ``slack``
+    epochs older than the newest (a checkpoint still being shipped when the
+    container died) is as good a candidate: it costs a little more replay
+    and keeps recovery parallel.
 
     >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
     >>> [(a.new_id, a.host, a.slices) for a in plan]
@@ -86,12 +92,17 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
             copies = [(h, e) for h, e in copies if h in hosts or not hosts]
             if copies:
                 newest = copies[0][1]
-                best = [h for h, e in copies if e == newest]
-                # Among the holders of the newest backup, the least loaded so far:
-                # a dead container's slices spread over all its peers.
+                oldest_ok = newest if floor is None or stage not in floor else max(newest - slack, floor[stage])
+                epoch_of = dict(copies)
+                best = [h for h, e in copies if e >= oldest_ok]
+                # Among the holders of a recent enough backup, the least loaded so far
+                # (a dead container's slices spread over all its peers), then the newest.
                 order = (chain or {}).get((stage, s), [])
                 rank = {h: i for i, h in enumerate(order)}
-                host = min(best, key=lambda h: (load.get(h, 0), rank.get(h, len(order)), h)) if hosts else None
+                host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h)) \
+                    if hosts else None
+                if host is not None:  # the chosen copy first, then the others newest first
+                    copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
             else:
                 bad = (damaged or {}).get((stage, s), [])
                 if ((stage, s) in checkpointed or bad) and not recompute_lost:
@@ -174,3 +185,29 @@ def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]]) -> dict[int,
                for st in plan.stages}
     return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
             for st in plan.stages if plan.downstream_stages(st.stage_id)}
+
+
+def restore_floor(plan, gc_marks: dict[int, int] | None) -> dict[int, int] | None:
+    """Stage -> the oldest checkpoint epoch a restore of its slices may start from.
+
+    Upstream output logs were trimmed up to ``gc_marks[producer]`` (the
+    highest mark ever applied); a slice restored at epoch c replays from
+    c + 1, so c must be at least every producer's mark. Source stages
+    re-read their input: no floor. None when the marks are not known.
+
+    >>> import chronostream as cs
+    >>> from chronostream.dag import compile_query
+    >>> q = cs.Query()
+    >>> _ = q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    >>> restore_floor(compile_query(q)[0], {0: 5})
+    {0: -1, 1: 5}
+    """
+    if gc_marks is None:
+        return None
+    return {st.stage_id: max([gc_marks.get(u, -1) for u in plan.upstream_stages(st.stage_id)], default=-1)
+            for st in plan.stages}
+
+
+def recovery_slack(options) -> int:
+    """Epochs a backup may lag the newest and still be restored from (see ``plan_recovery``)."""
+    return max(2, 2 * options.checkpoint_every)

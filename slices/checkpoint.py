@@ -129,9 +129,23 @@ def table_part(table: pa.Table) -> dict[str, Any]:
     return {"shape": "table", "ipc": sink.getvalue().to_pybytes()}
 
 
+def frozen_table_part(table: pa.Table) -> dict[str, Any]:
+    """A ``table`` part not yet serialized: ``encode`` writes its IPC (off the epoch, when async).
+
+    ``table`` must not share buffers with live operator state (take a copy).
+    """
+    return {"shape": "table", "frozen": table}
+
+
 def read_table_part(part: dict[str, Any]) -> pa.Table:
-    """The table of a ``table`` part."""
+    """The table of a ``table`` part (serialized or frozen)."""
+    if "frozen" in part:
+        return part["frozen"]
     return pa.ipc.open_stream(pa.py_buffer(part["ipc"])).read_all()
+
+
+def _serialized(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: table_part(part["frozen"]) if "frozen" in part else part for name, part in state.items()}
 
 
 def _merge_table(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +219,7 @@ def encode(ckpt: SliceCheckpoint) -> bytes:
     """Bytes of a checkpoint: magic, header (with the payload's CRC-32), payload."""
     payload = _pack({"progress": {str(k): v for k, v in ckpt.progress.items()},
                      "next_seq": {str(k): v for k, v in ckpt.next_seq.items()},
-                     "state": ckpt.state, "outputs": {str(k): v for k, v in ckpt.outputs.items()}})
+                     "state": _serialized(ckpt.state), "outputs": {str(k): v for k, v in ckpt.outputs.items()}})
     return _frame(MAGIC, {"v": VERSION, "stage": ckpt.stage_id, "slice": ckpt.slice_id, "epoch": ckpt.epoch,
                           "kind": ckpt.kind, "prev": ckpt.prev_epoch}, payload)
 

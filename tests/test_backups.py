@@ -89,11 +89,30 @@ def test_store_persists_lazily_and_survives_a_reopen(tmp_path):
 
 
 def test_store_refuses_a_delta_that_does_not_continue_the_chain(tmp_path):
-    """A delta on an epoch the chain does not end at is refused (the owner must send a full one)."""
+    """A delta on an epoch the chain does not end at is refused; put() names the slice that needs a full one."""
     store = BackupStore(tmp_path)
-    store.put(ckpt(3, "full", -1, 30))
-    with pytest.raises(ValueError, match="ends at epoch 3"):
-        store.put(ckpt(6, "delta", 5, 60))
+    assert store.put(ckpt(3, "full", -1, 30)) is None
+    assert store.put(ckpt(6, "delta", 5, 60)) == (1, 4)
+    assert store.latest(1, 4).epoch == 3, "the chain held is kept as it was"
+    assert store.put(ckpt(6, "full", -1, 60)) is None
+    assert store.latest(1, 4).epoch == 6
+
+
+def test_a_chain_found_damaged_at_merge_refuses_deltas_until_a_full_checkpoint_heals_it(tmp_path):
+    """Bit rot in a held delta is found when the chain is merged: no exception reaches the
+    sender; every later delta is answered with "send a full one", and a full one repairs the chain."""
+    store = BackupStore(tmp_path, merge_every=2)
+    store.put(ckpt(0, "full", -1, 1))
+    store.put(ckpt(1, "delta", 0, 2))
+    store.corrupt(1, 4)  # damages the newest link (epoch 1) in memory and lmdb
+    store.put(ckpt(2, "delta", 1, 3))
+    assert store.put(ckpt(3, "delta", 2, 4)) == (1, 4), "the merge found the damage"
+    assert store.put(ckpt(4, "delta", 3, 5)) == (1, 4), "deltas are refused while the chain is damaged"
+    with pytest.raises(CheckpointCorrupt):
+        store.latest(1, 4)
+    assert store.put(ckpt(5, "full", -1, 6)) is None
+    assert store.latest(1, 4).next_seq == {0: 6}
+    assert store.put(ckpt(6, "delta", 5, 7)) is None
 
 
 def test_store_detects_a_corrupted_backup_on_restore(tmp_path):

@@ -118,6 +118,28 @@ def test_a_corrupt_backup_replica_is_refused_and_the_other_one_used():
     assert_equals_serial("running_sum", cl)
 
 
+def test_a_backup_damaged_at_rest_is_healed_by_a_full_checkpoint_while_the_job_runs():
+    """Bit rot in a held backup is found when its chain is merged; the holder refuses further
+    deltas, the owner sends a full checkpoint instead, and a later kill restores from it."""
+    cl = cluster("running_sum", containers=3, backup_factor=2, merge_every=2)
+    stage = next(st.stage_id for st in cl.plan.stages if st.kind == "operator")
+    victim = cl.placement.containers[stage][0]
+    key = (stage, cl.placement.slices_of(victim)[0])
+    holder: list[int] = []
+
+    def corrupt(cl):
+        holder.append(next(h for h, store in cl.stores.items() if key in store.holds()))
+        cl.stores[holder[0]].corrupt(*key)
+
+    cl.run(faults={3: corrupt, 17: lambda cl: cl.kill([victim])})
+    store = cl.stores[holder[0]]
+    assert store.refused >= 1, "the damaged chain refused a delta"
+    assert key not in store.damaged, "a full checkpoint replaced the damaged chain"
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline), "the kill landed mid-stream"
+    assert not [i for _, k, i in cl.timeline if k == "backup_rejected"], "the kill found sound backups"
+    assert_equals_serial("running_sum", cl)
+
+
 def test_when_every_replica_is_corrupt_recovery_fails_naming_slice_and_checkpoint():
     cl = cluster("running_sum", containers=3, backup_factor=2)
     stage = next(st.stage_id for st in cl.plan.stages if st.kind == "operator")

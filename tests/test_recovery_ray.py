@@ -105,7 +105,8 @@ def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
     """With checkpoints, the master's GC trims every output log below the consumers' checkpoints."""
     q = running_sum(6, n=2400)
     q.epoch_events = 20  # 120 epochs
-    job = cs.run(q, containers={"payments": 2, "running_sum": 2, "stats": 2}, checkpoint_every=2)
+    job = cs.run(q, containers={"payments": 2, "running_sum": 2, "stats": 2}, checkpoint_every=2,
+                 gc_interval_s=0.25)
     try:
         from chronostream.chaos import apply_schedule
         apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.04)])

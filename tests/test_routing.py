@@ -160,3 +160,28 @@ def test_output_route_lists_its_distinct_containers_sorted():
     r = OutputRoute(3, np.array([7, 2, 7, 2, 9]))
     assert r.containers() == [2, 7, 9]
     assert r.num_slices == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(produced_streams(), st.data())
+def test_a_slice_in_dual_mode_reaches_its_owner_and_its_dual_container_in_producer_order(case, data):
+    """Migration phase 2: rows of a dual slice go to the owner (as before) and, as an exact
+    copy, to the dual container; every other row is routed as without dual mode."""
+    table, key, out = case
+    n = out.num_slices
+    dual_slices = data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n))
+    dual = {s: 1000 + s % 2 for s in dual_slices}
+    want = expected_slices(table, key, n)
+    plain = route(table, key, out)
+    parts = route(table, key, OutputRoute(out.stage_id, out.slice_to_container, dual))
+    for c, (t, dst) in parts.items():
+        if c < 1000:  # an owner: exactly what it got without dual mode
+            assert t.equals(plain[c][0]) and dst.tolist() == plain[c][1].tolist()
+            continue
+        rid = np.asarray(t.column("rid"), dtype=np.int64)
+        expect = [r for s in sorted(s for s in dual if dual[s] == c) for r in np.flatnonzero(want == s).tolist()]
+        assert rid.tolist() == expect, "the dual container gets its slices' rows, by slice, in producer order"
+        assert dst.tolist() == want[rid].tolist()
+    assert set(parts) - set(plain) <= {dual[s] for s in set(want.tolist()) & set(dual)}
+    assert OutputRoute(1, out.slice_to_container, dual).containers() == sorted(
+        set(out.slice_to_container.tolist()) | set(dual.values()))

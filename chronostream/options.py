@@ -1,0 +1,51 @@
+"""Owns the runtime options of one job (what ``chronostream.run`` takes besides the query).
+
+Plain data shared by the client, the master and the containers; no Ray.
+Validation happens here, once, so every layer can trust the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Knobs of one runtime job, with their defaults.
+
+    >>> JobOptions(checkpoint_every=4).checkpointing
+    True
+    >>> JobOptions(backup_factor=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: backup_factor must be >= 0, got -1
+    """
+
+    max_inflight_epochs: int = 4  # epochs in flight per channel (the backpressure bound)
+    heartbeat_s: float = 0.5  # host -> master heartbeat and master -> host ping period
+    heartbeat_timeout_s: float = 60.0  # silence after which a host counts as dead
+    output_log: bool = True  # log routed outputs to lmdb (replay for recovery and migration)
+    checkpoint_every: int = 0  # checkpoint every K epochs (0: no epoch trigger)
+    checkpoint_interval_s: float = 0.0  # checkpoint at the first epoch boundary T s after the last round
+    backup_factor: int = 2  # chained backup copies per slice
+    full_checkpoint_every: int = 0  # force a full checkpoint every N (0: deltas merged at the backups)
+    recompute_lost: bool = False  # rebuild a slice whose every backup is lost from the start
+    gc_interval_s: float = 2.0  # how often the master trims output logs below the consumers' checkpoints
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight_epochs",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.checkpoint_interval_s < 0:
+            raise ValueError(f"checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
+
+    @property
+    def checkpointing(self) -> bool:
+        """True when slices are checkpointed to backups (by epochs or by time)."""
+        return bool(self.checkpoint_every or self.checkpoint_interval_s)

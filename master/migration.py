@@ -1,0 +1,199 @@
+"""Owns live slice migration as a protocol: its phases, their legal order, and the plans for scaling.
+
+Pure data and planning; no Ray, no I/O. The Ray master (``master.actor``)
+and the in-process driver (``master.local``) execute a migration the same
+way (paper III-C; docs/design.md section 7f):
+
+0. ``PREPARING``: the destination host exists (a new one for scale-out);
+1. ``WARMING``: the destination holds a backup of every moving slice,
+   its own chained copy if it is the newest, else a snapshot the source
+   container ships (a new host has no backups yet);
+2. ``REBUILDING``: a new container on the destination restores the slices
+   from that local backup and reports their progress vectors; consumers
+   accept it as a sender;
+3. ``DUAL``: upstream containers route the slices' rows to the source *and*
+   the destination, replaying to the destination from its progress vectors;
+   both run the slices, consumers take one copy (same rows, same out_seq);
+4. ``RELEASING``: once the destination has caught up, upstream containers
+   route the slices to the destination only and mark their messages to the
+   source, which stops running the slices at the first marked epoch;
+5. ``DONE``: the placement moves, backups are re-planned. ``ABORTED`` when a
+   host involved dies: the source keeps the slices, dual copies stop.
+
+A migration always creates a *new* container for the destination (one per
+source container and destination host). Its id is higher than every other,
+which keeps consumers' choice of one copy per epoch simple (see
+``ContainerCore._epoch_messages``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from chronostream.errors import QueryError
+
+log = logging.getLogger("chronostream.migration")
+
+
+class MigrationError(RuntimeError):
+    """A migration request that cannot be carried out, or a phase that got stuck."""
+
+
+class MigrationPhase(enum.Enum):
+    """Where one transfer is in the protocol (see the module docstring)."""
+
+    PREPARING = "preparing"
+    WARMING = "warming"
+    REBUILDING = "rebuilding"
+    DUAL = "dual"
+    RELEASING = "releasing"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+_P = MigrationPhase
+#: Allowed transitions, each with the event that triggers it.
+TRANSITIONS: dict[tuple[MigrationPhase, MigrationPhase], str] = {
+    (_P.PREPARING, _P.WARMING): "the destination host is up",
+    (_P.WARMING, _P.REBUILDING): "the destination holds a backup of every moving slice",
+    (_P.REBUILDING, _P.DUAL): "the new container restored the slices and consumers accept it",
+    (_P.DUAL, _P.RELEASING): "the new container caught up with the source",
+    (_P.RELEASING, _P.DONE): "the source released every moving slice",
+}
+for _p in (_P.PREPARING, _P.WARMING, _P.REBUILDING, _P.DUAL, _P.RELEASING):
+    TRANSITIONS[(_p, _P.ABORTED)] = "a host involved died or a phase timed out"
+
+_story_ids = itertools.count(1)
+
+
+@dataclass
+class Transfer:
+    """One new container ``new_id`` on host ``host`` taking ``slices`` of container ``source``.
+
+    ``host`` is None until PREPARING starts a new host for it. ``story``
+    records every transition (id from a counter, phase, epoch, details).
+    """
+
+    new_id: int
+    source: int
+    stage_id: int
+    host: int | None
+    slices: list[int]
+    target: int = -1  # destination host id as planned (negative: a host PREPARING creates)
+    phase: MigrationPhase = MigrationPhase.PREPARING
+    story: list[tuple[int, str, int | None, dict[str, Any]]] = field(default_factory=list)
+    # Filled as it runs: slices snapshotted at warm-up (the others were rebuilt from the
+    # destination's own backup), resume epoch, release epoch and pause per slice.
+    snapshot: list[int] = field(default_factory=list)
+    resume: dict[int, int] = field(default_factory=dict)
+    released_at: dict[int, int] = field(default_factory=dict)
+    pause_ms: dict[int, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``stage 1 slices [0, 4] container 3 -> 9 (host 5)``: for logs and errors."""
+        return f"stage {self.stage_id} slices {self.slices} container {self.source} -> {self.new_id} (host {self.host})"
+
+    def advance(self, to: MigrationPhase, epoch: int | None = None, **info: Any) -> None:
+        """Move to phase ``to`` (only along ``TRANSITIONS``), logging the step with slices and epoch."""
+        if (self.phase, to) not in TRANSITIONS:
+            raise MigrationError(f"{self.describe()}: no transition {self.phase.value} -> {to.value}; "
+                                 f"story: {self.story}")
+        self.story.append((next(_story_ids), to.value, epoch, dict(info)))
+        log.info("migration %s: %s -> %s at epoch %s %s", self.describe(), self.phase.value, to.value, epoch,
+                 info or "")
+        self.phase = to
+
+
+# -- planning --------------------------------------------------------------------
+
+
+def stage_hosts(placement: Any, host_of: dict[int, int], stage_id: int) -> dict[int, list[int]]:
+    """Host -> the slices of ``stage_id`` it runs (over all its containers), hosts sorted."""
+    out: dict[int, list[int]] = {}
+    for c in placement.containers[stage_id]:
+        out.setdefault(host_of[c], []).extend(placement.slices_of(c))
+    return {h: sorted(v) for h, v in sorted(out.items())}
+
+
+def balanced_moves(layout: dict[int, list[int]], targets: list[int],
+                   load: dict[int, float] | None = None) -> list[tuple[int, int, int]]:
+    """Moves (slice, from host, to host) that even out slice counts over ``layout`` + ``targets``.
+
+    ``layout``: host -> its slices now (hosts leaving have been removed by the
+    caller and their slices are listed under key -1). ``targets``: hosts that
+    may receive (new or remaining). The most loaded host gives first, its
+    heaviest slice by ``load`` (default: the highest slice id) to the least
+    loaded target. Deterministic.
+
+    >>> balanced_moves({0: [0, 1, 2, 3]}, [0, 1])
+    [(3, 0, 1), (2, 0, 1)]
+    >>> balanced_moves({-1: [4, 5], 0: [0, 2], 1: [1, 3]}, [0, 1])
+    [(5, -1, 0), (4, -1, 1)]
+    """
+    weight = load or {}
+    have = {h: list(v) for h, v in layout.items()}
+    for t in targets:
+        have.setdefault(t, [])
+    moves = []
+    total = sum(len(v) for v in have.values())
+    n = len(targets)
+    if n == 0:
+        raise QueryError("no host to place the slices on")
+    cap = {t: total // n + (1 if i < total % n else 0) for i, t in enumerate(sorted(targets, key=lambda t: (len(have[t]), t), reverse=True))}
+    while True:
+        # Leaving hosts (not targets) give everything; targets give what exceeds their share.
+        givers = [h for h in have if have[h] and (h not in cap or len(have[h]) > cap[h])]
+        takers = [t for t in cap if len(have[t]) < cap[t]]
+        if not givers or not takers:
+            return moves
+        g = max(givers, key=lambda h: (h not in cap, len(have[h]) - cap.get(h, 0), -h))
+        s = max(have[g], key=lambda s: (weight.get(s, 0.0), s))
+        t = min(takers, key=lambda t: (len(have[t]) - cap[t], t))
+        have[g].remove(s)
+        have[t].append(s)
+        moves.append((s, g, t))
+
+
+def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, int], stage_id: int,
+                    next_id: int, new_hosts: dict[int, int | None] | None = None) -> list[Transfer]:
+    """One ``Transfer`` per (source container, destination host), with new container ids from ``next_id``.
+
+    ``moves``: (slice, from host, to host); ``container_of``: slice -> its
+    container now; ``new_hosts`` maps placeholder host ids of hosts still to
+    be created to None.
+    """
+    groups: dict[tuple[int, int], Transfer] = {}
+    for s, _frm, to in sorted(moves, key=lambda m: (container_of[m[0]], m[2], m[0])):
+        key = (container_of[s], to)
+        if key not in groups:
+            host = None if new_hosts and to in new_hosts else to
+            groups[key] = Transfer(next_id, container_of[s], stage_id, host, [], target=to)
+            next_id += 1
+        groups[key].slices.append(s)
+    return list(groups.values())
+
+
+def container_of_slices(placement: Any, stage_id: int) -> dict[int, int]:
+    """Slice -> container, for one stage."""
+    return {s: int(c) for s, c in enumerate(placement.slice_to_container[stage_id].tolist())}
+
+
+def migration_pauses(released_at: dict[int, int], source_done_at: dict[int, float],
+                     dest_done_at: dict[int, float]) -> dict[int, float]:
+    """Per moved slice, the pause its output saw (ms): how long after the source's last epoch
+    (``r - 1``) the destination finished the release epoch ``r``; 0 when it was already ahead.
+
+    ``*_done_at``: epoch -> wall time the container finished it (``ContainerCore.epoch_done_at``).
+
+    >>> migration_pauses({3: 10}, {9: 100.0}, {10: 100.25})
+    {3: 250.0}
+    """
+    out = {}
+    for s, r in released_at.items():
+        if r - 1 in source_done_at and r in dest_done_at:
+            out[s] = round(max(0.0, dest_done_at[r] - source_done_at[r - 1]) * 1000, 1)
+    return out

@@ -1,0 +1,213 @@
+"""Live slice migration, specified on the in-process driver (master.local): real cores, real lmdb.
+
+Method: a job runs with many small epochs and message delivery in a seeded
+shuffled order; between two rounds a migration starts (scale-out, scale-in,
+one slice), and the driver advances it one protocol phase per round while
+every container keeps processing. Each sink must equal the serial
+executor's, row for row and out_seq for out_seq, and the migration's story
+must show the phases in order. Faults during a migration (source or
+destination host dies) must still give the serial output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chronostream.dag import compile_query
+from master.local import LocalCluster
+from master.migration import MigrationError, MigrationPhase
+from master.placement import containers_per_stage, initial_placement
+from queries import QUERIES
+from test_local_executor import BUILDERS as SHORT
+from test_recovery_local import EPOCH
+
+import chronostream as cs
+
+PHASES = ["warming", "rebuilding", "dual", "releasing", "done"]
+BUILDERS = {**SHORT, "long_sum": (lambda s: QUERIES["running_sum"][0](s, n=700), *QUERIES["running_sum"][1:])}
+
+
+_serial: dict = {}
+
+
+def assert_equals_serial(name: str, cl: LocalCluster) -> None:
+    """Every sink equals the serial executor's run of the same query (same slice counts)."""
+    slices = next(st.num_slices for st in cl.plan.stages if st.kind == "operator")
+    if (name, slices) not in _serial:
+        res = cs.run_serial(BUILDERS[name][0](slices))
+        _serial[(name, slices)] = {s: res.results(s).to_pylist() for s in BUILDERS[name][1]}
+    for sink, rows in _serial[(name, slices)].items():
+        got = cl.results(sink).to_pylist()
+        assert got == rows, f"{name}/{sink}: {len(got)} rows vs {len(rows)} from the serial run"
+
+
+def cluster(name: str, containers=1, slices: int = 6, seed: int = 0, **kw) -> LocalCluster:
+    query = BUILDERS[name][0](slices)
+    query.epoch_events = EPOCH
+    plan, sources = compile_query(query)
+    placement = initial_placement(plan, containers_per_stage(plan, containers))
+    kw.setdefault("output_logs", True)
+    return LocalCluster(plan, placement, sources, seed=seed, **kw)
+
+
+def operator_stage(cl: LocalCluster) -> str:
+    return next(st.name for st in cl.plan.stages if st.kind == "operator")
+
+
+def hosts_of(cl: LocalCluster, stage: str) -> dict[int, list[int]]:
+    from master.migration import stage_hosts
+
+    return stage_hosts(cl.placement, cl.hosts, cl.stage_id(stage))
+
+
+def phases(t) -> list[str]:
+    return [phase for _, phase, _, _ in t.story]
+
+
+@pytest.mark.parametrize("name", sorted(SHORT))
+def test_scale_out_one_to_two_mid_stream_gives_the_serial_output(name):
+    cl = cluster(name)
+    stage = operator_stage(cl)
+    cl.run(faults={3: lambda cl: cl.scale_out(stage, 1)})
+    assert [len(v) for v in hosts_of(cl, stage).values()] == [3, 3]
+    (t,) = cl.migrated
+    assert phases(t) == PHASES
+    assert_equals_serial(name, cl)
+
+
+def script(*steps, start: int = 2):
+    """Faults for ``LocalCluster.run``: each step runs at the first round from ``start`` on
+    when no migration is in progress (the next one waits for the previous one)."""
+    pending = list(steps)
+
+    def tick(cl):
+        if pending and not cl.migrations:
+            pending.pop(0)(cl)
+    return {r: tick for r in range(start, 10_000)}, pending
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scale_out_one_to_two_to_four_then_in_to_one_gives_the_serial_output(seed):
+    cl = cluster("long_sum", slices=8, seed=seed)
+    stage = operator_stage(cl)
+    seen = []
+
+    def note(cl):
+        seen.append(sorted(len(v) for v in hosts_of(cl, stage).values()))
+
+    faults, pending = script(lambda cl: cl.scale_out(stage, 1), note, lambda cl: cl.scale_out(stage, 2), note,
+                             lambda cl: cl.scale_in(stage, 3), note)
+    cl.run(faults=faults)
+    assert not pending, "every step ran mid-stream"
+    assert seen == [[4, 4], [2, 2, 2, 2], [8]]
+    assert all(t.phase is MigrationPhase.DONE for t in cl.migrated)
+    assert_equals_serial("long_sum", cl)
+
+
+def test_a_source_stage_scales_out_and_in_too():
+    cl = cluster("rekey", containers=1)
+    source = next(st.name for st in cl.plan.stages if st.kind == "source")
+    faults, pending = script(lambda cl: cl.scale_out(source, 1), lambda cl: cl.scale_in(source, 1))
+    cl.run(faults=faults)
+    assert not pending
+    assert len(cl.migrated) == 2 and all(t.phase is MigrationPhase.DONE for t in cl.migrated)
+    assert_equals_serial("rekey", cl)
+
+
+def test_migrating_one_slice_moves_only_that_slice():
+    cl = cluster("word_count", containers=2)
+    stage = operator_stage(cl)
+    before = hosts_of(cl, stage)
+    src_host, slices = next(iter(before.items()))
+    dst_host = next(h for h in before if h != src_host)
+    cl.run(faults={4: lambda cl: cl.migrate(stage, [slices[0]], to_host=dst_host)})
+    after = hosts_of(cl, stage)
+    assert after[src_host] == slices[1:]
+    assert after[dst_host] == sorted(before[dst_host] + [slices[0]])
+    assert_equals_serial("word_count", cl)
+
+
+def test_a_migration_with_checkpoints_rebuilds_from_the_destinations_own_backup():
+    """With chained backups, a destination that holds the newest backup needs no snapshot."""
+    cl = cluster("running_sum", containers=2, checkpoint_every=1, backup_factor=1)
+    stage = operator_stage(cl)
+    before = hosts_of(cl, stage)
+    (h0, s0), (h1, _) = before.items()
+
+    def move(cl):
+        local = [s for s in s0 if (cl.stage_id(stage), s) in cl.stores[h1].holds()]
+        assert local, "host 1 backs up host 0's slices (backup factor 1, two hosts)"
+        cl.migrate(stage, local[:1], to_host=h1)
+
+    cl.run(faults={6: move})
+    (t,) = cl.migrated
+    rebuild = next(info for _, phase, _, info in t.story if phase == "rebuilding")
+    assert rebuild["local"] == t.slices and rebuild["snapshot"] == []
+    assert_equals_serial("running_sum", cl)
+
+
+def test_the_source_keeps_running_the_slices_until_the_destination_caught_up():
+    """Dual mode: the source container processes the moving slices through DUAL; it releases
+    them at a later epoch than the destination's restore point."""
+    cl = cluster("running_sum", containers=1, checkpoint_every=3)
+    stage = operator_stage(cl)
+    cl.run(faults={8: lambda cl: cl.scale_out(stage, 1)})
+    (t,) = cl.migrated
+    assert t.released_at and all(t.released_at[s] >= t.resume[s] for s in t.slices)
+    assert set(t.pause_ms) == set(t.slices)
+    assert_equals_serial("running_sum", cl)
+
+
+@pytest.mark.parametrize("when", [1, 2, 3, 4])
+def test_the_destination_host_dying_during_a_migration_gives_the_serial_output(when):
+    """Killed after `when` phases: before release the migration aborts (the source keeps the
+    slices); during release it completes and recovery rebuilds the slices from backups."""
+    cl = cluster("running_sum", containers=2, checkpoint_every=2)
+    stage = operator_stage(cl)
+    start = 5
+
+    phase = []
+
+    def kill_destination(cl):
+        phase.append(cl.migrations[0].phase)
+        cl.kill([cl.migrations[0].host])  # (both containers' transfers go to the new host)
+
+    cl.run(faults={start: lambda cl: cl.scale_out(stage, 1), start + when: kill_destination})
+    assert len(cl.migrated) == 2
+    expect = MigrationPhase.DONE if phase[0] is MigrationPhase.RELEASING else MigrationPhase.ABORTED
+    assert {t.phase for t in cl.migrated} == {expect}, phase
+    assert_equals_serial("running_sum", cl)
+
+
+@pytest.mark.parametrize("when", [1, 2, 3, 4])
+def test_the_source_host_dying_during_a_migration_gives_the_serial_output(when):
+    cl = cluster("running_sum", containers=2, checkpoint_every=2)
+    stage = operator_stage(cl)
+    start = 5
+    victim, victim_phase = [], []
+
+    def kill_source(cl):
+        (t,) = cl.migrations
+        victim.append(cl.hosts[t.source])
+        victim_phase.append(t.phase)
+        cl.kill(victim)
+
+    cl.run(faults={start: lambda cl: cl.migrate(stage, next(iter(hosts_of(cl, stage).values()))[:1]),
+                   start + when: kill_source})
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert victim_phase[0] is [MigrationPhase.WARMING, MigrationPhase.REBUILDING, MigrationPhase.DUAL,
+                               MigrationPhase.DUAL][when - 1] or when == 4
+    assert_equals_serial("running_sum", cl)
+
+
+def test_migration_needs_output_logs_and_real_slices():
+    cl = cluster("running_sum", output_logs=False)
+    with pytest.raises(MigrationError, match="output logs"):
+        cl.scale_out(operator_stage(cl), 1)
+    cl = cluster("running_sum")
+    with pytest.raises(MigrationError, match="no slices \\[99\\]"):
+        cl.migrate(operator_stage(cl), [99])
+    with pytest.raises(MigrationError, match="cannot remove 1"):
+        cl.scale_in(operator_stage(cl), 1)
+    with pytest.raises(MigrationError, match="no stage named"):
+        cl.scale_out("nope", 1)
