@@ -1,4 +1,9 @@
-"""The ``chronostream`` command line: ``demo``, ``run``, ``chaos`` and ``validate``.
+"""The ``chronostream`` command line: ``demo``, ``run``, ``chaos``, ``validate``, and control of running jobs.
+
+Running jobs (on the same Ray cluster, found with ``--address``, default
+``auto``): ``jobs``, ``placement``, ``metrics``, ``scale-out``,
+``scale-in``, ``migrate``, ``scale-up``, ``scale-down``; and offline,
+``autoscale-sim`` replays a recorded metrics trace through a policy.
 
 Owns: argument parsing and the printing of summaries. Everything it does
 goes through the public API (``chronostream.run`` and the Job handle).
@@ -91,6 +96,56 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _attach(args: argparse.Namespace) -> "cs.Job":
+    from chronostream.client import Job
+
+    return Job.attach(args.job, args.address)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    """Commands against a running job: print the master's answer as JSON."""
+    from chronostream.client import jobs
+
+    if args.command == "jobs":
+        print(json.dumps(jobs(args.address)))
+        return 0
+    job = _attach(args)
+    if args.command == "placement":
+        out = job.placement()
+    elif args.command == "metrics":
+        out = job.metrics()
+    elif args.command == "scale-out":
+        out = job.scale_out(args.stage, args.n)
+    elif args.command == "scale-in":
+        out = job.scale_in(args.stage, args.n)
+    elif args.command == "migrate":
+        out = job.migrate(args.stage, args.slices, args.to)
+    elif args.command == "scale-up":
+        out = job.scale_up(args.container, args.threads)
+    else:
+        out = job.scale_down(args.container, args.threads)
+    print(json.dumps(out, default=str))
+    return 0
+
+
+def cmd_autoscale_sim(args: argparse.Namespace) -> int:
+    """Replay a metrics trace (``Job.autoscale_trace`` written with ``write_trace``) through a policy."""
+    from chronostream.autoscale import BUILTIN, read_trace, simulate
+
+    params = {}
+    for kv in args.param:
+        k, _, v = kv.partition("=")
+        try:
+            params[k] = json.loads(v)
+        except json.JSONDecodeError:
+            params[k] = v
+    policy = BUILTIN[args.policy](**params)
+    for d in simulate(policy, [d.snapshot for d in read_trace(args.trace)]):
+        for a in d.actions:
+            print(f"t={d.snapshot.t:8.2f}s  {a.describe()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``chronostream`` command."""
     parser = argparse.ArgumentParser(prog="chronostream", description="Elastic stateful stream processing on Ray")
@@ -122,7 +177,37 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backup-factor", type=int, default=2)
     c.add_argument("--delay", type=float, default=0.0,
                    help="slow the source by S seconds per epoch, so faults land mid-stream")
+    for name, help_ in [("jobs", "list the jobs running on the Ray cluster"),
+                        ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
+                        ("scale-out", "add hosts to a stage of a running job"),
+                        ("scale-in", "remove hosts from a stage of a running job"),
+                        ("migrate", "move slices of a stage of a running job"),
+                        ("scale-up", "give a container of a running job more threads"),
+                        ("scale-down", "take threads from a container of a running job")]:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        if name == "jobs":
+            continue
+        p.add_argument("job", help="the job's key (chronostream jobs)")
+        if name in ("scale-out", "scale-in", "migrate"):
+            p.add_argument("stage")
+        if name in ("scale-out", "scale-in"):
+            p.add_argument("-n", type=int, default=1, help="hosts to add or remove (default 1)")
+        if name == "migrate":
+            p.add_argument("slices", type=int, nargs="+")
+            p.add_argument("--to", type=int, default=None, help="a container whose host takes them (default: a new host)")
+        if name in ("scale-up", "scale-down"):
+            p.add_argument("container", type=int)
+            p.add_argument("-t", "--threads", type=int, default=1, help="threads to add or remove (default 1)")
+    a = sub.add_parser("autoscale-sim", help="replay a recorded metrics trace through an autoscaling policy")
+    a.add_argument("trace", help="a JSON-lines trace (chronostream.autoscale.write_trace)")
+    a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
+    a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
+    if args.command in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "scale-up", "scale-down"):
+        return cmd_control(args)
+    if args.command == "autoscale-sim":
+        return cmd_autoscale_sim(args)
     if args.command == "chaos":
         return cmd_chaos(args)
     if args.command == "validate":

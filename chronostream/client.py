@@ -73,6 +73,21 @@ def _pickle_user_code_by_value(plan: JobPlan) -> None:
             pass
 
 
+def master_name(key: str) -> str:
+    """Ray actor name of a job's master."""
+    return f"chronostream-{key}-master"
+
+
+def jobs(address: str | None = "auto") -> list[str]:
+    """Keys of the jobs whose master runs on the Ray cluster (``Job.attach`` takes one)."""
+    import ray
+
+    ensure_ray(address)
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
+    return sorted(n[len("chronostream-"):-len("-master")] for n in names
+                  if n.startswith("chronostream-") and n.endswith("-master"))
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """A job's state: ``running``, ``finished``, ``failed`` or ``stopped``."""
@@ -92,12 +107,27 @@ class Job:
     Parquet sink's directory, ``stop()`` releases its actors.
     """
 
-    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any], workdir: str = "") -> None:
+    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any], workdir: str = "",
+                 key: str = "") -> None:
         self.plan = plan
         self.workdir = workdir  # the hosts' local stores and the master's catalog live under it
         self.master = master
+        self.key = key  # the job's name on the Ray cluster (``Job.attach(key)``, ``chronostream jobs``)
         self._placement = placement
         self._result_cache: dict[str, pa.Table] = {}
+
+    @staticmethod
+    def attach(key: str, address: str | None = "auto") -> "Job":
+        """The handle of a job another process started on the same Ray cluster (see ``jobs()``)."""
+        import ray
+
+        ensure_ray(address)
+        try:
+            master = ray.get_actor(master_name(key), namespace=RAY_NAMESPACE)
+        except ValueError:
+            raise KeyError(f"no running job {key!r}; running: {jobs(address)}") from None
+        plan = ray.get(master.plan_of.remote())
+        return Job(plan, master, ray.get(master.placement_view.remote()), key=key)
 
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
@@ -185,7 +215,21 @@ class Job:
         return self._control(self.master.migrate.remote(stage, [slices] if isinstance(slices, int) else slices,
                                                         to_container))
 
-    def _control(self, ref: Any) -> dict[str, Any]:
+    def scale_up(self, container: int, threads: int = 1) -> dict[str, Any]:
+        """Give ``container`` ``threads`` more threads (from its next epoch; no state moves).
+
+        Threads help only where operator work releases the GIL (Arrow
+        kernels, large numpy operations, I/O): see ``containers.threads``.
+        """
+        now = self._control(self.master.threads_of.remote(container))
+        return self._control(self.master.set_threads.remote(container, now + threads))
+
+    def scale_down(self, container: int, threads: int = 1) -> dict[str, Any]:
+        """Take ``threads`` threads from ``container`` (at least one stays)."""
+        now = self._control(self.master.threads_of.remote(container))
+        return self._control(self.master.set_threads.remote(container, max(1, now - threads)))
+
+    def _control(self, ref: Any) -> Any:
         import ray
 
         try:
@@ -193,6 +237,22 @@ class Job:
         except ray.exceptions.RayTaskError as exc:  # surface the master's own error type
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
             raise cause from None
+
+    def metrics(self) -> dict[str, Any]:
+        """Live metrics: ``snapshot`` (per stage input/processing rate, utilization, backlog,
+        threads, per-slice figures; latency percentiles since the previous call; throughput;
+        per-host CPU and RSS), ``latency_total`` (p50/p99/p99.9/max over the whole run)."""
+        import ray
+
+        return ray.get(self.master.metrics.remote())
+
+    def autoscale_trace(self) -> list[Any]:
+        """The autoscaler's ticks so far, as ``chronostream.autoscale.Decision`` (snapshot + actions)."""
+        import ray
+
+        from chronostream.autoscale import Decision
+
+        return [Decision.from_plain(d) for d in ray.get(self.master.autoscale_trace.remote())]
 
     def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
         """(producer slice, epoch) -> wall time a memory sink first received that part (diagnostics:
@@ -263,7 +323,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
         checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 0,
         recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
-        gc_interval_s: float = 2.0) -> Job | CompletedJob:
+        gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -288,6 +348,11 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     rebuilt from the start. Every ``gc_interval_s`` the master trims output
     logs below what every consumer's checkpoint covers.
 
+    Elasticity (Ray executor): ``job.scale_out``, ``job.scale_in``,
+    ``job.migrate``, ``job.scale_up``, ``job.scale_down`` rescale the running
+    job; ``autoscale=`` a policy (``chronostream.autoscale``) lets the master
+    decide every ``autoscale_interval_s`` from ``job.metrics()``.
+
     >>> import chronostream as cs
     >>> q = cs.Query()
     >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
@@ -299,7 +364,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          output_log=output_log, checkpoint_every=checkpoint_every,
                          checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
                          full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
-                         gc_interval_s=gc_interval_s)
+                         gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
@@ -324,7 +389,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     workdir = workdir or os.path.join(tempfile.gettempdir(), "chronostream-jobs", f"job-{uuid.uuid4().hex[:12]}")
     os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
-    master = JobMaster.options(max_concurrency=1000).remote(
-        plan, per_stage, workdir, options, refs, os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8])
+    key = os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8]
+    master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE).remote(
+        plan, per_stage, workdir, options, refs, key, autoscale)
     placement = ray.get(master.deploy.remote())
-    return Job(plan, master, placement, workdir)
+    return Job(plan, master, placement, workdir, key)

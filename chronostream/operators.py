@@ -401,6 +401,11 @@ class KeyedAggregate(Operator):
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 
+    def state_bytes(self) -> tuple[int, int]:
+        """(keys, bytes) of the running values (metrics)."""
+        n = len(self.key_index)
+        return n, sum(int(a[:n].nbytes) for a in self.arrays.values())
+
     def checkpoint_state(self, delta: bool, clear: bool = True) -> dict[str, dict]:
         """The running values as a slot table: every slot, or the slots changed since the last call."""
         # slices imports operators, not the reverse at load

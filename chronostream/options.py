@@ -31,6 +31,7 @@ class JobOptions:
     full_checkpoint_every: int = 0  # force a full checkpoint every N (0: deltas merged at the backups)
     recompute_lost: bool = False  # rebuild a slice whose every backup is lost from the start
     gc_interval_s: float = 2.0  # how often the master trims output logs below the consumers' checkpoints
+    autoscale_interval_s: float = 2.0  # how often the master takes a metrics snapshot and asks the policy
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
@@ -39,7 +40,7 @@ class JobOptions:
         for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s"):
+        for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s", "autoscale_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.checkpoint_interval_s < 0:

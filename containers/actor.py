@@ -353,6 +353,13 @@ class ResourceContainer:
             async with self.conds[container_id]:
                 self.conds[container_id].notify_all()
 
+    async def set_threads(self, container_id: int, threads: int) -> dict[str, int]:
+        """Scale a hosted container up/down: its slices run on ``threads`` threads from its next
+        epoch (a new thread-control table; no state moves)."""
+        core = self.cores[container_id]
+        version = core.set_threads(threads)
+        return {"container": container_id, "threads": threads, "version": version, "from_epoch": core.next_epoch}
+
     async def migration_state(self, container_ids: list[int]) -> dict[int, dict[str, Any]]:
         """Per hosted container: next epoch, done, released slices, when recent epochs finished."""
         out = {}
@@ -461,6 +468,10 @@ class ResourceContainer:
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Counters of every hosted container."""
         return {c: core.statistics() for c, core in self.cores.items()}
+
+    async def metrics(self, container_ids: list[int]) -> dict[int, tuple[ContainerStatistics, list]]:
+        """Per hosted container: its statistics and per-slice metrics (events, busy time, backlog, state size)."""
+        return {c: (self.cores[c].statistics(), self.cores[c].slice_metrics()) for c in container_ids if c in self.cores}
 
     async def recovery_info(self) -> dict[int, dict[str, Any]]:
         """Per hosted container: when each restored slice was restored and first produced output."""

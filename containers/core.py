@@ -23,7 +23,7 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from chronostream.dag import JobPlan
 from chronostream.errors import RecoveryError
+from chronostream.metrics import LatencyHistogram, SliceMetrics
 from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
 from chronostream.types import ORDER, SEQ
@@ -38,6 +39,7 @@ from containers.backup_store import BackupStore
 from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
+from containers.threads import SliceThreads
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -51,6 +53,8 @@ COVER_KEY = -2
 #: Message key: slices of the receiver's stage the sender routes elsewhere from this epoch on
 #: (migration: the receiver releases them before processing the epoch).
 RELEASE_KEY = -3
+#: Message key: wall time the epoch's source rows were read (end-to-end latency at the sinks).
+INGEST_KEY = -4
 #: Sink id under which dead-letter parts travel (``take_sink_parts``).
 DEAD_LETTERS = -1
 #: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
@@ -83,6 +87,10 @@ class ContainerStatistics:
     log_entries: int = 0  # batches in the output log (bounded by GC)
     backup_bytes: int = 0  # bytes of peers' checkpoints and carried outputs held by this host
     released: tuple[int, ...] = ()  # slices migrated away from this container
+    threads: int = 1  # threads running the slices (thread-control table in effect)
+    latency: dict = field(default_factory=dict)  # end-to-end latency histogram of its sink writes (plain)
+    backlog_events: int = 0  # input events received, not yet processed
+    source_lag: int = 0  # a source container: events readable in its source and not read yet (approx.)
 
 
 class ContainerCore:
@@ -95,7 +103,7 @@ class ContainerCore:
                  dead_letter_writer: SinkWriter | None = None,
                  backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
                  full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
-                 async_checkpoints: bool = True, checkpoint_interval_s: float = 0.0) -> None:
+                 async_checkpoints: bool = True, checkpoint_interval_s: float = 0.0, threads: int = 1) -> None:
         self.plan = plan
         self.stage = plan.stages[stage_id]
         self.container_id = container_id
@@ -128,6 +136,7 @@ class ContainerCore:
         self.busy_s = 0.0
         self.dead_letter_rows = 0
         self.reader: SourceReader | None = None
+        self.threads = SliceThreads(list(self.slices), threads)  # vertical scaling (set_threads)
         if self.stage.kind == "source":
             assert source_table is not None, f"source stage {self.stage.name} needs its input"
             self.reader = make_reader(source_table, plan.order_end)
@@ -150,6 +159,10 @@ class ContainerCore:
         self.pending_release: set[int] = set()
         self._retired = False
         self.epoch_done_at: collections.OrderedDict[int, float] = collections.OrderedDict()  # last 256 epochs
+        # End-to-end latency: when the epoch being processed was ingested (None: unknown,
+        # e.g. a replayed epoch), and the histogram of sink writes.
+        self.epoch_ingest: float | None = None
+        self.latency = LatencyHistogram()
         self.outgoing_backups: dict[int, list[bytes]] = {}
         self.outgoing_sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
 
@@ -305,8 +318,14 @@ class ContainerCore:
         out, self.outgoing_backups = self.outgoing_backups, {}
         return out
 
+    def set_threads(self, threads: int) -> int:
+        """Scale up/down: run the slices on ``threads`` threads from the next epoch on
+        (a new thread-control table; no state moves). Returns the table's version."""
+        return self.threads.resize(list(self.slices), threads)
+
     def close(self) -> None:
-        """Release the encoding thread and the output log (the core is dropped: stopped or dead)."""
+        """Release the threads and the output log (the core is dropped: stopped or dead)."""
+        self.threads.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self.output_log is not None:
@@ -314,34 +333,36 @@ class ContainerCore:
 
 
     def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
-        results: dict[int, dict[int, pa.Table]] = {}
+        """Run every local slice on the epoch, each on its thread (``containers.threads``)."""
         if self.reader is not None:
             e0 = epoch * self.plan.epoch_events
             rows = self.reader.rows(e0, e0 + self.plan.epoch_events)
+            self.epoch_ingest = time.time()
             owner = np.asarray(rows.column(ORDER)) % self.stage.num_slices
+            mine = {s: rows.filter(pa.array(owner == s)) if self.stage.num_slices > 1 else rows
+                    for s, rt in self.slices.items() if epoch > rt.last_epoch}  # (skip: restored past it)
+            results = self.threads.run_epoch(epoch, list(mine),
+                                             lambda s: self.slices[s].process_source(epoch, mine[s]))
+        else:
+            messages = self._epoch_messages(epoch) or {}
+            self.inbox.pop(epoch, None)
+            stamps = [m[INGEST_KEY] for m in messages.values() if INGEST_KEY in m]
+            self.epoch_ingest = min(stamps) if stamps else None  # type: ignore[type-var]
+            todo: dict[int, dict[int, list[pa.Table]]] = {}
             for s, rt in self.slices.items():
                 if epoch <= rt.last_epoch:
                     continue  # restored from a checkpoint taken after this epoch
-                mine = rows.filter(pa.array(owner == s)) if self.stage.num_slices > 1 else rows
-                results[s] = rt.process_source(epoch, mine)
-            if self.restored_at:
-                self._note_first_outputs(results)
-            return results
-        messages = self._epoch_messages(epoch) or {}
-        self.inbox.pop(epoch, None)
-        for s, rt in self.slices.items():
-            if epoch <= rt.last_epoch:
-                continue  # restored from a checkpoint taken after this epoch
-            inputs: dict[int, list[pa.Table]] = {}
-            for sender in sorted(messages):
-                for stream_id, part in messages[sender].items():
-                    if stream_id < 0:
-                        continue  # END_KEY, COVER_KEY, RELEASE_KEY
-                    rows = rows_of_slice(part, s)
-                    if rows is not None:
-                        inputs.setdefault(stream_id, []).append(rows)
-            if inputs:
-                results[s] = rt.process(epoch, inputs)
+                inputs: dict[int, list[pa.Table]] = {}
+                for sender in sorted(messages):
+                    for stream_id, part in messages[sender].items():
+                        if stream_id < 0:
+                            continue  # END_KEY, COVER_KEY, RELEASE_KEY
+                        rows = rows_of_slice(part, s)
+                        if rows is not None:
+                            inputs.setdefault(stream_id, []).append(rows)
+                if inputs:
+                    todo[s] = inputs
+            results = self.threads.run_epoch(epoch, list(todo), lambda s: self.slices[s].process(epoch, todo[s]))
         if self.restored_at:
             self._note_first_outputs(results)
         return results
@@ -359,12 +380,15 @@ class ContainerCore:
             # and sinks are idempotent per (slice, epoch).
             self.output_log.append_epoch({(sid, s): t for s, per in outputs.items() for sid, t in per.items()
                                           if self.plan.streams[sid].consumers})
+        now = time.time()
         for s, per in outputs.items():
             for sid, t in per.items():
                 for k in self.plan.streams[sid].sinks:
                     writer = self.sink_writers.get(k)
                     if writer is not None:
                         writer.write(epoch, s, t)
+                        if self.epoch_ingest is not None:
+                            self.latency.add((now - self.epoch_ingest) * 1000, t.num_rows)
         if self.dead_letter_writer is not None:
             for s, rt in self.slices.items():
                 dead = rt.take_dead_letters()
@@ -394,6 +418,9 @@ class ContainerCore:
                                    f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
                 for c, part in parts.items():
                     messages[c][sid] = part
+        if self.epoch_ingest is not None:
+            for m in messages.values():
+                m[INGEST_KEY] = self.epoch_ingest  # type: ignore[assignment]
         if self.released:
             cover = frozenset((self.stage.stage_id, s) for s in self.slices)
             for m in messages.values():
@@ -698,7 +725,36 @@ class ContainerCore:
             self.checkpointer.taken if self.checkpointer is not None else 0,
             self.output_log.entries() if self.output_log is not None else 0,
             self.backup_store.total_bytes() if self.backup_store is not None else 0,
-            tuple(sorted(self.released)))
+            tuple(sorted(self.released)), self.threads.threads, self.latency.to_plain(), self.backlog_events(),
+            self.source_lag())
+
+    def slice_metrics(self) -> list[SliceMetrics]:
+        """Per local slice: cumulative events in and busy time, events waiting, state size."""
+        n = self.stage.num_slices
+        waiting = np.zeros(n, dtype=np.int64)
+        for msgs in self.inbox.values():
+            for msg in msgs.values():
+                for k, part in msg.items():
+                    if k >= 0 and len(part[1]):
+                        waiting += np.bincount(part[1], minlength=n)[:n]
+        out = []
+        for s, rt in self.slices.items():
+            keys, nbytes = rt.state_size()
+            out.append(SliceMetrics(s, self.container_id, rt.events_in, rt.busy_s, int(waiting[s]), keys, nbytes))
+        return out
+
+    def source_lag(self) -> int:
+        """A source container: global orders readable now but not read yet, times the share of
+        the source's slices it runs (an estimate of its events waiting); 0 elsewhere."""
+        if self.reader is None or not self.slices:
+            return 0
+        behind = self.reader.available_order() - self.next_epoch * self.plan.epoch_events
+        return max(0, int(behind * len(self.slices) / self.stage.num_slices))
+
+    def backlog_events(self) -> int:
+        """Input rows received and not yet processed (the inbox)."""
+        return sum(part[0].num_rows for msgs in self.inbox.values() for msg in msgs.values()
+                   for k, part in msg.items() if k >= 0)
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""

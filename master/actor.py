@@ -25,7 +25,10 @@ from chronostream.dag import JobPlan
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
+from chronostream.autoscale import Decision, ScalingAction
+from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
+from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
                               group_transfers, migration_pauses, stage_hosts)
@@ -48,7 +51,7 @@ class JobMaster:
 
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
                  options: JobOptions | None = None, source_refs: dict[int, list] | None = None,
-                 job_key: str = "job") -> None:
+                 job_key: str = "job", policy: Any = None) -> None:
         self.plan = plan
         self.job_key = job_key
         self.workdir = workdir
@@ -74,6 +77,9 @@ class JobMaster:
         self._watching = False
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
+        self.policy = policy  # an autoscaling policy (chronostream.autoscale), or None
+        self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
+        self._counters: Counters | None = None
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
         self.gc_marks: dict[int, int] | None = {}
@@ -172,6 +178,8 @@ class JobMaster:
         self._save_progress()
         self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
         self._ensure_watching()
+        if self.policy is not None:
+            asyncio.get_running_loop().create_task(self._autoscale())
         return self.placement.as_dict(self.plan)
 
     def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
@@ -415,6 +423,26 @@ class JobMaster:
             return await self._migrate(sid, moves, {-1: None} if to_container is None else {},
                                        f"migrate {slices}: {reason}")
 
+    async def set_threads(self, container: int, threads: int) -> dict[str, Any]:
+        """Scale up/down (paper III-D): run ``container``'s slices on ``threads`` threads."""
+        if threads < 1:
+            raise MigrationError(f"a container needs at least 1 thread, got {threads}")
+        self._check_live(container)
+        out = await self.handles[self.host_of[container]].set_threads.remote(container, threads)
+        self._event("threads_set", container=container, threads=threads, from_epoch=out["from_epoch"])
+        return out
+
+    def _check_live(self, container: int) -> None:
+        live = {c for ids in self.placement.containers.values() for c in ids}
+        if container not in live or self.host_of[container] not in self.alive:
+            raise MigrationError(f"no live container {container}; containers: {sorted(live)}")
+
+    async def threads_of(self, container: int) -> int:
+        """Threads of the table in effect in ``container`` (fresh from its host)."""
+        self._check_live(container)
+        stats = await self.handles[self.host_of[container]].statistics.remote()
+        return stats[container].threads
+
     async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
                        reason: str) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
@@ -625,6 +653,75 @@ class JobMaster:
             self._event("host_released", host=h)
         return idle
 
+    # -- metrics and autoscaling (chronostream.metrics, chronostream.autoscale) ------------------
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        """Per stage: input and processing rates, utilization, backlog, per-slice figures; job
+        latency percentiles (since the previous snapshot) and throughput; per host CPU and RSS."""
+        ids: dict[int, list[int]] = {}
+        for c in (c for cs_ in self.placement.containers.values() for c in cs_):
+            if self.host_of[c] in self.alive:
+                ids.setdefault(self.host_of[c], []).append(c)
+        parts = await asyncio.gather(*[self.handles[h].metrics.remote(cs_) for h, cs_ in ids.items()],
+                                     return_exceptions=True)
+        stats, slices = {}, {}
+        for part in parts:
+            if isinstance(part, dict):
+                for c, (st, sl) in part.items():
+                    stats[c], slices[c] = st, sl
+        t = time.time() - self.started_at if self.started_at else 0.0
+        snap, self._counters = build_snapshot(t, self.plan, self.placement, self.host_of, stats, slices,
+                                              self._counters)
+        return snap
+
+    async def metrics(self) -> dict[str, Any]:
+        """A fresh snapshot (plain), the end-to-end latency over the whole run, and autoscaler ticks so far."""
+        snap = await self.metrics_snapshot()
+        total = LatencyHistogram()
+        for st in (await self.statistics()).values():
+            if st is not None and st.latency:
+                total = total.merge(LatencyHistogram.from_plain(st.latency))
+        return {"snapshot": snap.to_plain(), "latency_total": total.summary(), "decisions": len(self.decisions)}
+
+    async def autoscale_trace(self) -> list[dict[str, Any]]:
+        """Every autoscaler tick so far (plain ``Decision``s): replay them with ``autoscale.simulate``."""
+        return [d.to_plain() for d in self.decisions]
+
+    async def _autoscale(self) -> None:
+        """Every ``autoscale_interval_s``: snapshot, ask the policy, take its actions (logged with reasons)."""
+        self._counters = None
+        await self.metrics_snapshot()  # the base of the first interval's rates
+        while self.state == "running":
+            await asyncio.sleep(self.opts.autoscale_interval_s)
+            if self.state != "running":
+                return
+            async with self.recovery_lock:  # no snapshot in the middle of a recovery or migration
+                snap = await self.metrics_snapshot()
+            try:
+                actions = list(self.policy.decide(snap))
+            except Exception as exc:  # noqa: BLE001 - a broken policy must not kill the job
+                self._event("autoscale_error", error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.decisions.append(Decision(snap, tuple(actions)))
+            for a in actions:
+                self._event("autoscale_decision", action=a.describe(), t=snap.t)
+                try:
+                    await self._take(a)
+                except (MigrationError, ValueError) as exc:
+                    self._event("autoscale_refused", action=a.describe(), error=str(exc))
+            if actions:  # rates right after a migration mix old and new containers: start afresh
+                self._counters = None
+                await self.metrics_snapshot()
+
+    async def _take(self, a: ScalingAction) -> Any:
+        if a.kind == "scale_out":
+            return await self.scale_out(a.stage, a.n, reason=a.reason)
+        if a.kind == "scale_in":
+            return await self.scale_in(a.stage, a.n, reason=a.reason)
+        if a.kind == "migrate":
+            return await self.migrate(a.stage, [a.slice], a.to_container, reason=a.reason)
+        return await self.set_threads(a.container, a.threads)
+
     # -- reports from hosts ------------------------------------------------------------
 
     def _fail(self, container_id: int | None, error: BaseException) -> None:
@@ -693,6 +790,10 @@ class JobMaster:
             "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
             "gc_dropped": self.gc_dropped,
         }
+
+    async def plan_of(self) -> JobPlan:
+        """The job's plan (``Job.attach`` from another process)."""
+        return self.plan
 
     async def placement_view(self) -> dict[str, Any]:
         """Stage name -> container id -> slices, each container's host, and each host's node."""

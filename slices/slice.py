@@ -15,6 +15,7 @@ slice produced. Processing one epoch is four steps:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class SliceStatistics:
     events_out: int
     duplicates_dropped: int
     dead_letters: int
+    busy_s: float = 0.0  # time spent processing (admit, merge, operator, numbering)
 
 
 def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
@@ -80,6 +82,7 @@ class SliceRuntime:
         self.events_in = 0
         self.events_out = 0
         self.duplicates_dropped = 0
+        self.busy_s = 0.0
         self.op: Operator | None = None
         self.ctx: OperatorContext | None = None
         if self.stage.kind == "operator":
@@ -109,9 +112,12 @@ class SliceRuntime:
 
     def process_source(self, epoch: int, rows: pa.Table) -> dict[int, pa.Table]:
         """Emit one epoch of a source slice (``rows`` carry ``_order``/``_sub``)."""
+        t0 = time.perf_counter()
         self._begin(epoch)
         self.events_in += rows.num_rows
-        return self._emit({"out": rows})
+        out = self._emit({"out": rows})
+        self.busy_s += time.perf_counter() - t0
+        return out
 
     def process(self, epoch: int, inputs: dict[int, list[pa.Table]]) -> dict[int, pa.Table]:
         """Consume one epoch of input; return numbered outputs by stream id.
@@ -119,10 +125,36 @@ class SliceRuntime:
         ``inputs`` maps a stream id to tables of its rows for this slice; a
         table may mix producer slices (``_slice``), each in out_seq order.
         """
+        t0 = time.perf_counter()
         self._begin(epoch)
         admitted = self._admit(inputs)
         outputs = self._run(admitted)
-        return self._emit(outputs)
+        out = self._emit(outputs)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def state_size(self) -> tuple[int, int]:
+        """(keys, approximate bytes) of the slice's state: registered states (sizes from a
+        sample of up to 32 entries each, msgpack-encoded) and an operator's own arrays."""
+        import msgpack
+
+        keys, nbytes = 0, 0
+        if self.ctx is not None:
+            for st in self.ctx.states.values():
+                n = len(st)
+                keys += n
+                if n:
+                    sample = [kv for _, kv in zip(range(32), st.items())]
+                    try:
+                        per = len(msgpack.packb(sample, use_bin_type=True)) / len(sample)
+                    except TypeError:
+                        per = 64.0
+                    nbytes += int(per * n)
+        own = getattr(self.op, "state_bytes", None)
+        if callable(own):
+            k, b = own()
+            keys, nbytes = keys + k, nbytes + b
+        return keys, nbytes
 
     def _begin(self, epoch: int) -> None:
         assert epoch > self.last_epoch, f"{self.stage.name}[{self.slice_id}]: epoch {epoch} after {self.last_epoch}"
@@ -242,7 +274,7 @@ class SliceRuntime:
     def statistics(self) -> SliceStatistics:
         """A frozen snapshot of this slice's counters."""
         return SliceStatistics(self.stage.name, self.slice_id, self.last_epoch, self.events_in,
-                               self.events_out, self.duplicates_dropped, len(self.dead_letters))
+                               self.events_out, self.duplicates_dropped, len(self.dead_letters), self.busy_s)
 
     def take_dead_letters(self) -> list[dict]:
         """Dead letters produced since the last call."""

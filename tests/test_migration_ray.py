@@ -111,3 +111,69 @@ def test_bad_scaling_requests_are_refused_with_a_clear_error(ray_session):
             job.scale_out("stats")
     finally:
         job.stop()
+
+
+def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_session):
+    """Vertical scaling: a container's slices move onto 3 threads and back to 1 while it runs."""
+    job = cs.run(query(4000), containers={"payments": 1, "running_sum": 1, "stats": 1})
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
+        (c,) = job.placement()["stages"]["stats"]
+        up = job.scale_up(c, 2)
+        assert up["threads"] == 3
+        apply_schedule(job, [Fault("delay", 40, "payments", seconds=0.05)])
+        assert job.statistics()[c].threads == 3, "in effect from the next epoch"
+        down = job.scale_down(c, 2)
+        assert down["threads"] == 1 and down["from_epoch"] > up["from_epoch"]
+        with pytest.raises(MigrationError, match="no live container 999"):
+            job.scale_up(999)
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query(4000))
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
+def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
+    """``chronostream jobs`` / ``scale-out`` / ``placement`` from another process, against a running job."""
+    import json
+    import subprocess
+    import sys
+
+    job = cs.run(query(4000), containers={"payments": 1, "running_sum": 1, "stats": 1})
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 5, "payments", seconds=0.05)])
+
+        def cli(*args: str) -> object:
+            out = subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
+                                 timeout=120, check=True).stdout
+            return json.loads(out.strip().splitlines()[-1])
+
+        assert job.key in cli("jobs")
+        moved = cli("scale-out", job.key, "stats", "-n", "1")
+        assert moved["transfers"] and all(t["phase"] == "done" for t in moved["transfers"])
+        assert len(set(cli("placement", job.key)["hosts"].values())) >= 4
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query(4000))
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
+def test_job_metrics_report_rates_backlog_state_and_latency_percentiles(ray_session):
+    job = cs.run(query(4000), containers={"payments": 1, "running_sum": 2, "stats": 1})
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
+        job.metrics()
+        apply_schedule(job, [Fault("delay", 30, "payments", seconds=0.05)])
+        m = job.metrics()
+        stage = m["snapshot"]["stages"]["running_sum"]
+        assert stage["hosts"] == 2 and stage["input_rate"] > 0 and 0 < stage["utilization"] <= 2
+        assert stage["processing_rate"] > stage["input_rate"], "a slowed source leaves the stage idle part of the time"
+        assert len(stage["per_slice"]) == 6 and sum(x["state_keys"] for x in stage["per_slice"]) > 0
+        lat = m["latency_total"]
+        assert lat["count"] > 0 and 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p999_ms"] <= lat["max_ms"]
+        assert m["snapshot"]["host_rss_mb"] and m["snapshot"]["throughput"] > 0
+        job.wait(timeout_s=300)
+    finally:
+        job.stop()

@@ -1,0 +1,99 @@
+"""Vertical scaling (paper III-D): the thread-control table, its latch, and slices run on threads.
+
+Unit specifications of ``containers.threads``, then whole jobs (in-process
+runtime) whose containers change thread counts mid-stream: the output must
+equal the serial executor's, since no state moves and slices stay
+independent whichever thread runs them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from containers.threads import OptimisticLatch, SliceThreads, ThreadControlTable
+from test_migration_local import assert_equals_serial, cluster, operator_stage, script
+
+
+def test_a_table_spreads_slices_round_robin_and_groups_them_by_thread():
+    t = ThreadControlTable.spread([5, 1, 3, 9], 3)
+    assert t.thread_of == {1: 0, 3: 1, 5: 2, 9: 0}
+    assert t.groups([9, 5, 3, 1]) == [[1, 9], [3], [5]]
+    assert t.groups([1, 9]) == [[1, 9], [], []]
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        ThreadControlTable.spread([1], 0)
+
+
+def test_a_new_table_takes_effect_at_the_next_epoch_barrier_only():
+    runner = SliceThreads([0, 1, 2, 3], threads=1)
+    seen = []
+    runner.run_epoch(0, [0, 1, 2, 3], lambda s: seen.append((0, threading.current_thread().name)))
+    version = runner.resize([0, 1, 2, 3], 2)
+    assert runner.threads == 1, "installed, not yet in effect"
+    out = runner.run_epoch(1, [0, 1, 2, 3], lambda s: (s, threading.current_thread().name))
+    assert runner.threads == 2 and runner.installed_at_epoch[version] == 1
+    assert sorted(out) == [0, 1, 2, 3]
+    assert {s: name for s, (_, name) in out.items()} == {0: "slice-thread-0_0", 1: "slice-thread-1_0",
+                                                          2: "slice-thread-0_0", 3: "slice-thread-1_0"}
+    runner.close()
+
+
+def test_readers_of_the_latch_see_whole_tables_while_a_writer_swaps_them():
+    latch = OptimisticLatch(ThreadControlTable.spread(list(range(8)), 1))
+    stop = threading.Event()
+
+    def writer():
+        n = 1
+        while not stop.is_set():
+            latch.write(ThreadControlTable.spread(list(range(8)), n % 4 + 1))
+            n += 1
+
+    w = threading.Thread(target=writer)
+    w.start()
+    try:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            version, table = latch.read()
+            assert version % 2 == 0
+            assert set(table.thread_of.values()) == set(range(min(8, table.threads)))
+    finally:
+        stop.set()
+        w.join()
+
+
+def test_an_error_on_one_thread_fails_the_epoch_after_every_thread_finished():
+    runner = SliceThreads([0, 1, 2, 3], threads=2)
+    done = []
+
+    def work(s):
+        if s == 0:
+            raise ValueError("bad event in slice 0")
+        time.sleep(0.01)
+        done.append(s)
+        return s
+
+    with pytest.raises(ValueError, match="slice 0"):
+        runner.run_epoch(0, [0, 1, 2, 3], work)
+    assert 1 in done and 3 in done, "the other thread ran its slices to the end"
+    runner.close()
+
+
+@pytest.mark.parametrize("name", ["word_count", "running_sum", "rekey"])
+def test_scaling_threads_up_and_down_mid_stream_gives_the_serial_output(name):
+    cl = cluster(name, containers=1)
+    stage = operator_stage(cl)
+    (c,) = cl.placement.containers[cl.stage_id(stage)]
+    seen = []
+
+    def set_threads(n):
+        def go(cl):
+            cl.cores[c].set_threads(n)
+            seen.append(cl.cores[c].next_epoch)
+        return go
+
+    faults, pending = script(set_threads(3), set_threads(2), set_threads(1), start=2)
+    cl.run(faults={r: f for r, f in faults.items() if r in (2, 5, 8)})
+    assert len(seen) == 3
+    assert_equals_serial(name, cl)
