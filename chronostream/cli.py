@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--rows", type=int, default=0, help="use only the first N flights (0 = all)")
     d.add_argument("--out", default="out/demo", help="output directory (Parquet sink)")
     d.add_argument("--no-kill", action="store_true", help="do not kill a container mid-run")
+    d.add_argument("--no-scale", action="store_true", help="do not scale the stage out and in mid-run")
     r = sub.add_parser("run", help="run a query defined in a Python file (build() or `query`)")
     r.add_argument("file")
     r.add_argument("--executor", default="ray", choices=["ray", "serial", "local"])
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from chronostream.demo import run_demo
 
-        return run_demo(containers=args.containers, rows=args.rows, out=Path(args.out), kill=not args.no_kill)
+        return run_demo(containers=args.containers, rows=args.rows, out=Path(args.out), kill=not args.no_kill,
+                        scale=not args.no_scale)
     return cmd_run(args)
 
 

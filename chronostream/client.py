@@ -210,10 +210,14 @@ class Job:
         slices to the others, then release them."""
         return self._control(self.master.scale_in.remote(stage, n))
 
-    def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None) -> dict[str, Any]:
-        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host)."""
+    def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None,
+                baseline: str | None = None) -> dict[str, Any]:
+        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host).
+
+        (``baseline="stop_copy"`` is the stop-copy-restart comparison of ``benchmarks.migration``.)
+        """
         return self._control(self.master.migrate.remote(stage, [slices] if isinstance(slices, int) else slices,
-                                                        to_container))
+                                                        to_container, "requested", baseline))
 
     def scale_up(self, container: int, threads: int = 1) -> dict[str, Any]:
         """Give ``container`` ``threads`` more threads (from its next epoch; no state moves).

@@ -7,8 +7,9 @@ output: exactly-once identities, and equality, row for row, with the same
 running statistics computed by Spark SQL window functions. A third of the
 way through, the failure harness (``chronostream.chaos``) kills one of the
 route-statistics containers; its slices are rebuilt from their chained
-backups by the two other containers and the output must still validate.
-Scaling mid-run comes with the elasticity work.
+backups by the two other containers. Half way through, the stage scales
+out by one host, and at two thirds back in by one (live slice migration:
+only the moving slices notice). The output must still validate.
 """
 
 from __future__ import annotations
@@ -81,15 +82,35 @@ def _recovery_lines(timeline: list, applied: list) -> list[tuple[str, str]]:
     return lines
 
 
-def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), kill: bool = True) -> int:
+def _migration_lines(timeline: list) -> list[tuple[str, str]]:
+    """Summary lines for each migration: what moved where, how long, and each slice's output pause."""
+    lines = []
+    for t, kind, info in timeline:
+        if kind != "migration_end":
+            continue
+        moved = sorted(s for tr in info["transfers"] for s in tr["slices"])
+        pauses = [p for tr in info["transfers"] for p in tr["pause_ms"].values()]
+        hosts = sorted({tr["host"] for tr in info["transfers"]})
+        what = info["reason"].split(":")[0]
+        released = f", released hosts {info['released_hosts']}" if info.get("released_hosts") else ""
+        lines.append((what, f"slices {moved} -> host(s) {hosts} in {info['seconds']:.1f} s{released}"))
+        if pauses:
+            lines.append(("  pause per slice", f"median {sorted(pauses)[len(pauses) // 2]:.0f} ms, "
+                                               f"max {max(pauses):.0f} ms (others kept running)"))
+    return lines or [("scaling", "none applied: the job finished first")]
+
+
+def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), kill: bool = True,
+             scale: bool = True, pace_s: float = 0.12) -> int:
     """Run the demo; print progress and a summary table; return the exit code (1 = invalid)."""
     from chronostream.chaos import Fault, apply_schedule
     from chronostream.spark import feed, spark_session, validate
 
     print("ChronoStream demo: running departure-delay statistics per route, 2013 NYC flights")
     if kill:
-        print("  (a route-statistics container is killed a third of the way through; scale-out/in"
-              " mid-run comes with the elasticity work)")
+        print("  (a route-statistics container is killed a third of the way through)")
+    if scale:
+        print("  (the route-statistics stage scales out by one host half way, and back in at two thirds)")
     if out.exists():
         shutil.rmtree(out)
     log_dir, out_dir = out / "source-log", out / "route_delays"
@@ -108,12 +129,19 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
     query = build_query(log_dir, out_dir, epoch_events=4096)
     stats_containers = max(3, containers) if kill else containers
     job = cs.run(query, containers={"flights": containers, "route_delays": stats_containers},
-                 checkpoint_every=4 if kill else 0)
+                 checkpoint_every=4 if kill or scale else 0)
     applied: list = []
     try:
         epochs = job.plan.num_epochs or 1
+        schedule = []
+        if kill or scale:  # paced, so the fault and the rescaling land mid-stream
+            schedule.append(Fault("delay", 0, stage="flights", seconds=pace_s))
         if kill:
-            applied = apply_schedule(job, [Fault("kill", at_epoch=max(1, epochs // 3), stage="route_delays")])
+            schedule.append(Fault("kill", at_epoch=max(1, epochs // 3), stage="route_delays"))
+        if scale:
+            schedule += [Fault("scale_out", at_epoch=max(2, epochs // 2), stage="route_delays"),
+                         Fault("scale_in", at_epoch=max(3, 2 * epochs // 3), stage="route_delays")]
+        applied = [a for a in apply_schedule(job, schedule) if a[1].kind == "kill"]
         while True:
             info = job.progress()
             sys.stdout.write("\r      " + _bar(info["min_epoch"], info["epochs"]))
@@ -138,10 +166,13 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
         ("events in", f"{fed.total_rows:,} flights (fed by Spark in {feed_s:.1f} s)"),
         ("outputs", f"{outputs:,} route updates (one per departed flight)"),
         ("containers", ", ".join(f"{k}: {len(v)}" for k, v in placement["stages"].items())
-         + " (after recovery)" * bool(applied)),
-        ("job time", f"{elapsed:.1f} s (deploy + run + recovery)"),
-        ("throughput", f"{fed.total_rows / elapsed:,.0f} events/s"),
+         + " (at the end)"),
+        ("job time", f"{elapsed:.1f} s (deploy + run + recovery + rescaling; the source is paced)"
+                     if kill or scale else f"{elapsed:.1f} s (deploy + run)"),
+        ("throughput", f"{fed.total_rows / elapsed:,.0f} events/s"
+                       + (f" (source paced at {pace_s} s per epoch)" if kill or scale else "")),
         *(_recovery_lines(timeline, applied) if kill else [("faults", "none (--no-kill)")]),
+        *(_migration_lines(timeline) if scale else [("scaling", "none (--no-scale)")]),
         ("output", str(out_dir)),
         ("validation", f"{verdict} (Spark, {val_s:.1f} s): {report.n_duplicates} duplicated, "
                        f"{report.n_missing_identities} missing identities, {report.n_unexpected} wrong rows"),

@@ -82,6 +82,7 @@ class ResourceContainer:
         self.stopped = False
         self.failed: BaseException | None = None
         self.delay_s = 0.0  # failure injection: extra time per epoch
+        self.frozen: set[int] = set()  # containers paused (the stop-copy baseline of benchmarks.migration)
         self._tasks: list[asyncio.Task] = []
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         self.poll_s = 0.05
@@ -185,7 +186,7 @@ class ResourceContainer:
         try:
             while not core.done and not self.stopped:
                 async with cond:
-                    while not (core.ready() or self.stopped):
+                    while not ((core.ready() and cid not in self.frozen) or self.stopped):
                         if core.reader is not None:
                             # A followed source log: nothing will notify; poll it.
                             core.poll_source()
@@ -210,6 +211,8 @@ class ResourceContainer:
                 parts, backups = core.take_sink_parts(), core.take_backups()
                 if parts or backups:
                     refs = [r for dq in inflight.values() for r in dq]
+                    if backups and core.checkpointer is not None:
+                        core.checkpointer.unshipped += 1  # (the task counts it down)
                     self._ship[cid] = asyncio.get_running_loop().create_task(
                         self._ship_checkpoint(cid, self._ship.get(cid), refs, parts, backups))
                 for dq in inflight.values():
@@ -247,6 +250,15 @@ class ResourceContainer:
 
     async def _ship_checkpoint(self, cid: int, previous: asyncio.Task | None, pushes: list, parts: dict,
                                backups: dict[int, list[bytes]]) -> None:
+        try:
+            await self._ship_in_order(cid, previous, pushes, parts, backups)
+        finally:
+            core = self.cores.get(cid)
+            if backups and core is not None and core.checkpointer is not None:
+                core.checkpointer.unshipped -= 1
+
+    async def _ship_in_order(self, cid: int, previous: asyncio.Task | None, pushes: list, parts: dict,
+                             backups: dict[int, list[bytes]]) -> None:
         if previous is not None:
             await previous  # deltas must reach a peer in order
         for dst, ref in pushes:
@@ -345,6 +357,15 @@ class ResourceContainer:
         async with self.conds[container_id]:
             self.cores[container_id].request_release(slices)
             self.conds[container_id].notify_all()
+
+    async def freeze(self, container_id: int, on: bool) -> int:
+        """Pause (or resume) a hosted container between epochs; returns its next epoch.
+
+        Only the stop-copy-restart baseline of ``benchmarks.migration`` uses it."""
+        async with self.conds[container_id]:
+            (self.frozen.add if on else self.frozen.discard)(container_id)
+            self.conds[container_id].notify_all()
+            return self.cores[container_id].next_epoch
 
     async def set_extra_window(self, container_id: int, epochs: int) -> None:
         """Let a catching-up migration destination buffer ``epochs`` more epochs (0: back to normal)."""

@@ -3,8 +3,9 @@
 Each backed-up slice has a chain: one full checkpoint and the deltas taken
 after it. New checkpoints land in memory first (the replication buffer,
 paper IV) and are persisted lazily to this container's lmdb store by
-``flush``. When a chain grows past ``merge_every`` deltas they are merged
-into a new full checkpoint, so a restore never replays a long chain.
+``flush``. When a chain's deltas weigh as much as its full checkpoint, or
+number more than ``merge_every``, they are merged into a new full
+checkpoint, so a restore never replays a long chain.
 Every checkpoint is verified (magic, length, CRC-32) when it arrives and
 when it is restored; a bad one raises ``CheckpointCorrupt`` naming the
 slice and epoch. A delta that cannot extend its chain (no chain, a gap,
@@ -39,7 +40,7 @@ class BackupStore:
     {0: 9}
     """
 
-    def __init__(self, path: str | os.PathLike, merge_every: int = 4, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike, merge_every: int = 16, map_size: int = 1 << 30) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False)
@@ -97,7 +98,10 @@ class BackupStore:
                 self.refused += 1
                 return key
             chain.append(data)
-            if len(chain) - 1 > self.merge_every:
+            # Merge once the deltas cost as much to restore as the full checkpoint (or there
+            # are many): restore stays within twice a full one, and merging costs O(1) per
+            # delta byte instead of a rewrite of the whole state every few deltas.
+            if len(chain) - 1 > self.merge_every or sum(len(d) for d in chain[1:]) >= len(chain[0]):
                 try:
                     self.chains[key] = [encode(self._merged(key))]
                 except CheckpointCorrupt:

@@ -75,6 +75,11 @@ class SliceCheckpointer:
         self.taken = 0
         self.bytes_out = 0
         self.encode_s = 0.0  # time spent encoding (in the background thread when async)
+        # Rounds handed to the shell and not yet accepted by the peers (the shell keeps
+        # it up to date); with the rounds still encoding, at most ``max_unshipped``.
+        self.unshipped = 0
+        self.max_unshipped = 3
+        self.deferred = 0  # rounds skipped because backups were behind
         # Checkpoint rounds waiting to be encoded, oldest first; at most
         # ``max_pending`` rounds queue before capture waits (backpressure).
         self.max_pending = max(1, max_pending)
@@ -108,6 +113,11 @@ class SliceCheckpointer:
             return last or self._decided[1]
         hit = bool(self.every_epochs) and (epoch + 1) % self.every_epochs == 0
         hit = hit or (self.every_s > 0 and time.monotonic() - self._last_round_at >= self.every_s)
+        if hit and self.pending + self.unshipped >= self.max_unshipped:
+            # Backups fall behind (slow peers, busy network): skip this round. The next
+            # delta holds both periods' changes; the chain never grows unbounded.
+            hit = False
+            self.deferred += 1
         self._decided = (epoch, hit)
         return last or hit
 

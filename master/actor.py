@@ -406,8 +406,13 @@ class JobMaster:
             return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}")
 
     async def migrate(self, stage: str | int, slices: list[int], to_container: int | None = None,
-                      reason: str = "requested") -> dict[str, Any]:
-        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host)."""
+                      reason: str = "requested", baseline: str | None = None) -> dict[str, Any]:
+        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host).
+
+        ``baseline="stop_copy"`` runs the stop-copy-restart migration that
+        ``benchmarks.migration`` compares against (the source container
+        pauses while a fresh snapshot is copied and restored); not for use.
+        """
         async with self.recovery_lock:
             self._check_can_migrate()
             sid = self._stage_id(stage)
@@ -421,7 +426,7 @@ class JobMaster:
             to = -1 if to_container is None else self.host_of[to_container]
             moves = [(s, self.host_of[where[s]], to) for s in slices if self.host_of[where[s]] != to]
             return await self._migrate(sid, moves, {-1: None} if to_container is None else {},
-                                       f"migrate {slices}: {reason}")
+                                       f"migrate {slices}: {reason}", stop_copy=baseline == "stop_copy")
 
     async def set_threads(self, container: int, threads: int) -> dict[str, Any]:
         """Scale up/down (paper III-D): run ``container``'s slices on ``threads`` threads."""
@@ -444,7 +449,7 @@ class JobMaster:
         return stats[container].threads
 
     async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
-                       reason: str) -> dict[str, Any]:
+                       reason: str, stop_copy: bool = False) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
         P = MigrationPhase
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
@@ -455,7 +460,7 @@ class JobMaster:
         self._event("migration_start", stage=self.plan.stages[sid].name, reason=reason,
                     transfers=[{"from": t.source, "to": t.new_id, "slices": t.slices} for t in transfers])
         try:
-            await self._migration_phases(sid, transfers)
+            await self._migration_phases(sid, transfers, stop_copy)
         except (RayActorError, MigrationError, asyncio.TimeoutError) as exc:
             log.warning("migration interrupted: %s", exc)
             self._event("migration_interrupted", error=str(exc))
@@ -475,7 +480,7 @@ class JobMaster:
         self._event("migration_end", stage=self.plan.stages[sid].name, **summary)
         return summary
 
-    async def _migration_phases(self, sid: int, transfers: list[Transfer]) -> None:
+    async def _migration_phases(self, sid: int, transfers: list[Transfer], stop_copy: bool = False) -> None:
         P = MigrationPhase
         # 0. PREPARING: a new host per placeholder, on the node running the fewest hosts.
         made: dict[int, int] = {}
@@ -493,10 +498,13 @@ class JobMaster:
         held = dict(zip(sorted(self.alive), await asyncio.gather(
             *[self.handles[h].backup_epochs.remote() for h in sorted(self.alive)])))
         snaps = []
+        if stop_copy:  # the baseline: the sources stop while their state is copied
+            await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, True)
+                                   for t in transfers])
         for t in transfers:
             newest = {s: max([e.get((sid, s), -1) for e in held.values()], default=-1) for s in t.slices}
             own = held.get(t.host, {})
-            missing = [s for s in t.slices if newest[s] < 0 or own.get((sid, s), -1) < newest[s]]
+            missing = [s for s in t.slices if newest[s] < 0 or own.get((sid, s), -1) < newest[s] or stop_copy]
             snaps.append(self.handles[self.host_of[t.source]].migration_snapshot.remote(
                 t.source, missing, t.host, self.handles[t.host]) if missing else None)
             t.snapshot = missing
@@ -529,12 +537,16 @@ class JobMaster:
             t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
                       restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
         await asyncio.gather(*reroutes)
-        await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
-                          or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
+        if not stop_copy:
+            await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
+                              or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
         # 4. RELEASING: producers switch to the new copy and mark the switch to the source.
         for t in transfers:
             await self._release_routes(sid, t)
             t.advance(P.RELEASING)
+        if stop_copy:
+            await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
+                                   for t in transfers])
         await self._until(transfers, lambda t, st: set(t.slices) <= set(st[t.source]["released"])
                           or st[t.source]["done"], "releasing")
         # 5. DONE.
@@ -613,6 +625,9 @@ class JobMaster:
         (the source may be gone), abort the others (the source keeps its slices)."""
         P = MigrationPhase
         dead = await self._probe(sorted(self.alive))
+        await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
+                               for t in transfers if self.host_of[t.source] not in dead],
+                             return_exceptions=True)  # (a stop-copy baseline may have paused them)
         for t in transfers:
             if t.phase in (P.DONE, P.ABORTED):
                 continue

@@ -79,7 +79,7 @@ class LocalCluster:
     def __init__(self, plan: JobPlan, placement: Placement, sources: dict, *, seed: int = 0,
                  duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
                  backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
-                 merge_every: int = 4, checkpoint_interval_s: float = 0.0, output_logs: bool = False) -> None:
+                 merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False) -> None:
         self.plan = plan
         self.placement = placement
         self.sources = sources

@@ -142,3 +142,23 @@ def test_when_encoding_falls_behind_capture_waits_and_nothing_is_lost_or_reorder
         assert ck.pending <= 2
     assert [decode(b).epoch for b in shipped] == list(range(6))
     ck.close()
+
+
+def test_a_round_is_skipped_while_backups_are_behind_and_the_next_delta_covers_both_periods():
+    """Peers slower than the checkpoint period: with ``max_unshipped`` rounds not yet accepted,
+    the next boundary takes no checkpoint; the following delta holds the skipped changes."""
+    rt, rng = _Slice(), np.random.default_rng(3)
+    ck = SliceCheckpointer({0: rt}, {0: [7]}, every_epochs=1, async_encode=False)
+    ck.max_unshipped = 1
+    shipped = []
+    rt.feed(0, rng)
+    shipped += ck.after_epoch(0).get(7, [])
+    ck.unshipped = 1  # the shell has not had it accepted yet
+    rt.feed(1, rng)
+    assert ck.after_epoch(1) == {} and ck.deferred == 1
+    ck.unshipped = 0
+    rt.feed(2, rng)
+    shipped += ck.after_epoch(2).get(7, [])
+    first, second = decode(shipped[0]), decode(shipped[1])
+    assert (first.kind, second.kind, second.prev_epoch, second.epoch) == ("full", "delta", 0, 2)
+    ck.close()

@@ -1,0 +1,114 @@
+"""Execution delay of a live slice migration (paper Fig. 14), on Ray, by slice state size.
+
+A keyed aggregation (count, sum, min, max, mean per key) runs with two
+containers of two slices each; the input first touches every key (loading the
+state) and then updates random keys at a steady pace (the source is
+slowed a little). Chained backups (factor 1, a checkpoint every 2 epochs)
+put each slice's backup on the other container's host. Then slice 0
+moves to that host, two ways:
+
+- ``reconstruct`` (ChronoStream): rebuilt from the destination's own
+  backup while the source keeps running it (dual mode), released once
+  the copy caught up;
+- ``stop_copy`` (the baseline, implemented only for this comparison): the
+  source container pauses, a fresh full snapshot is copied to the
+  destination and restored there, then the slice restarts there.
+
+The delay is what the slice's output sees: the largest gap between two
+consecutive epochs of slice 0 reaching the sink during the migration,
+minus the median gap before it (the sink's write times). Also reported:
+the call's duration (``migrate_s``) and the restore time at the
+destination. Sizes are the slice's numpy state (``state_mb``).
+
+    python -m benchmarks.migration --json                    # 10 and 100 MB per slice
+    python -m benchmarks.migration --json --sizes 10,100,500,1000
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import chronostream as cs
+from benchmarks.common import emit, median, parser
+from chronostream.chaos import Fault, apply_schedule
+
+BYTES_PER_KEY = 8 * 7 + 16  # the aggregate's numpy columns per key plus the key index (approx.)
+SLICES = 4
+EPOCH = 20_000
+UPDATE_EPOCHS = 150
+
+
+def make_query(n_keys: int, seed: int = 5) -> cs.Query:
+    rng = np.random.default_rng(seed)
+    updates = rng.integers(0, n_keys, UPDATE_EPOCHS * EPOCH)
+    keys = np.concatenate([np.arange(n_keys), updates])
+    table = pa.table({"k": pa.array(keys, pa.int64()), "v": pa.array(rng.integers(0, 1000, len(keys)), pa.int64())})
+    q = cs.Query(epoch_events=EPOCH)
+    q.source("events", table, slices=1).key_by("k") \
+        .aggregate(count=True, sum=["v"], min=["v"], max=["v"], mean=["v"], slices=SLICES, name="agg") \
+        .filter_batches(lambda t: pc.equal(pc.bit_wise_and(t["k"], 255), 0)).sink(name="sample")
+    return q
+
+
+def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float, t1: float) -> tuple[float, float]:
+    """(largest gap between consecutive epochs of ``slice_id`` reaching the sink within [t0, t1 + 1s],
+    median gap before t0), in ms."""
+    ts = sorted(t for (s, _e), t in times.items() if s == slice_id)
+    gaps = np.diff(ts) * 1000
+    mids = np.array(ts[1:])
+    before = gaps[mids < t0]
+    during = gaps[(mids >= t0) & (mids <= t1 + 1.0)]
+    return (float(during.max()) if len(during) else 0.0), (float(np.median(before[-30:])) if len(before) else 0.0)
+
+
+def one_run(state_mb: int, mode: str) -> dict:
+    n_keys = state_mb * 1_000_000 * SLICES // BYTES_PER_KEY
+    load_epochs = -(-n_keys // EPOCH)
+    job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
+    try:
+        apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=0.03)])
+        apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=0.03)])
+        placement = job.placement()["stages"]["agg"]
+        src = next(c for c, sl in placement.items() if 0 in sl)
+        dst = next(c for c in placement if c != src)
+        t0 = time.time()
+        summary = job.migrate("agg", 0, to_container=dst, baseline=None if mode == "reconstruct" else "stop_copy")
+        t1 = time.time()
+        job.wait(timeout_s=1800)
+        gap, normal = output_gap_ms(job.sink_write_times("sample"), 0, t0, t1)
+        tr = summary["transfers"][0]
+        return {"delay_ms": round(max(0.0, gap - normal), 1), "gap_ms": round(gap, 1), "normal_gap_ms": round(normal, 1),
+                "migrate_s": round(t1 - t0, 3), "phase": tr["phase"], "pause_ms": tr["pause_ms"].get(0)}
+    finally:
+        job.stop()
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="10,100", help="slice state sizes in MB, comma-separated")
+    args = p.parse_args()
+    sizes = [5] if args.quick else [int(x) for x in args.sizes.split(",")]
+    cs.ensure_ray(num_cpus=2)
+    rows = []
+    for mb in sizes:
+        runs = {m: [one_run(mb, m) for _ in range(1 if args.quick else args.repeat)] for m in ("reconstruct", "stop_copy")}
+        rows.append({
+            "state_mb": mb,
+            "reconstruct_delay_ms": round(median([r["delay_ms"] for r in runs["reconstruct"]]), 1),
+            "stop_copy_delay_ms": round(median([r["delay_ms"] for r in runs["stop_copy"]]), 1),
+            "reconstruct_runs_ms": [r["delay_ms"] for r in runs["reconstruct"]],
+            "stop_copy_runs_ms": [r["delay_ms"] for r in runs["stop_copy"]],
+            "normal_gap_ms": round(median([r["normal_gap_ms"] for r in runs["reconstruct"]]), 1),
+            "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
+            "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
+            "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
+        })
+    emit({"slices": SLICES, "epoch_events": EPOCH, "rows": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()

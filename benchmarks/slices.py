@@ -1,0 +1,59 @@
+"""Throughput by slice count in one container (paper Fig. 21): what finer slices cost.
+
+One container runs a word count (vectorized ``flat_map_batches`` split and
+the built-in ``count``) on seeded Zipf text, in one process (the runtime's
+container cores, ``executor="local"``, one container per stage), with 1,
+2, 4, 8, 16 and 64 slices in the counting stage. More slices mean finer
+units of migration and recovery; the cost is per-slice work per epoch
+(cutting the epoch's rows by slice, one operator call and one numbering
+per slice). Reported per slice count: events/s (median of ``--repeat``
+runs, the configurations interleaved run by run so drift hits them alike)
+and the overhead against 1 slice.
+
+    python -m benchmarks.slices --json
+    python -m benchmarks.slices --json --words 2000000 --epoch 65536
+"""
+
+from __future__ import annotations
+
+import time
+
+import chronostream as cs
+from benchmarks.common import emit, median, parser
+from chronostream.datasets import split_words, zipf_text
+
+COUNTS = (1, 2, 4, 8, 16, 64)
+
+
+def one_run(table, slices: int, epoch: int) -> float:
+    q = cs.Query(epoch_events=epoch)
+    q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
+        .count(slices=slices, name="count").sink(name="counts")
+    t0 = time.perf_counter()
+    job = cs.run(q, executor="local", containers=1)
+    elapsed = time.perf_counter() - t0
+    assert job.results("counts").num_rows > 0
+    return elapsed
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--words", type=int, default=1_000_000, help="words of text (default 1,000,000)")
+    p.add_argument("--epoch", type=int, default=4096, help="lines per epoch (default 4096)")
+    args = p.parse_args()
+    words = 100_000 if args.quick else args.words
+    table = zipf_text(words // 10, seed=1)  # 10 words per line
+    n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
+    times: dict[int, list[float]] = {n: [] for n in COUNTS}
+    for r in range(1 if args.quick else args.repeat):
+        for n in (COUNTS if r % 2 == 0 else COUNTS[::-1]):
+            times[n].append(one_run(table, n, args.epoch))
+    base = median(times[1])
+    rows = [{"slices": n, "events_per_s": round(n_words / median(times[n])),
+             "overhead_pct": round((median(times[n]) / base - 1) * 100, 1),
+             "runs_s": [round(t, 3) for t in times[n]]} for n in COUNTS]
+    emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "rows": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()
