@@ -84,6 +84,11 @@ class Policy(Protocol):
         ...
 
 
+def _streak(streak: int, up: bool, down: bool) -> int:
+    """Snapshots in a row above (> 0) or below (< 0) a band; 0 inside it."""
+    return (max(streak, 0) + 1) if up else (min(streak, 0) - 1) if down else 0
+
+
 def _stages(snapshot: MetricsSnapshot, names: list[str] | None) -> list[StageMetrics]:
     return [s for n, s in sorted(snapshot.stages.items()) if names is None or n in names]
 
@@ -107,9 +112,7 @@ class UtilizationPolicy:
         for st in _stages(snapshot, self.stages):
             if snapshot.t - self._last_action_t.get(st.name, -math.inf) < self.cooldown_s:
                 continue
-            up, down = st.utilization > self.high, st.utilization < self.low
-            streak = self._streak.get(st.name, 0)
-            streak = (max(streak, 0) + 1) if up else (min(streak, 0) - 1) if down else 0
+            streak = _streak(self._streak.get(st.name, 0), st.utilization > self.high, st.utilization < self.low)
             self._streak[st.name] = streak
             fig = f"utilization {st.utilization:.2f} over {st.hosts} host(s)"
             if streak >= self.sustain and st.hosts < min(self.max_hosts, st.slices):
@@ -188,8 +191,7 @@ class LatencyPolicy:
         stages = _stages(snapshot, self.stages)
         if not stages or not snapshot.latency.get("count") or snapshot.t - self._last_action_t < self.cooldown_s:
             return []
-        up, down = p99 > self.high_ms, p99 < self.low_ms
-        self._streak = (max(self._streak, 0) + 1) if up else (min(self._streak, 0) - 1) if down else 0
+        self._streak = _streak(self._streak, p99 > self.high_ms, p99 < self.low_ms)
         if self._streak >= self.sustain:
             st = max(stages, key=lambda s: (s.utilization, s.name))
             if st.hosts < min(self.max_hosts, st.slices):

@@ -399,8 +399,14 @@ class JobMaster:
                                      f"cannot remove {n}")
             leaving = sorted(layout, key=lambda h: (len(layout[h]), -h))[:n]
             staying = [h for h in layout if h not in leaving]
+            held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in staying])
+            holders: dict[int, set[int]] = {}
+            for h, epochs in zip(staying, held):
+                for (st, s), _e in epochs.items():
+                    if st == sid:
+                        holders.setdefault(s, set()).add(h)
             moves = balanced_moves({**{h: layout[h] for h in staying},
-                                    -1: [s for h in leaving for s in layout[h]]}, staying)
+                                    -1: [s for h in leaving for s in layout[h]]}, staying, holders=holders)
             where = container_of_slices(self.placement, sid)
             moves = [(s, self.host_of[where[s]], t) for s, _, t in moves]
             return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}")

@@ -280,8 +280,13 @@ class LocalCluster:
                                  f"cannot remove {n}")
         leaving = sorted(layout, key=lambda h: (len(layout[h]), -h))[:n]
         staying = [h for h in layout if h not in leaving]
+        holders: dict[int, set[int]] = {}
+        for h in staying:
+            for (st, s), _e in (self.stores[h].epochs() if h in self.stores else {}).items():
+                if st == sid:
+                    holders.setdefault(s, set()).add(h)
         moves = balanced_moves({**{h: layout[h] for h in staying}, -1: [s for h in leaving for s in layout[h]]},
-                               staying)
+                               staying, holders=holders)
         where = container_of_slices(self.placement, sid)
         return self._start(sid, [(s, self.hosts[where[s]], t) for s, _, t in moves], {})
 

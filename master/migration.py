@@ -120,19 +120,24 @@ def stage_hosts(placement: Any, host_of: dict[int, int], stage_id: int) -> dict[
 
 
 def balanced_moves(layout: dict[int, list[int]], targets: list[int],
-                   load: dict[int, float] | None = None) -> list[tuple[int, int, int]]:
+                   load: dict[int, float] | None = None,
+                   holders: dict[int, set[int]] | None = None) -> list[tuple[int, int, int]]:
     """Moves (slice, from host, to host) that even out slice counts over ``layout`` + ``targets``.
 
     ``layout``: host -> its slices now (hosts leaving have been removed by the
     caller and their slices are listed under key -1). ``targets``: hosts that
     may receive (new or remaining). The most loaded host gives first, its
     heaviest slice by ``load`` (default: the highest slice id) to the least
-    loaded target. Deterministic.
+    loaded target; among equally loaded targets, one holding the slice's
+    backup (``holders[slice]``: it rebuilds the slice locally, no snapshot).
+    Deterministic.
 
     >>> balanced_moves({0: [0, 1, 2, 3]}, [0, 1])
     [(3, 0, 1), (2, 0, 1)]
     >>> balanced_moves({-1: [4, 5], 0: [0, 2], 1: [1, 3]}, [0, 1])
     [(5, -1, 0), (4, -1, 1)]
+    >>> balanced_moves({-1: [4, 5], 0: [0, 2], 1: [1, 3]}, [0, 1], holders={5: {1}, 4: {0}})
+    [(5, -1, 1), (4, -1, 0)]
     """
     weight = load or {}
     have = {h: list(v) for h, v in layout.items()}
@@ -152,7 +157,8 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
             return moves
         g = max(givers, key=lambda h: (h not in cap, len(have[h]) - cap.get(h, 0), -h))
         s = max(have[g], key=lambda s: (weight.get(s, 0.0), s))
-        t = min(takers, key=lambda t: (len(have[t]) - cap[t], t))
+        held_by = (holders or {}).get(s, set())
+        t = min(takers, key=lambda t: (len(have[t]) - cap[t], t not in held_by, t))
         have[g].remove(s)
         have[t].append(s)
         moves.append((s, g, t))

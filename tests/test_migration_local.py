@@ -128,7 +128,8 @@ def test_migrating_one_slice_moves_only_that_slice():
 
 
 def test_a_migration_with_checkpoints_rebuilds_from_the_destinations_own_backup():
-    """With chained backups, a destination that holds the newest backup needs no snapshot."""
+    """With chained backups, a destination that holds the newest backup needs no snapshot;
+    a checkpoint is taken every epoch, so every phase of the migration overlaps one."""
     cl = cluster("running_sum", containers=2, checkpoint_every=1, backup_factor=1)
     stage = operator_stage(cl)
     before = hosts_of(cl, stage)
