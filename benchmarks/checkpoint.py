@@ -15,8 +15,10 @@ checkpoints every K epochs). Per epoch we time, with the runtime's own
 - ``sync``: processing + a synchronous full checkpoint (capture and encode
   of every slot in the epoch): the baseline.
 
-The three modes run interleaved, epoch by epoch, on the same slice, so
-drift and noise hit them alike. Shipping the bytes to peers is not timed
+``none`` and ``delta`` run in alternating blocks of 4 epochs on the same
+slice (so drift and noise hit them alike); a delta block's last encoding
+finishes, untimed, before a ``none`` block starts, so background work
+never lands in the baseline. The slow ``sync`` epochs come last. Shipping the bytes to peers is not timed
 here (the runtime does it after the epoch's pushes; see the recovery
 tests). Sizes are the operator's numpy state (``state_mb``), not RSS.
 
@@ -72,31 +74,38 @@ def epoch_batch(rng: np.random.Generator, n_keys: int, e: int) -> pa.Table:
     return batch(keys, rng, e * 50_000)
 
 
-def timed_epochs(op: KeyedAggregate, n_keys: int, epochs: int, sync_epochs: int, seed: int) -> dict[str, list[float]]:
-    """Per-epoch milliseconds for each mode, the modes interleaved epoch by epoch."""
+def timed_epochs(op: KeyedAggregate, n_keys: int, epochs: int, sync_epochs: int, seed: int,
+                 block: int = 4) -> dict[str, list[float]]:
+    """Per-epoch milliseconds for each mode: blocks of ``block`` epochs, ``none`` and ``delta``
+    alternating (a delta block's background encoding is finished, untimed, before a ``none``
+    block starts, so it never lands in the baseline), then the ``sync`` epochs."""
     rng = np.random.default_rng(seed)
     rt = _Slice(op)
     checkpointers = {"delta": SliceCheckpointer({0: rt}, {0: [1]}, 1, full_every=0, async_encode=True),
                      "sync": SliceCheckpointer({0: rt}, {0: [1]}, 1, full_every=1, async_encode=False)}
     times: dict[str, list[float]] = {"none": [], "delta": [], "sync": []}
+    # none x4, delta x4, delta x4, none x4, none x4, ... then the sync epochs.
+    blocks = [m for i in range(-(-epochs // block)) for m in [("none", "delta"), ("delta", "none")][i % 2]]
+    order = [m for m in blocks for _ in range(block)][:2 * epochs] + ["sync"] * sync_epochs
     e = 0
-    for i in range(epochs):
-        modes = ["none", "delta"] + (["sync"] if i < sync_epochs else [])
-        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
-            b = epoch_batch(rng, n_keys, e)
-            op._dirty_slots = []  # each mode's delta holds its own epoch's updates only
-            ck = checkpointers.get(mode)
-            if ck is not None:  # deltas on the previous epoch (the state is loaded: no first full one)
-                ck.schedule.last_epoch[0] = e - 1
-            t = time.perf_counter()
-            op.consume_batch("in", b)
-            op._ctx.take_outputs({})
-            rt.last_epoch = e
-            if ck is not None:
-                for blobs in ck.after_epoch(e).values():
-                    del blobs  # shipped elsewhere: not timed here
-            times[mode].append((time.perf_counter() - t) * 1000)
-            e += 1
+    for i, mode in enumerate(order):
+        if i and order[i - 1] == "delta" and mode != "delta":
+            checkpointers["delta"].ready(wait=True)  # the block's encoding ends before the next block
+        b = epoch_batch(rng, n_keys, e)
+        ck = checkpointers.get(mode)
+        if ck is not None:  # deltas on the previous epoch (the state is loaded: no first full one)
+            ck.schedule.last_epoch[0] = e - 1
+        else:
+            op._dirty_slots = []  # (no checkpoint this epoch: what it dirtied is not carried over)
+        t = time.perf_counter()
+        op.consume_batch("in", b)
+        op._ctx.take_outputs({})
+        rt.last_epoch = e
+        if ck is not None:
+            for blobs in ck.after_epoch(e).values():
+                del blobs  # shipped elsewhere: not timed here
+        times[mode].append((time.perf_counter() - t) * 1000)
+        e += 1
     checkpointers["delta"].ready(wait=True)
     checkpointers["delta"].close()
     return times

@@ -203,12 +203,12 @@ class Job:
         released (docs/design.md section 7f). Returns what moved, with each
         slice's release epoch and the pause its output saw (``pause_ms``).
         """
-        return self._control(self.master.scale_out.remote(stage, n))
+        return self._control(self.master.scale_out.remote(stage, n, "requested", uuid.uuid4().hex))
 
     def scale_in(self, stage: str, n: int = 1) -> dict[str, Any]:
         """Drain ``n`` of ``stage``'s hosts (those running the fewest slices) by migrating their
         slices to the others, then release them."""
-        return self._control(self.master.scale_in.remote(stage, n))
+        return self._control(self.master.scale_in.remote(stage, n, "requested", uuid.uuid4().hex))
 
     def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None,
                 baseline: str | None = None) -> dict[str, Any]:
@@ -217,7 +217,7 @@ class Job:
         (``baseline="stop_copy"`` is the stop-copy-restart comparison of ``benchmarks.migration``.)
         """
         return self._control(self.master.migrate.remote(stage, [slices] if isinstance(slices, int) else slices,
-                                                        to_container, "requested", baseline))
+                                                        to_container, "requested", baseline, uuid.uuid4().hex))
 
     def scale_up(self, container: int, threads: int = 1) -> dict[str, Any]:
         """Give ``container`` ``threads`` more threads (from its next epoch; no state moves).

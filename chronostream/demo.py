@@ -89,7 +89,7 @@ def _migration_lines(timeline: list) -> list[tuple[str, str]]:
         if kind != "migration_end":
             continue
         moved = sorted(s for tr in info["transfers"] for s in tr["slices"])
-        pauses = [p for tr in info["transfers"] for p in tr["pause_ms"].values()]
+        pauses = [p for tr in info["transfers"] for p in tr.get("pause_ms", {}).values()]
         hosts = sorted({tr["host"] for tr in info["transfers"]})
         what = info["reason"].split(":")[0]
         released = f", released hosts {info['released_hosts']}" if info.get("released_hosts") else ""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from ray.exceptions import RayActorError
 from chronostream.dag import JobPlan
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
-from containers.core import ContainerCore, ContainerStatistics, Message
+from containers.core import ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
 
@@ -85,6 +86,10 @@ class ResourceContainer:
         self.frozen: set[int] = set()  # containers paused (the stop-copy baseline of benchmarks.migration)
         self._tasks: list[asyncio.Task] = []
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
+        # The backup store's heavy work (verify, merge, restore, lmdb) runs on this one thread,
+        # in call order, so the event loop keeps serving pushes meanwhile (the store is not
+        # thread-safe: one thread only).
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="backup-store")
         self.poll_s = 0.05
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
@@ -127,8 +132,10 @@ class ResourceContainer:
         if restore_from is not None:
             t0 = time.time()
             ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
-            core.restore_slices({s: c for s, (c, _, _, _) in ckpts.items()},
-                                {s: out for s, (_, out, _, _) in ckpts.items()})
+            # Off the event loop: a large state takes a while to load, and this host's other
+            # containers keep processing meanwhile (the new core is not running yet).
+            await asyncio.to_thread(core.restore_slices, {s: c for s, (c, _, _, _) in ckpts.items()},
+                                    {s: out for s, (_, out, _, _) in ckpts.items()})
             info.update(restore_start=t0, restore_end=time.time(), bytes=sum(n for *_, n in ckpts.values()),
                         rejected=[r for _, _, rej, _ in ckpts.values() for r in rej],
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
@@ -148,11 +155,15 @@ class ResourceContainer:
             try:
                 if h == self.host_id and self.backup_store is not None:
                     store = self.backup_store
-                    carried = [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)]
-                    return store.latest(stage_id, slice_id), carried, rejected, store.size(stage_id, slice_id)
+
+                    def local():
+                        carried = [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)]
+                        return store.latest(stage_id, slice_id), carried, store.size(stage_id, slice_id)
+                    ckpt, carried, size = await self._in_store_thread(local)
+                    return ckpt, carried, rejected, size
                 data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
-                return (decode(data, "backup"), [decode_outputs(b) for b in outs], rejected,
-                        len(data) + sum(len(b) for b in outs))
+                decoded = await asyncio.to_thread(lambda: (decode(data, "backup"), [decode_outputs(b) for b in outs]))
+                return decoded[0], decoded[1], rejected, len(data) + sum(len(b) for b in outs)
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
                 rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
         if holders:
@@ -186,7 +197,7 @@ class ResourceContainer:
         try:
             while not core.done and not self.stopped:
                 async with cond:
-                    while not ((core.ready() and cid not in self.frozen) or self.stopped):
+                    while not ((core.ready() and cid not in self.frozen) or self.stopped or core.done):
                         if core.reader is not None:
                             # A followed source log: nothing will notify; poll it.
                             core.poll_source()
@@ -196,7 +207,7 @@ class ResourceContainer:
                                 pass
                         else:
                             await cond.wait()
-                    if self.stopped:
+                    if self.stopped or core.done:
                         break
                     epoch = core.next_epoch
                     t0 = time.perf_counter()
@@ -219,6 +230,12 @@ class ResourceContainer:
                     while len(dq) > self.window:
                         await self._acknowledged(*dq.popleft())
                 await asyncio.sleep(0)
+            notice = core.take_end_notice()
+            if notice is not None and not self.stopped:  # the input was sealed after its last epoch
+                epoch, messages = notice
+                for dst, msg in messages.items():
+                    if dst not in self.unreachable:
+                        inflight[dst].append((dst, self.peers[dst].push.remote(dst, epoch, cid, msg)))
             for dq in inflight.values():
                 while dq:
                     await self._acknowledged(*dq.popleft())
@@ -280,8 +297,8 @@ class ResourceContainer:
     async def _heartbeats(self) -> None:
         while not self.stopped:
             try:
-                if self.backup_store is not None:
-                    self.backup_store.flush()  # lazy persistence of the replication buffer
+                if self.backup_store is not None:  # lazy persistence of the replication buffer
+                    await self._in_store_thread(self.backup_store.flush)
                 self.master.heartbeat.remote(self.host_id, {c: core.statistics() for c, core in self.cores.items()})
             except Exception:  # noqa: BLE001 - the master may be restarting
                 pass
@@ -328,9 +345,10 @@ class ResourceContainer:
         """Warm-up: ship full checkpoints of a hosted container's ``slices`` (and their carried
         outputs) to ``to_host``'s backup store. Taken between two epochs."""
         core = self.cores[container_id]
-        async with self.conds[container_id]:
-            blobs = core.migration_snapshot(slices)
+        async with self.conds[container_id]:  # captured between two epochs
+            captured = core.migration_capture(slices)
             epoch = core.next_epoch - 1
+        blobs = await asyncio.to_thread(encode_snapshot, captured)
         if to_host_id == self.host_id:
             await self.receive_backups(blobs)
         else:
@@ -425,7 +443,8 @@ class ResourceContainer:
         """Failure injection: damage the backup this host holds of a slice (False when it holds none)."""
         if self.backup_store is None or (stage_id, slice_id) not in self.backup_store.holds():
             return False
-        self.backup_store.corrupt(stage_id, slice_id, truncate)
+        store = self.backup_store
+        await self._in_store_thread(lambda: store.corrupt(stage_id, slice_id, truncate))
         return True
 
     # -- backups and reading ------------------------------------------------------------
@@ -440,15 +459,19 @@ class ResourceContainer:
         """
         if self.backup_store is None:
             self.backup_store = BackupStore(self.workdir / "backups")
-        refused = {self.backup_store.put(b) for b in blobs}
+        store = self.backup_store
+        refused = await self._in_store_thread(lambda: {store.put(b) for b in blobs})
         return sorted(k for k in refused if k is not None)
+
+    async def _in_store_thread(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn)
 
     async def backup_catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
         """Verified (stage, slice, epoch) of every backup held, and the damaged ones."""
         if self.backup_store is None:
             return [], []
-        self.backup_store.flush()
-        return self.backup_store.catalog()
+        store = self.backup_store
+        return await self._in_store_thread(lambda: (store.flush(), store.catalog())[1])
 
     async def backups_held(self) -> list[tuple[int, int, int]]:
         """(stage, slice, epoch) of every backup this host holds (after a flush to lmdb)."""
@@ -458,8 +481,10 @@ class ResourceContainer:
         """The merged, verified full backup of a peer's slice, encoded (and its carried-outputs frames)."""
         from slices.checkpoint import encode
 
-        data = encode(self.backup_store.latest(stage_id, slice_id))
-        return (data, self.backup_store.carried_outputs(stage_id, slice_id)) if with_outputs else data
+        store = self.backup_store
+        data, outs = await self._in_store_thread(
+            lambda: (encode(store.latest(stage_id, slice_id)), store.carried_outputs(stage_id, slice_id)))
+        return (data, outs) if with_outputs else data
 
     async def backup_epochs(self) -> dict[tuple[int, int], int]:
         """(stage, slice) -> newest checkpoint epoch held (cheap: for the master's GC)."""
@@ -474,9 +499,9 @@ class ResourceContainer:
                 async with self.conds[cid]:
                     dropped += core.gc(lw)
         if self.backup_store is not None:
-            for stage_id, lw in low_water.items():
-                if lw >= 0:
-                    dropped += self.backup_store.trim_outputs(stage_id, lw)
+            store = self.backup_store
+            dropped += await self._in_store_thread(
+                lambda: sum(store.trim_outputs(stage_id, lw) for stage_id, lw in low_water.items() if lw >= 0))
         return dropped
 
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes:
@@ -535,5 +560,6 @@ class ResourceContainer:
             for core in self.cores.values():
                 core.close()
             if self.backup_store is not None:
-                self.backup_store.close(flush=False)
+                store = self.backup_store
+                await self._in_store_thread(lambda: store.close(flush=False))
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -132,6 +132,7 @@ class ContainerCore:
         self.inbox: dict[int, dict[int, Message]] = {}
         self.next_epoch = 0  # invariant: only grows; every epoch below it is fully processed
         self.num_epochs: int | None = plan.num_epochs  # None until a followed source log is sealed
+        self.end_announced = False  # a message carrying END_KEY went to every destination
         self.messages_dropped = 0
         self.busy_s = 0.0
         self.dead_letter_rows = 0
@@ -230,6 +231,19 @@ class ContainerCore:
             self.coverage[sender] = frozenset(cov)
             self.senders.add(sender)
         self.replaced = True
+
+    def take_end_notice(self) -> tuple[int, dict[int, Message]] | None:
+        """The end of a followed input, for destinations no epoch message told it.
+
+        A followed log can be sealed after its last (full) epoch was already
+        processed: no message carried ``END_KEY`` then. This gives, once,
+        (last epoch, one message per destination carrying it); receivers
+        learn the end and drop the message itself (an epoch they already have).
+        """
+        if self.plan.num_epochs is not None or self.num_epochs is None or not self.done or self.end_announced:
+            return None
+        self.end_announced = True
+        return self.num_epochs - 1, {c: {END_KEY: self.num_epochs} for c in self.destinations}  # type: ignore[misc]
 
     def _source_ready(self) -> bool:
         reader = self.reader
@@ -402,6 +416,7 @@ class ContainerCore:
             # Followed source: tell downstream where the input ends.
             for m in messages.values():
                 m[END_KEY] = self.num_epochs  # type: ignore[assignment]
+            self.end_announced = True
         for sid in self.stage.produced:
             sp = self.plan.streams[sid]
             if not sp.consumers:
@@ -596,20 +611,25 @@ class ContainerCore:
 
         Does not start a new delta: the regular checkpoints go on as before.
         """
-        from slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs
+        return encode_snapshot(self.migration_capture(slices))
 
-        blobs = []
+    def migration_capture(self, slices: list[int]) -> list[tuple[Any, Any]]:
+        """The CAPTURE half of ``migration_snapshot`` (between two epochs; ``encode_snapshot`` may
+        run later, elsewhere: the capture holds frozen copies)."""
+        from slices.checkpoint import CarriedOutputs, capture
+
+        out = []
         epoch = self.next_epoch - 1
         for s in slices:
             ck = capture(self.slices[s], delta=False, epoch=epoch, clear=False)
-            blobs.append(encode(ck))
+            carried = None
             if self.output_log is not None and self._logged_streams():
                 first = self.low_water + 1
                 tables = {sid: t for sid in self._logged_streams()
                           if (t := self._logged_since(sid, s, first)).num_rows}
-                blobs.append(encode_outputs(CarriedOutputs(self.stage.stage_id, s, max(first, 0), ck.epoch,
-                                                           True, tables)))
-        return blobs
+                carried = CarriedOutputs(self.stage.stage_id, s, max(first, 0), ck.epoch, True, tables)
+            out.append((ck, carried))
+        return out
 
     def _logged_since(self, stream_id: int, slice_id: int, first_epoch: int) -> pa.Table:
         """Logged outputs of (stream, slice) derived from epochs >= ``first_epoch``."""
@@ -760,3 +780,15 @@ class ContainerCore:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
         return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
                    for k, part in msg.items() if k >= 0)
+
+
+def encode_snapshot(captured: list[tuple[Any, Any]]) -> list[bytes]:
+    """Bytes of a ``migration_capture``: each checkpoint frame, then its carried outputs."""
+    from slices.checkpoint import encode, encode_outputs
+
+    blobs = []
+    for ck, carried in captured:
+        blobs.append(encode(ck))
+        if carried is not None:
+            blobs.append(encode_outputs(carried))
+    return blobs

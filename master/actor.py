@@ -79,6 +79,8 @@ class JobMaster:
         self.gc_dropped = 0
         self.policy = policy  # an autoscaling policy (chronostream.autoscale), or None
         self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
+        self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
+        self._unsettled_request: str | None = None
         self._counters: Counters | None = None
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
@@ -109,11 +111,45 @@ class JobMaster:
                 self.handles[h] = None
                 self.last_seen[h] = now - 2 * self.opts.heartbeat_timeout_s
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of))
+        self._unsettled_request, left = self.catalog.load_migration()
+        self._unsettled = [Transfer.from_plain(d) for d in left]
 
     def _ensure_watching(self) -> None:
         if not self._watching and self.state == "running":
             self._watching = True
             asyncio.get_running_loop().create_task(self._watch())
+            if self._unsettled:
+                asyncio.get_running_loop().create_task(self._settle_left_over())
+
+    async def _settle_left_over(self) -> None:
+        async with self.recovery_lock:
+            await self._settle_pending()
+
+    async def _settle_pending(self) -> None:
+        """A master restarted in the middle of a migration: finish or undo it (``_settle_migration``)
+        before anything else changes the placement. Called under the control lock."""
+        if not self._unsettled:
+            return
+        transfers, self._unsettled = self._unsettled, []
+        self._event("migration_resumed", transfers=[t.to_plain() for t in transfers])
+        for t in transfers:
+            if t.host is not None and t.phase is not MigrationPhase.PREPARING:
+                self.host_of.setdefault(t.new_id, t.host)
+                self.placement.stage_of.setdefault(t.new_id, t.stage_id)
+        await self._settle_migration(transfers)
+        for st in sorted({t.stage_id for t in transfers}):
+            hosts = self._stage_hosts(st)
+            await asyncio.gather(*[self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts)
+                                   for c, peers in host_backup_peers(self.placement, self.host_of, st,
+                                                                     self.opts.backup_factor).items()],
+                                 return_exceptions=True)
+        released = await self._release_idle_hosts()
+        self._save_layout()
+        summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
+                   "released_hosts": released, "seconds": 0.0, "reason": "settled by a restarted master"}
+        self.catalog.save_request(self._unsettled_request or "", summary)
+        self.catalog.save_migration(None, [])
+        self._event("migration_end", **summary)
 
     def _save_layout(self) -> None:
         self.catalog.save_layout(self.placement, self.host_of, self.alive, self.nodes, self.next_id)
@@ -376,9 +412,21 @@ class JobMaster:
         if not self.opts.output_log:
             raise MigrationError("migration replays upstream output logs: run the job with output_log=True")
 
-    async def scale_out(self, stage: str | int, n: int = 1, reason: str = "requested") -> dict[str, Any]:
-        """Add ``n`` hosts to ``stage`` and move slices so every host of it runs an even share."""
+    async def _replayed(self, request: str | None) -> Any:
+        """A control call Ray retried after a master restart: the result it already had, if any
+        (settling first the migration it may have left in progress). Under the control lock."""
+        await self._settle_pending()
+        return self.catalog.load_request(request)
+
+    async def scale_out(self, stage: str | int, n: int = 1, reason: str = "requested",
+                        request: str | None = None) -> dict[str, Any]:
+        """Add ``n`` hosts to ``stage`` and move slices so every host of it runs an even share.
+
+        ``request``: an id making the call idempotent (Ray retries it on a restarted master).
+        """
         async with self.recovery_lock:
+            if (done := await self._replayed(request)) is not None:
+                return done
             self._check_can_migrate()
             sid = self._stage_id(stage)
             if n < 1:
@@ -386,11 +434,14 @@ class JobMaster:
             layout = stage_hosts(self.placement, self.host_of, sid)
             new = [-(i + 1) for i in range(n)]
             moves = balanced_moves(layout, list(layout) + new)
-            return await self._migrate(sid, moves, {h: None for h in new}, f"scale_out {n}: {reason}")
+            return await self._migrate(sid, moves, {h: None for h in new}, f"scale_out {n}: {reason}", request=request)
 
-    async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested") -> dict[str, Any]:
+    async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested",
+                       request: str | None = None) -> dict[str, Any]:
         """Move every slice off ``n`` of ``stage``'s hosts (those running the fewest slices), then release them."""
         async with self.recovery_lock:
+            if (done := await self._replayed(request)) is not None:
+                return done
             self._check_can_migrate()
             sid = self._stage_id(stage)
             layout = stage_hosts(self.placement, self.host_of, sid)
@@ -409,10 +460,11 @@ class JobMaster:
                                     -1: [s for h in leaving for s in layout[h]]}, staying, holders=holders)
             where = container_of_slices(self.placement, sid)
             moves = [(s, self.host_of[where[s]], t) for s, _, t in moves]
-            return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}")
+            return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}", request=request)
 
     async def migrate(self, stage: str | int, slices: list[int], to_container: int | None = None,
-                      reason: str = "requested", baseline: str | None = None) -> dict[str, Any]:
+                      reason: str = "requested", baseline: str | None = None,
+                      request: str | None = None) -> dict[str, Any]:
         """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host).
 
         ``baseline="stop_copy"`` runs the stop-copy-restart migration that
@@ -420,6 +472,8 @@ class JobMaster:
         pauses while a fresh snapshot is copied and restored); not for use.
         """
         async with self.recovery_lock:
+            if (done := await self._replayed(request)) is not None:
+                return done
             self._check_can_migrate()
             sid = self._stage_id(stage)
             where = container_of_slices(self.placement, sid)
@@ -432,7 +486,8 @@ class JobMaster:
             to = -1 if to_container is None else self.host_of[to_container]
             moves = [(s, self.host_of[where[s]], to) for s in slices if self.host_of[where[s]] != to]
             return await self._migrate(sid, moves, {-1: None} if to_container is None else {},
-                                       f"migrate {slices}: {reason}", stop_copy=baseline == "stop_copy")
+                                       f"migrate {slices}: {reason}", stop_copy=baseline == "stop_copy",
+                                       request=request)
 
     async def set_threads(self, container: int, threads: int) -> dict[str, Any]:
         """Scale up/down (paper III-D): run ``container``'s slices on ``threads`` threads."""
@@ -455,13 +510,16 @@ class JobMaster:
         return stats[container].threads
 
     async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
-                       reason: str, stop_copy: bool = False) -> dict[str, Any]:
+                       reason: str, stop_copy: bool = False, request: str | None = None) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
-        P = MigrationPhase
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
         if not transfers:
             return {"transfers": [], "reason": reason}
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
+        self._save_layout()  # (next_id: a restarted master never reuses the new ids)
+        for t in transfers:  # every phase change is in the catalog: a restarted master settles it
+            t.on_advance = lambda _t, ts=transfers: self.catalog.save_migration(request, [x.to_plain() for x in ts])
+        self.catalog.save_migration(request, [t.to_plain() for t in transfers])
         t0 = time.time()
         self._event("migration_start", stage=self.plan.stages[sid].name, reason=reason,
                     transfers=[{"from": t.source, "to": t.new_id, "slices": t.slices} for t in transfers])
@@ -479,11 +537,16 @@ class JobMaster:
                              return_exceptions=True)
         released = await self._release_idle_hosts()
         self._save_layout()
+        self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
                                   "phase": t.phase.value, "resume": t.resume, "released_at": t.released_at,
-                                  "pause_ms": t.pause_ms} for t in transfers],
+                                  "pause_ms": t.pause_ms,
+                                  "phases_s": {p: round(info["at"] - t0, 3) for _, p, _, info in t.story}}
+                                 for t in transfers],
                    "released_hosts": released, "seconds": round(time.time() - t0, 3), "reason": reason}
         self._event("migration_end", stage=self.plan.stages[sid].name, **summary)
+        if request:
+            self.catalog.save_request(request, summary)
         return summary
 
     async def _migration_phases(self, sid: int, transfers: list[Transfer], stop_copy: bool = False) -> None:
@@ -500,6 +563,7 @@ class JobMaster:
                     made[t.target] = h
                 t.host = made[t.target]
             t.advance(P.WARMING, host=t.host)
+        self._save_layout()  # the new hosts (a restarted master releases them if the migration is undone)
         # 1. WARMING: the destination holds the newest backup, or gets a snapshot.
         held = dict(zip(sorted(self.alive), await asyncio.gather(
             *[self.handles[h].backup_epochs.remote() for h in sorted(self.alive)])))
@@ -648,7 +712,7 @@ class JobMaster:
                                    for u in self.plan.upstream_stages(t.stage_id)
                                    for c in self.placement.containers[u] if self.host_of[c] not in dead],
                                  return_exceptions=True)
-            if dst_ok and t.new_id in self.host_of:
+            if dst_ok and t.host in self.handles and self.handles[t.host] is not None:
                 try:
                     await self.handles[t.host].remove_container.remote(t.new_id)
                 except RayActorError:

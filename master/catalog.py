@@ -99,6 +99,28 @@ class MasterCatalog:
         """The saved job state (see ``save_progress``)."""
         return self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
 
+    def save_migration(self, request: str | None, transfers: list[dict[str, Any]]) -> None:
+        """The migration in progress: the request that started it and one record per transfer
+        (with its phase); ``[]`` when none."""
+        if self.closed:
+            return
+        put_all(self.env, [(b"migration", _pack({"request": request, "transfers": transfers}))])
+
+    def load_migration(self) -> tuple[str | None, list[dict[str, Any]]]:
+        """The migration a dead master left in progress (see ``save_migration``)."""
+        d = self._get(b"migration", {"request": None, "transfers": []})
+        return d["request"], d["transfers"]
+
+    def save_request(self, request: str, result: Any) -> None:
+        """The result of a control request, so a retried call (the master restarted) returns it."""
+        if self.closed or not request:
+            return
+        put_all(self.env, [(b"request:" + request.encode(), _pack(result))])
+
+    def load_request(self, request: str | None) -> Any:
+        """The saved result of a control request (None: not done)."""
+        return self._get(b"request:" + request.encode(), None) if request else None
+
     def add_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
         """Memory-sink rows (sink id -> (slice, epoch) -> rows), one key per part."""
         if self.closed:

@@ -185,6 +185,10 @@ class LocalCluster:
                     self.sink_parts.setdefault(k, {}).update(parts)
                 backups += [(peer, cid, blobs) for peer, blobs in core.take_backups().items()]
                 progressed = True
+            notice = core.take_end_notice()
+            if notice is not None:  # a followed input sealed after its last epoch was processed
+                self.in_flight += [(dst, notice[0], cid, msg) for dst, msg in notice[1].items()]
+                progressed = True
         return progressed, backups
 
     def _deliver(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +90,21 @@ class Transfer:
     # Filled as it runs: slices snapshotted at warm-up (the others were rebuilt from the
     # destination's own backup), resume epoch, release epoch and pause per slice.
     snapshot: list[int] = field(default_factory=list)
+    on_advance: Any = field(default=None, repr=False, compare=False)  # persists the phase (the Ray master)
     resume: dict[int, int] = field(default_factory=dict)
     released_at: dict[int, int] = field(default_factory=dict)
     pause_ms: dict[int, float] = field(default_factory=dict)
+
+    def to_plain(self) -> dict[str, Any]:
+        """What a restarted master needs to settle it (``master.catalog``)."""
+        return {"new_id": self.new_id, "source": self.source, "stage_id": self.stage_id, "host": self.host,
+                "slices": list(self.slices), "target": self.target, "phase": self.phase.value}
+
+    @staticmethod
+    def from_plain(d: dict[str, Any]) -> "Transfer":
+        """Inverse of ``to_plain``."""
+        return Transfer(d["new_id"], d["source"], d["stage_id"], d["host"], list(d["slices"]), d["target"],
+                        MigrationPhase(d["phase"]))
 
     def describe(self) -> str:
         """``stage 1 slices [0, 4] container 3 -> 9 (host 5)``: for logs and errors."""
@@ -102,10 +115,13 @@ class Transfer:
         if (self.phase, to) not in TRANSITIONS:
             raise MigrationError(f"{self.describe()}: no transition {self.phase.value} -> {to.value}; "
                                  f"story: {self.story}")
-        self.story.append((next(_story_ids), to.value, epoch, dict(info)))
+        # (the id orders the story; the wall time is for people reading a timeline)
+        self.story.append((next(_story_ids), to.value, epoch, {**info, "at": round(time.time(), 3)}))
         log.info("migration %s: %s -> %s at epoch %s %s", self.describe(), self.phase.value, to.value, epoch,
                  info or "")
         self.phase = to
+        if self.on_advance is not None:
+            self.on_advance(self)
 
 
 # -- planning --------------------------------------------------------------------

@@ -177,3 +177,34 @@ def test_job_metrics_report_rates_backlog_state_and_latency_percentiles(ray_sess
         job.wait(timeout_s=300)
     finally:
         job.stop()
+
+
+def test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted(ray_session):
+    """The master dies while a scale-out runs; Ray restarts it and retries the call, which the
+    restarted master answers once (settling the migration it finds in its catalog, never running
+    it twice); the output is the serial executor's."""
+    import threading
+    import time
+
+    import ray
+
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 1, "stats": 1}, checkpoint_every=4)
+    result: list = []
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
+        caller = threading.Thread(target=lambda: result.append(job.scale_out("running_sum", 1)))
+        caller.start()
+        time.sleep(1.5)  # the new host is starting: the migration is in progress
+        ray.kill(job.master, no_restart=False)
+        caller.join(timeout=240)
+        job.wait(timeout_s=300)
+        kinds = [k for _, k, _ in job.timeline()]
+        assert "master_restarted" in kinds
+        assert result and result[0]["transfers"], "the retried call got an answer"
+        assert kinds.count("migration_start") == 1, "the retried call did not start a second migration"
+        hosts = {job.placement()["hosts"][c] for c in job.placement()["stages"]["running_sum"]}
+        assert len(hosts) in (1, 2), hosts
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()

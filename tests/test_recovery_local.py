@@ -21,7 +21,7 @@ from chronostream.errors import RecoveryError
 from master.local import LocalCluster
 from master.placement import containers_per_stage, initial_placement
 from master.recovery import BackupsLost
-from test_local_executor import BUILDERS, SLICES, build, serial_sinks
+from test_local_executor import BUILDERS, SLICES, serial_sinks
 
 
 EPOCH = 7  # many small epochs: faults land mid-stream, with checkpoints before and after

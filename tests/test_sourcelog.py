@@ -152,3 +152,28 @@ def test_job_on_ray_tailing_a_growing_log_equals_a_bounded_run(ray_session, tmp_
     bounded = cs.run(count_query(tmp_path, follow=False), executor="serial").results("sums")
     assert live.num_rows == 300
     assert live.to_pylist() == bounded.to_pylist()
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_log_sealed_after_its_last_full_epoch_was_processed_still_ends_the_job(tmp_path, request, executor):
+    """The input ends exactly on an epoch boundary and the seal comes after that epoch ran: no
+    epoch message can carry the end any more, so the end is sent on its own, and every stage ends."""
+    if executor == "ray":
+        request.getfixturevalue("ray_session")
+    w = SourceLogWriter(tmp_path)
+    w.append({"s": rows(0, 0, 100)}, high_water=100)
+    q = count_query(tmp_path, follow=True)
+    epoch = q.epoch_events
+    w.append({"s": rows(100, 100, 2 * epoch - 100)}, high_water=2 * epoch)  # two full epochs, no more
+    sealer = threading.Timer(1.5, w.seal)
+    sealer.start()
+    try:
+        job = cs.run(q, executor=executor, containers=2)
+        job.wait(timeout_s=60)
+        live = job.results("sums")
+        if executor == "ray":
+            job.stop()
+    finally:
+        sealer.join()
+    assert live.num_rows == 2 * epoch
+    assert live.to_pylist() == cs.run(count_query(tmp_path, follow=False), executor="serial").results("sums").to_pylist()
