@@ -24,7 +24,6 @@ ratios between peer counts are the point.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pyarrow as pa

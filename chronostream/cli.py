@@ -17,8 +17,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import chronostream as cs
+
+if TYPE_CHECKING:
+    from chronostream.chaos import Fault
 
 
 def _load_query(path: str) -> cs.Query:

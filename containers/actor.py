@@ -399,14 +399,15 @@ class ResourceContainer:
         version = core.set_threads(threads)
         return {"container": container_id, "threads": threads, "version": version, "from_epoch": core.next_epoch}
 
-    async def migration_state(self, container_ids: list[int]) -> dict[int, dict[str, Any]]:
-        """Per hosted container: next epoch, done, released slices, when recent epochs finished."""
+    async def migration_state(self, container_ids: list[int], with_times: bool = False) -> dict[int, dict[str, Any]]:
+        """Per hosted container: next epoch, done, released slices (and, ``with_times``, when its
+        recent epochs finished: the pause measurement)."""
         out = {}
         for c in container_ids:
             core = self.cores.get(c)
             if core is not None:
                 out[c] = {"next_epoch": core.next_epoch, "done": core.done, "released": dict(core.released),
-                          "epoch_done_at": dict(core.epoch_done_at)}
+                          "epoch_done_at": dict(core.epoch_done_at) if with_times else {}}
         return out
 
     async def remove_container(self, container_id: int) -> None:

@@ -97,10 +97,8 @@ class SliceCheckpointer:
     def force_full(self, slices: list[int]) -> None:
         """The next checkpoint of each of ``slices`` is a full one (a backup refused a delta)."""
         for s in slices:
-            if s in self.schedule.last_epoch:
-                log.info("checkpoint stage %s slice %s: a backup asked for a full checkpoint",
-                         getattr(self.slices.get(s), "stage", None) and self.slices[s].stage.name, s)
-            self.schedule.last_epoch.pop(s, None)
+            if self.schedule.last_epoch.pop(s, None) is not None:
+                log.info("checkpoint slice %s: a backup asked for a full checkpoint", s)
             self.schedule.since_full.pop(s, None)
 
     def due(self, epoch: int, last: bool) -> bool:

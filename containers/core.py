@@ -283,8 +283,9 @@ class ContainerCore:
         """Process the next epoch; return one message per downstream container."""
         assert self.ready(), f"container {self.container_id}: epoch {self.next_epoch} not ready"
         epoch = self.next_epoch
-        self._release(self._releases_due(epoch), epoch)
-        outputs = self._process(epoch)
+        inbound = None if self.reader is not None else (self._epoch_messages(epoch) or {})
+        self._release(self._releases_due(inbound), epoch)
+        outputs = self._process(epoch, inbound)
         self._persist(epoch, outputs)
         messages = self._route(outputs)
         self.next_epoch = epoch + 1
@@ -321,14 +322,14 @@ class ContainerCore:
         w = self._all_writers().get(sink_id)
         return dict(getattr(w, "parts", {})) if w is not None else {}
 
-    def take_backups(self, wait: bool = False) -> dict[int, list[bytes]]:
+    def take_backups(self) -> dict[int, list[bytes]]:
         """Encoded checkpoints to send, by peer container (emptied by the call).
 
         With asynchronous checkpoints this includes rounds whose encoding
-        finished since the last step; ``wait`` waits for every round.
+        finished since the last step (the last epoch's call waits for all).
         """
         if self.checkpointer is not None:
-            self._queue_backups(self.checkpointer.ready(wait=wait))
+            self._queue_backups(self.checkpointer.ready())
         out, self.outgoing_backups = self.outgoing_backups, {}
         return out
 
@@ -345,9 +346,9 @@ class ContainerCore:
         if self.output_log is not None:
             self.output_log.close()
 
-
-    def _process(self, epoch: int) -> dict[int, dict[int, pa.Table]]:
-        """Run every local slice on the epoch, each on its thread (``containers.threads``)."""
+    def _process(self, epoch: int, messages: dict[int, Message] | None) -> dict[int, dict[int, pa.Table]]:
+        """Run every local slice on the epoch, each on its thread (``containers.threads``);
+        ``messages``: the epoch's input (``_epoch_messages``; None at a source)."""
         if self.reader is not None:
             e0 = epoch * self.plan.epoch_events
             rows = self.reader.rows(e0, e0 + self.plan.epoch_events)
@@ -358,7 +359,7 @@ class ContainerCore:
             results = self.threads.run_epoch(epoch, list(mine),
                                              lambda s: self.slices[s].process_source(epoch, mine[s]))
         else:
-            messages = self._epoch_messages(epoch) or {}
+            messages = messages or {}
             self.inbox.pop(epoch, None)
             stamps = [m[INGEST_KEY] for m in messages.values() if INGEST_KEY in m]
             self.epoch_ingest = min(stamps) if stamps else None  # type: ignore[type-var]
@@ -547,14 +548,14 @@ class ContainerCore:
         """Release ``slices`` before the next epoch (a source stage: no upstream marker tells it)."""
         self.pending_release |= set(slices) & set(self.slices)
 
-    def _releases_due(self, epoch: int) -> set[int]:
-        """Slices to release before processing ``epoch``: asked for, or marked by an upstream sender."""
+    def _releases_due(self, inbound: dict[int, Message] | None) -> set[int]:
+        """Slices to release before processing an epoch: asked for, or marked by an upstream
+        sender in the epoch's messages (``inbound``; None at a source)."""
         due = set(self.pending_release)
         self.pending_release.clear()
-        if self.reader is None:
-            for msg in (self._epoch_messages(epoch) or {}).values():
-                if RELEASE_KEY in msg:
-                    due |= set(msg[RELEASE_KEY])  # type: ignore[arg-type]
+        for msg in (inbound or {}).values():
+            if RELEASE_KEY in msg:
+                due |= set(msg[RELEASE_KEY])  # type: ignore[arg-type]
         return due & set(self.slices)
 
     def _release(self, slices: set[int], epoch: int) -> None:

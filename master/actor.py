@@ -31,7 +31,7 @@ from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
-                              group_transfers, migration_pauses, stage_hosts)
+                              group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement, initial_placement
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              recovery_slack, restore_floor, restore_order)
@@ -137,12 +137,7 @@ class JobMaster:
                 self.host_of.setdefault(t.new_id, t.host)
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
         await self._settle_migration(transfers)
-        for st in sorted({t.stage_id for t in transfers}):
-            hosts = self._stage_hosts(st)
-            await asyncio.gather(*[self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts)
-                                   for c, peers in host_backup_peers(self.placement, self.host_of, st,
-                                                                     self.opts.backup_factor).items()],
-                                 return_exceptions=True)
+        await self._retarget_backups({t.stage_id for t in transfers})
         released = await self._release_idle_hosts()
         self._save_layout()
         summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
@@ -385,12 +380,7 @@ class JobMaster:
                             c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
         replayed = await asyncio.gather(*reroutes)
         # 4. Backups over the stage's hosts as they are now (full checkpoints follow).
-        retargets = []
-        for st in sorted({a.stage_id for a in plan}):
-            hosts = self._stage_hosts(st)
-            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
-                retargets.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
-        await asyncio.gather(*retargets)
+        await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=False)
         self._save_layout()
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
                     hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
@@ -398,13 +388,15 @@ class JobMaster:
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
 
-    def _stage_id(self, stage: str | int) -> int:
-        if isinstance(stage, int) and 0 <= stage < len(self.plan.stages):
-            return stage
-        for st in self.plan.stages:
-            if st.name == stage:
-                return st.stage_id
-        raise MigrationError(f"no stage named {stage!r}; stages: {[st.name for st in self.plan.stages]}")
+    async def _retarget_backups(self, stages: set[int], tolerate_dead: bool = True) -> None:
+        """Re-plan the backup chain of ``stages`` over their hosts as they are now (each slice's
+        next checkpoint is a full one: the new peers hold no chain)."""
+        calls = []
+        for st in sorted(stages):
+            hosts = self._stage_hosts(st)
+            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
+                calls.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
+        await asyncio.gather(*calls, return_exceptions=tolerate_dead)
 
     def _check_can_migrate(self) -> None:
         if self.state != "running":
@@ -428,7 +420,7 @@ class JobMaster:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
-            sid = self._stage_id(stage)
+            sid = stage_id_of(self.plan, stage)
             if n < 1:
                 raise MigrationError(f"scale_out needs n >= 1, got {n}")
             layout = stage_hosts(self.placement, self.host_of, sid)
@@ -443,7 +435,7 @@ class JobMaster:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
-            sid = self._stage_id(stage)
+            sid = stage_id_of(self.plan, stage)
             layout = stage_hosts(self.placement, self.host_of, sid)
             if n < 1 or n >= len(layout):
                 raise MigrationError(f"stage {self.plan.stages[sid].name!r} runs on {len(layout)} hosts; "
@@ -475,7 +467,7 @@ class JobMaster:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
-            sid = self._stage_id(stage)
+            sid = stage_id_of(self.plan, stage)
             where = container_of_slices(self.placement, sid)
             bad = [s for s in slices if s not in where]
             if bad or not slices:
@@ -529,12 +521,7 @@ class JobMaster:
             log.warning("migration interrupted: %s", exc)
             self._event("migration_interrupted", error=str(exc))
             await self._settle_migration(transfers)
-        # Backups over the stage's hosts as they are now (full checkpoints follow).
-        hosts = self._stage_hosts(sid)
-        await asyncio.gather(*[self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts)
-                               for c, peers in host_backup_peers(self.placement, self.host_of, sid,
-                                                                 self.opts.backup_factor).items()],
-                             return_exceptions=True)
+        await self._retarget_backups({sid})
         released = await self._release_idle_hosts()
         self._save_layout()
         self.catalog.save_migration(None, [])
@@ -633,13 +620,14 @@ class JobMaster:
                 used[self.nodes[h]] += 1
         return min(alive_nodes, key=lambda n: (used[n], n))
 
-    async def _states(self, transfers: list[Transfer]) -> dict[int, dict[str, Any]]:
+    async def _states(self, transfers: list[Transfer], with_times: bool = False) -> dict[int, dict[str, Any]]:
         ids: dict[int, list[int]] = {}
         for t in transfers:
             ids.setdefault(self.host_of[t.source], []).append(t.source)
             ids.setdefault(t.host, []).append(t.new_id)
         out: dict[int, dict[str, Any]] = {}
-        for part in await asyncio.gather(*[self.handles[h].migration_state.remote(cs_) for h, cs_ in ids.items()]):
+        for part in await asyncio.gather(*[self.handles[h].migration_state.remote(cs_, with_times)
+                                           for h, cs_ in ids.items()]):
             out.update(part)
         return out
 
@@ -669,7 +657,7 @@ class JobMaster:
     async def _complete(self, sid: int, t: Transfer) -> None:
         """Last step of a transfer: producers stop marking, the placement moves, pauses are measured."""
         try:
-            st = await self._states([t])
+            st = await self._states([t], with_times=True)
         except RayActorError:
             st = {}
         src, dst = st.get(t.source), st.get(t.new_id)

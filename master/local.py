@@ -30,7 +30,7 @@ from containers.backup_store import BackupStore
 from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
-                              group_transfers, migration_pauses, stage_hosts)
+                              group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              restore_floor, restore_order)
@@ -115,6 +115,7 @@ class LocalCluster:
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
         self.migrations: list[Transfer] = []  # in progress, advanced once per round
         self.migrated: list[Transfer] = []  # finished or aborted
+        self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
         self.round = 0
 
     def _core(self, c: int, slices: list[int] | None, backup_peers: dict | None) -> ContainerCore:
@@ -231,12 +232,7 @@ class LocalCluster:
 
     def stage_id(self, stage: str | int) -> int:
         """A stage's id from its name (or id)."""
-        if isinstance(stage, int):
-            return stage
-        for st in self.plan.stages:
-            if st.name == stage:
-                return st.stage_id
-        raise MigrationError(f"no stage named {stage!r}; stages: {[st.name for st in self.plan.stages]}")
+        return stage_id_of(self.plan, stage)
 
     def _new_host(self) -> int:
         h = self.next_id
@@ -304,7 +300,7 @@ class LocalCluster:
         if not transfers:
             return []
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
-        self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
+        self._placeholders.clear()
         self.migrations = transfers
         self._event("migration_start", stage=sid, transfers=[(t.source, t.new_id, t.slices) for t in transfers])
         return transfers

@@ -199,6 +199,16 @@ def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, i
     return list(groups.values())
 
 
+def stage_id_of(plan: Any, stage: str | int) -> int:
+    """A stage's id from its name (``JobPlan.stage``) or id; ``MigrationError`` for an unknown one."""
+    if isinstance(stage, int) and 0 <= stage < len(plan.stages):
+        return stage
+    try:
+        return plan.stage(stage).stage_id
+    except KeyError as exc:
+        raise MigrationError(exc.args[0]) from None
+
+
 def container_of_slices(placement: Any, stage_id: int) -> dict[int, int]:
     """Slice -> container, for one stage."""
     return {s: int(c) for s, c in enumerate(placement.slice_to_container[stage_id].tolist())}
