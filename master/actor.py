@@ -587,10 +587,9 @@ class JobMaster:
         reroutes = []
         for t, info in zip(transfers, infos):
             t.resume = info["resume"]
-            for u in self.plan.upstream_stages(sid):
-                for c in self.placement.containers[u]:
-                    reroutes.append(self.handles[self.host_of[c]].reroute.remote(
-                        c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
+            for c, producer in self._producers(sid, live_only=False):
+                reroutes.append(producer.reroute.remote(
+                    c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
             t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
                       restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
         await asyncio.gather(*reroutes)
@@ -646,10 +645,15 @@ class JobMaster:
                                      + "; ".join(t.describe() for t in transfers))
             await asyncio.sleep(0.02)
 
+    def _producers(self, stage_id: int, dead: set[int] = frozenset(),
+                   live_only: bool = True) -> list[tuple[int, Any]]:
+        """(container, host actor) of the containers of the stages feeding ``stage_id`` (the live
+        ones; with ``live_only=False`` all, so that a call to a dead one fails loudly)."""
+        return [(c, self.handles[self.host_of[c]]) for u in self.plan.upstream_stages(stage_id)
+                for c in self.placement.containers[u] if not live_only or self.host_of[c] in self.alive - dead]
+
     async def _release_routes(self, sid: int, t: Transfer) -> None:
-        calls = [self.handles[self.host_of[c]].release_route.remote(c, sid, t.slices, t.new_id)
-                 for u in self.plan.upstream_stages(sid) for c in self.placement.containers[u]
-                 if self.host_of[c] in self.alive]
+        calls = [producer.release_route.remote(c, sid, t.slices, t.new_id) for c, producer in self._producers(sid)]
         if self.plan.stages[sid].kind == "source" and self.host_of[t.source] in self.alive:
             calls.append(self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices))
         await asyncio.gather(*calls)
@@ -664,9 +668,8 @@ class JobMaster:
         if src is not None:
             t.released_at = {s: e for s, e in src["released"].items() if s in t.slices}
             if set(t.slices) <= set(src["released"]):
-                await asyncio.gather(*[self.handles[self.host_of[c]].forget_released.remote(c, t.source)
-                                       for u in self.plan.upstream_stages(sid) for c in self.placement.containers[u]
-                                       if self.host_of[c] in self.alive], return_exceptions=True)
+                await asyncio.gather(*[producer.forget_released.remote(c, t.source)
+                                       for c, producer in self._producers(sid)], return_exceptions=True)
             if dst is not None:
                 t.pause_ms = migration_pauses(t.released_at, src["epoch_done_at"], dst["epoch_done_at"])
         if t.host in self.alive:
@@ -696,10 +699,8 @@ class JobMaster:
                     t.advance(P.RELEASING)
                 await self._complete(t.stage_id, t)
                 continue
-            await asyncio.gather(*[self.handles[self.host_of[c]].drop_dual.remote(c, t.stage_id, t.slices)
-                                   for u in self.plan.upstream_stages(t.stage_id)
-                                   for c in self.placement.containers[u] if self.host_of[c] not in dead],
-                                 return_exceptions=True)
+            await asyncio.gather(*[producer.drop_dual.remote(c, t.stage_id, t.slices)
+                                   for c, producer in self._producers(t.stage_id, dead)], return_exceptions=True)
             if dst_ok and t.host in self.handles and self.handles[t.host] is not None:
                 try:
                     await self.handles[t.host].remove_container.remote(t.new_id)

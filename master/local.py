@@ -349,12 +349,10 @@ class LocalCluster:
             core.restore_slices({s: ck for s, (ck, _) in loaded.items()}, {s: out for s, (_, out) in loaded.items()})
             self.cores[t.new_id] = core
             t.resume = {s: core.slices[s].last_epoch + 1 for s in t.slices}
-            for u in self.plan.upstream_stages(t.stage_id):
-                for c in self.placement.containers[u]:
-                    if c in self.cores:
-                        replay = self.cores[c].reroute(t.stage_id, t.slices, t.new_id,
-                                                       {s: core.progress_of(s) for s in t.slices}, t.resume, dual=True)
-                        self.in_flight += [(t.new_id, e, c, m) for e, m in replay.items()]
+            for c, producer in self._producers(t.stage_id):
+                replay = producer.reroute(t.stage_id, t.slices, t.new_id, {s: core.progress_of(s) for s in t.slices},
+                                          t.resume, dual=True)
+                self.in_flight += [(t.new_id, e, c, m) for e, m in replay.items()]
             t.advance(P.DUAL, core.next_epoch, resume=t.resume)
         elif t.phase is P.DUAL:
             dst = self.cores[t.new_id]
@@ -369,21 +367,22 @@ class LocalCluster:
                 return  # the source has not reached a marked epoch yet
             self._complete(t)
 
+    def _producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
+        """The live containers of every stage feeding ``stage_id``."""
+        return [(c, self.cores[c]) for u in self.plan.upstream_stages(stage_id)
+                for c in self.placement.containers[u] if c in self.cores]
+
     def _release_routes(self, t: Transfer) -> None:
-        for u in self.plan.upstream_stages(t.stage_id):
-            for c in self.placement.containers[u]:
-                if c in self.cores:
-                    self.cores[c].release_route(t.stage_id, t.slices, t.new_id)
+        for _, producer in self._producers(t.stage_id):
+            producer.release_route(t.stage_id, t.slices, t.new_id)
 
     def _complete(self, t: Transfer) -> None:
         src, dst = self.cores.get(t.source), self.cores.get(t.new_id)
         if src is not None:
             t.released_at = {s: e for s, e in src.released.items() if s in t.slices}
             if set(t.slices) <= set(src.released):
-                for u in self.plan.upstream_stages(t.stage_id):
-                    for c in self.placement.containers[u]:
-                        if c in self.cores:
-                            self.cores[c].forget_released(t.source)
+                for _, producer in self._producers(t.stage_id):
+                    producer.forget_released(t.source)
             if dst is not None:
                 t.pause_ms = migration_pauses(t.released_at, src.epoch_done_at, dst.epoch_done_at)
         self.placement.rehost(t.source, t.new_id, t.slices)
@@ -416,10 +415,8 @@ class LocalCluster:
                     t.advance(P.RELEASING)
                 self._complete(t)
             else:
-                for u in self.plan.upstream_stages(t.stage_id):
-                    for c in self.placement.containers[u]:
-                        if c in self.cores:
-                            self.cores[c].drop_dual(t.stage_id, t.slices)
+                for _, producer in self._producers(t.stage_id):
+                    producer.drop_dual(t.stage_id, t.slices)
                 if t.new_id in self.cores:
                     self.cores.pop(t.new_id).close()
                 t.advance(P.ABORTED, reason=f"hosts {sorted(dead)} died")
