@@ -6,7 +6,14 @@ import argparse
 import json
 import statistics
 import sys
+import threading
+import time
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from chronostream.sourcelog import SourceLogWriter
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -32,3 +39,50 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
         print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr if as_json else sys.stdout)
     if as_json:
         print(json.dumps(result))
+
+
+def with_order(table: pa.Table, lo: int, hi: int) -> pa.Table:
+    """Rows ``lo:hi`` of ``table`` numbered for a source log (``_order`` = ``_stream_seq`` = row index)."""
+    idx = np.arange(lo, hi, dtype=np.int64)
+    return table.slice(lo, hi - lo).append_column("_order", pa.array(idx)).append_column("_stream_seq", pa.array(idx))
+
+
+def write_all(log_dir: str, stream: str, table: pa.Table) -> None:
+    """The whole table into a sealed source log (a bounded input read as fast as the job goes)."""
+    w = SourceLogWriter(log_dir)
+    w.append({stream: with_order(table, 0, table.num_rows)})
+    w.seal()
+
+
+def write_paced(w: SourceLogWriter, stream: str, table: pa.Table, start: int, rate: float, appended: list,
+                stop: threading.Event) -> None:
+    """Append ``table`` from row ``start`` at ``rate`` rows/s in 50 ms chunks, then seal.
+
+    Notes ``(last order, wall time)`` of each chunk in ``appended``, so a
+    benchmark can tell each output row's append time.
+    """
+    n, t0, i = table.num_rows, time.monotonic(), start
+    while i < n and not stop.is_set():
+        due = start + int((time.monotonic() - t0) * rate)
+        hi = min(n, max(due, i + 1))
+        if hi > i:
+            w.append({stream: with_order(table, i, hi)}, high_water=hi)
+            appended.append((hi - 1, time.time()))
+            i = hi
+        time.sleep(0.05)
+    w.seal()
+
+
+def append_to_sink_ms(rows: pa.Table, written: dict, appended: list, epoch: int) -> np.ndarray:
+    """Per output row, ms from its source row's append (``write_paced``) to its (slice, epoch) part's sink write.
+
+    ``written`` is ``job.sink_write_times(sink)``; ``epoch`` the query's
+    events per epoch (a row's epoch is its ``_order // epoch``).
+    """
+    last_order = np.array([o for o, _ in appended])
+    at = np.array([t for _, t in appended])
+    order = np.asarray(rows.column("_order"))
+    slices = np.asarray(rows.column("_slice"))
+    append_t = at[np.searchsorted(last_order, order)]
+    write_t = np.array([written[k] for k in zip(slices.tolist(), (order // epoch).tolist())])
+    return (write_t - append_t) * 1000

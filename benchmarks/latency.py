@@ -38,7 +38,14 @@ import numpy as np
 import pyarrow as pa
 
 import chronostream as cs
-from benchmarks.common import emit, parser
+from benchmarks.common import (
+    append_to_sink_ms,
+    emit,
+    parser,
+    with_order,
+    write_all,
+    write_paced,
+)
 from chronostream.datasets import payments
 from chronostream.sourcelog import SourceLogWriter
 
@@ -53,34 +60,9 @@ def build(log_dir: str, window_s: int, epoch: int, follow: bool) -> cs.Query:
     return q
 
 
-def with_order(table: pa.Table, lo: int, hi: int) -> pa.Table:
-    idx = np.arange(lo, hi, dtype=np.int64)
-    return table.slice(lo, hi - lo).append_column("_order", pa.array(idx)).append_column("_stream_seq", pa.array(idx))
-
-
-def write_all(log_dir: str, table: pa.Table) -> None:
-    w = SourceLogWriter(log_dir)
-    w.append({"payments": with_order(table, 0, table.num_rows)})
-    w.seal()
-
-
-def write_paced(w: SourceLogWriter, table: pa.Table, start: int, rate: float, appended: list, stop: threading.Event):
-    """Append ``table`` from row ``start`` at ``rate`` rows/s in 50 ms chunks; note (last order, time) of each."""
-    n, t0, i = table.num_rows, time.monotonic(), start
-    while i < n and not stop.is_set():
-        due = start + int((time.monotonic() - t0) * rate)
-        hi = min(n, max(due, i + 1))
-        if hi > i:
-            w.append({"payments": with_order(table, i, hi)}, high_water=hi)
-            appended.append((hi - 1, time.time()))
-            i = hi
-        time.sleep(0.05)
-    w.seal()
-
-
 def max_throughput(table: pa.Table, window_s: int, epoch: int, root: Path) -> float:
     log_dir = str(root / f"bounded-{window_s}")
-    write_all(log_dir, table)
+    write_all(log_dir, "payments", table)
     job = cs.run(build(log_dir, window_s, epoch, False), containers={"payments": 1, "profiles": 2})
     try:
         st = job.wait(timeout_s=3600)
@@ -97,7 +79,7 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
     appended: list[tuple[int, float]] = [(first - 1, time.time())]
     stop = threading.Event()
     job = cs.run(build(log_dir, window_s, epoch, True), containers={"payments": 1, "profiles": 2})
-    writer = threading.Thread(target=write_paced, args=(w, table, first, rate, appended, stop))
+    writer = threading.Thread(target=write_paced, args=(w, "payments", table, first, rate, appended, stop))
     rss = 0.0
     try:
         appended[0] = (first - 1, time.time())  # the first chunk counts from the job's start
@@ -115,18 +97,11 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
         stop.set()
         writer.join()
         job.stop()
-    last_order = np.array([o for o, _ in appended])
-    at = np.array([t for _, t in appended])
-    order = np.asarray(rows.column("_order"))
-    slices = np.asarray(rows.column("_slice"))
-    append_t = at[np.searchsorted(last_order, order)]
-    keys = list(zip(slices.tolist(), (order // epoch).tolist()))
-    write_t = np.array([written[k] for k in keys])
-    lat_ms = (write_t - append_t) * 1000
+    lat_ms = append_to_sink_ms(rows, written, appended, epoch)
     return {"p50_ms": round(float(np.percentile(lat_ms, 50)), 1), "p99_ms": round(float(np.percentile(lat_ms, 99)), 1),
             "p999_ms": round(float(np.percentile(lat_ms, 99.9)), 1), "max_ms": round(float(lat_ms.max()), 1),
             "runtime_p99_ms": runtime["p99_ms"], "runtime_p999_ms": runtime["p999_ms"], "rss_mb": round(rss, 1),
-            "outputs": int(len(lat_ms))}
+            "outputs": len(lat_ms)}
 
 
 def main() -> None:

@@ -327,7 +327,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
         checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 0,
         recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
-        gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0) -> Job | CompletedJob:
+        gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
+        spill_state: bool = True) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -357,6 +358,11 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     job; ``autoscale=`` a policy (``chronostream.autoscale``) lets the master
     decide every ``autoscale_interval_s`` from ``job.metrics()``.
 
+    State (Ray and local executors): with ``spill_state`` (the default) long
+    lists and queues of the state library, a long window's contents among
+    them, keep only their end chunks in memory and the rest in each host's
+    local lmdb (``containers/spill.py``).
+
     >>> import chronostream as cs
     >>> q = cs.Query()
     >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
@@ -368,7 +374,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          output_log=output_log, checkpoint_every=checkpoint_every,
                          checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
                          full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
-                         gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s)
+                         gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s,
+                         spill_state=spill_state)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
@@ -379,7 +386,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     if executor == "local":
         from master.local import collect, run_local
 
-        cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed)
+        cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed, spill_state=spill_state)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
     if executor != "ray":

@@ -19,6 +19,18 @@ decimals). Event times ``ts`` are whole seconds from 0: Poisson arrivals at
 5 to 8 payments within 4 minutes, small amounts) at uniform times. Rows are
 sorted by ``ts`` (ties keep generation order), so a source can use
 ``order_by="ts"``. All draws come from ``numpy.random.default_rng(seed)``.
+
+Synthetic text with categories (``topic_text``), for the top-K example: the
+vocabulary is the ``STOP_WORDS`` (ranks 0..) followed by ``w<r>`` words, so
+with a Zipf law (exponent ``s``) the stop words are the most frequent, as in
+real text; each line gets a category ``c<i>`` drawn from a Zipf law with
+exponent ``category_s`` over ``categories``, and a sequence number ``id``.
+
+Synthetic tweets (``tweets``), for the similarity example: ``tweet_id``
+(0..n-1), ``location`` ``loc<i>`` (Zipf, exponent ``location_s`` over
+``locations``), ``ts`` (whole seconds, Poisson arrivals at ``rate`` per
+second, sorted), ``text``: 4 to ``max_words`` words (uniform) drawn from the
+same Zipf vocabulary as ``topic_text`` (stop words included).
 """
 
 from __future__ import annotations
@@ -66,6 +78,70 @@ def zipf_text(n_lines: int, words_per_line: int = 10, vocab: int = 50_000, s: fl
     words = np.array([f"w{i}" for i in range(vocab)], dtype=object)
     lines = [" ".join(row) for row in words[idx]]
     return pa.table({"line": pa.array(lines, pa.string())})
+
+
+#: The stop words ``topic_text`` and ``tweets`` draw as their most frequent words.
+STOP_WORDS = ("the", "a", "to", "of", "and", "in", "is", "it", "you", "that", "for", "on", "was", "with",
+              "he", "as", "i", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by")
+
+
+def _zipf_vocabulary(vocab: int, s: float) -> tuple[np.ndarray, np.ndarray]:
+    """(words, probabilities): stop words first, then ``w<r>``; rank r has probability ~ r**-s."""
+    if vocab <= len(STOP_WORDS):
+        raise ValueError(f"vocab must exceed the {len(STOP_WORDS)} stop words, got {vocab}")
+    words = np.array(list(STOP_WORDS) + [f"w{i}" for i in range(len(STOP_WORDS), vocab)], dtype=object)
+    p = np.arange(1, vocab + 1, dtype=np.float64) ** -s
+    return words, p / p.sum()
+
+
+def _zipf_choice(rng: np.random.Generator, n: int, count: int, s: float) -> np.ndarray:
+    """``count`` draws of ranks 0..n-1 with probability ~ (rank + 1) ** -s."""
+    p = np.arange(1, n + 1, dtype=np.float64) ** -s
+    return rng.choice(n, size=count, p=p / p.sum())
+
+
+def topic_text(n_lines: int, categories: int = 8, words_per_line: int = 10, vocab: int = 20_000,
+               s: float = 1.1, category_s: float = 0.5, seed: int = 42) -> pa.Table:
+    """Seeded lines with a category: ``id``, ``category``, ``line`` (see the module doc).
+
+    >>> topic_text(2, categories=3, words_per_line=4, vocab=40, seed=1).to_pylist()[0]
+    {'id': 0, 'category': 'c1', 'line': 'of w30 the w30'}
+    """
+    rng = np.random.default_rng(seed)
+    words, p = _zipf_vocabulary(vocab, s)
+    idx = rng.choice(vocab, size=(n_lines, words_per_line), p=p)
+    lines = [" ".join(row) for row in words[idx]]
+    cat = _zipf_choice(rng, categories, n_lines, category_s)
+    return pa.table({
+        "id": pa.array(np.arange(n_lines, dtype=np.int64)),
+        "category": pa.array(np.char.add("c", cat.astype(str)), pa.string()),
+        "line": pa.array(lines, pa.string()),
+    })
+
+
+def tweets(n: int, locations: int = 50, max_words: int = 12, vocab: int = 20_000, s: float = 1.1,
+           location_s: float = 0.8, rate: float = 10.0, seed: int = 42) -> pa.Table:
+    """Seeded tweets: ``tweet_id``, ``location``, ``ts``, ``text`` (see the module doc).
+
+    >>> tweets(3, locations=4, max_words=5, vocab=40, seed=1).to_pylist()[0]
+    {'tweet_id': 0, 'location': 'loc0', 'ts': 0, 'text': 'the w30 a to'}
+    """
+    if max_words < 4:
+        raise ValueError(f"max_words must be >= 4, got {max_words}")
+    rng = np.random.default_rng(seed)
+    words, p = _zipf_vocabulary(vocab, s)
+    lengths = rng.integers(4, max_words + 1, n)
+    flat = words[rng.choice(vocab, size=int(lengths.sum()), p=p)]
+    ends = np.cumsum(lengths)
+    text = [" ".join(flat[e - k:e]) for e, k in zip(ends.tolist(), lengths.tolist())]
+    loc = _zipf_choice(rng, locations, n, location_s)
+    ts = np.floor(np.cumsum(rng.exponential(1.0 / rate, n))).astype(np.int64)
+    return pa.table({
+        "tweet_id": pa.array(np.arange(n, dtype=np.int64)),
+        "location": pa.array(np.char.add("loc", loc.astype(str)), pa.string()),
+        "ts": pa.array(ts, pa.int64()),
+        "text": pa.array(text, pa.string()),
+    })
 
 
 def split_words(t: pa.Table) -> tuple[pa.Table, pa.Array]:

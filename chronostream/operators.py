@@ -35,6 +35,7 @@ class OperatorContext:
         self.output_names = tuple(output_names)
         self.states: dict[str, Any] = {}
         self.handles: dict[str, Any] = {}  # state-library handles by name, each over states[name]
+        self.cold_tiers: Any = None  # state name -> cold tier (the host's spill store), or None
         self._order = 0
         self._sub = 0
         self._k = 0
@@ -173,7 +174,8 @@ class Operator:
         if name in self._ctx.handles:
             raise ValueError(f"state {name!r} is already a {self._ctx.handles[name].kind} state")
         if name not in states:
-            states[name] = KeyValueState(name)
+            tiers = self._ctx.cold_tiers
+            states[name] = KeyValueState(name, cold=tiers(name) if tiers is not None else None)
         return states[name]
 
     # -- the state library (chronostream/statelib.py): handles over a key-value state --

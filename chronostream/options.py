@@ -32,6 +32,7 @@ class JobOptions:
     recompute_lost: bool = False  # rebuild a slice whose every backup is lost from the start
     gc_interval_s: float = 2.0  # how often the master trims output logs below the consumers' checkpoints
     autoscale_interval_s: float = 2.0  # how often the master takes a metrics snapshot and asks the policy
+    spill_state: bool = True  # long lists/queues (window contents) keep their middle chunks in the host's lmdb
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):

@@ -41,8 +41,16 @@ whatever its length. A map stores each entry under its own key (a set or
 update rewrites one entry); its key directory, needed only to iterate, is
 paged the same way (insert rewrites the last page, delete one page).
 
-**Not built:** spilling cold chunks to lmdb (Railgun's event reservoir);
-every chunk is in memory.
+**Cold chunks** (Railgun's event reservoir). When the state has a cold tier
+(on Ray: the host's lmdb spill store, ``containers/spill.py``), a list or
+queue keeps in memory only its head chunk and its last two chunks: when
+``append`` starts chunk ``n``, chunk ``n - 2`` is spilled (full, and no
+longer written); when ``popleft`` enters chunk ``n``, it is promoted back.
+A window's other heads (several windows over one queue) read cold chunks
+through the state's small read cache. So a long window's memory is
+O(chunks at its ends) per key plus one small key per spilled chunk, whatever
+its length; checkpoints read spilled chunks back, and ``settle`` re-spills
+after a restore.
 """
 
 from __future__ import annotations
@@ -183,6 +191,8 @@ class ListState(_Handle):
         chunk.append(item)
         self.state.set(ck, chunk)
         self._set_meta(key, head, tail + 1)
+        if off == 0 and n - 2 > head // self.chunk_size and self.state.spills:
+            self.state.spill(("c", key, n - 2))  # full, and written no more: to the cold tier
 
     def extend(self, key: Any, items: Any) -> None:
         """Append every item of ``items``."""
@@ -246,6 +256,17 @@ class ListState(_Handle):
             chunk = get(("c", key, n))
             yield from chunk[max(head - n * c, 0):min(tail - n * c, c)]
 
+    def settle(self) -> int:
+        """Spill every key's middle chunks (after a restore loaded them all); returns how many."""
+        if not self.state.spills:
+            return 0
+        c, n = self.chunk_size, 0
+        metas = [(k[1], v) for k, v in list(self.state.items()) if isinstance(k, tuple) and k[0] == "m"]
+        for key, (head, tail) in metas:
+            for chunk in range(head // c + 1, (tail - 1) // c - 1):
+                n += self.state.spill(("c", key, chunk))
+        return n
+
     def clear(self, key: Any) -> None:
         """Remove every item and the meta entry of ``key`` (indices restart at 0)."""
         key = canonical_key(key)
@@ -281,6 +302,7 @@ class QueueState(ListState):
         item = self.state.get(ck)[off]
         if off == self.chunk_size - 1 or head + 1 == tail:
             self.state.delete(ck)  # every item of this chunk is popped (or the queue is empty)
+            self.state.promote(("c", key, n + 1))  # the new head chunk comes back to memory
         self._set_meta(key, head + 1, tail)
         return item
 

@@ -41,6 +41,7 @@ from ray.exceptions import RayActorError
 from chronostream.dag import JobPlan
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
+from containers.spill import SpillStore
 from containers.core import ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
@@ -80,6 +81,7 @@ class ResourceContainer:
         self.extra_window: dict[int, int] = {}  # a catching-up migration destination buffers more epochs
         self.opts = JobOptions()
         self.backup_store: BackupStore | None = None
+        self.spill_store: SpillStore | None = None  # cold chunks of long queues (JobOptions.spill_state)
         self.stopped = False
         self.failed: BaseException | None = None
         self.delay_s = 0.0  # failure injection: extra time per epoch
@@ -99,6 +101,8 @@ class ResourceContainer:
         self.window = options.max_inflight_epochs
         if options.checkpointing:
             self.backup_store = BackupStore(self.workdir / "backups")
+        if options.spill_state:
+            self.spill_store = SpillStore(self.workdir / "spill")
         _warm_up()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
         return ray.get_runtime_context().get_node_id()
@@ -125,7 +129,7 @@ class ResourceContainer:
                              output_log=olog, sink_writers=writers, dead_letter_writer=dl,
                              backup_peers=backup_peers, checkpoint_every=self.opts.checkpoint_every,
                              full_checkpoint_every=self.opts.full_checkpoint_every, backup_store=self.backup_store,
-                             checkpoint_interval_s=self.opts.checkpoint_interval_s)
+                             checkpoint_interval_s=self.opts.checkpoint_interval_s, spill=self.spill_store)
         self.peers.update(peers)
         self.hosts.update(hosts)
         info: dict[str, Any] = {"container": container_id, "host": self.host_id}

@@ -39,6 +39,7 @@ from containers.backup_store import BackupStore
 from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
+from containers.spill import SpillStore
 from containers.threads import SliceThreads
 from slices.slice import SliceRuntime
 
@@ -103,12 +104,17 @@ class ContainerCore:
                  dead_letter_writer: SinkWriter | None = None,
                  backup_peers: dict[int, list[int]] | None = None, checkpoint_every: int = 0,
                  full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
-                 async_checkpoints: bool = True, checkpoint_interval_s: float = 0.0, threads: int = 1) -> None:
+                 async_checkpoints: bool = True, checkpoint_interval_s: float = 0.0, threads: int = 1,
+                 spill: SpillStore | None = None) -> None:
         self.plan = plan
         self.stage = plan.stages[stage_id]
         self.container_id = container_id
         dead = plan.dead_letter_sink is not None
-        self.slices: dict[int, SliceRuntime] = {s: SliceRuntime(plan, stage_id, s, dead) for s in sorted(local_slices)}
+        # Long queues (window contents) keep their middle chunks in the host's spill store.
+        cold = spill is not None and self.stage.kind == "operator"
+        self.slices: dict[int, SliceRuntime] = {
+            s: SliceRuntime(plan, stage_id, s, dead, cold_tiers=spill.tiers_for(stage_id, s) if cold else None)
+            for s in sorted(local_slices)}
         self.routes = routes
         # Sender -> the upstream (stage, slice) pairs its messages cover. A
         # recovered container's slices are re-hosted by new senders whose
@@ -568,7 +574,7 @@ class ContainerCore:
         the destination logs its own (and relogged what its consumers may need).
         """
         for s in sorted(slices):
-            del self.slices[s]  # (the checkpointer shares this dict: it stops capturing s too)
+            self.slices.pop(s).drop_cold()  # (the checkpointer shares this dict: it stops capturing s too)
             self.released[s] = epoch
             self.log_start.pop(s, None)
             if self.output_log is not None:

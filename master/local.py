@@ -29,6 +29,7 @@ from chronostream.sinks import sort_output
 from containers.backup_store import BackupStore
 from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
+from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
                               group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement
@@ -40,7 +41,7 @@ from slices.checkpoint import CheckpointCorrupt, decode_outputs
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
               output_log: OutputLog | None = None, backup_peers: dict | None = None, checkpoint_every: int = 0,
               full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
-              checkpoint_interval_s: float = 0.0) -> ContainerCore:
+              checkpoint_interval_s: float = 0.0, spill: SpillStore | None = None) -> ContainerCore:
     """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks)."""
     stage_id = placement.stage_of[c]
     writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
@@ -50,7 +51,7 @@ def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, sli
                          source_table=sources.get(stage_id), output_log=output_log, sink_writers=writers,
                          dead_letter_writer=dl, backup_peers=backup_peers, checkpoint_every=checkpoint_every,
                          full_checkpoint_every=full_checkpoint_every, backup_store=backup_store,
-                         checkpoint_interval_s=checkpoint_interval_s)
+                         checkpoint_interval_s=checkpoint_interval_s, spill=spill)
 
 
 def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str | None = None,
@@ -79,7 +80,8 @@ class LocalCluster:
     def __init__(self, plan: JobPlan, placement: Placement, sources: dict, *, seed: int = 0,
                  duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
                  backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
-                 merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False) -> None:
+                 merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False,
+                 spill_state: bool = True) -> None:
         self.plan = plan
         self.placement = placement
         self.sources = sources
@@ -100,6 +102,10 @@ class LocalCluster:
         self.alive: set[int] = set(ids)
         self.next_id = max(ids) + 1
         self.stores: dict[int, BackupStore] = {}
+        # Each host's spill store (long queues' middle chunks), opened on first use.
+        self.spill_root = (self.root / "spill" if self.root else Path(tempfile.mkdtemp(prefix="chronostream-spill-"))) \
+            if spill_state else None
+        self.spills: dict[int, SpillStore] = {}
         if self.fault_tolerant:
             self.stores = {h: BackupStore(self.root / f"host-{h}" / "backups", merge_every=merge_every) for h in ids}
         self.cores: dict[int, ContainerCore] = {}
@@ -124,7 +130,14 @@ class LocalCluster:
                          backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
                          full_checkpoint_every=self.full_checkpoint_every,
                          checkpoint_interval_s=self.checkpoint_interval_s,
-                         backup_store=self.stores.get(self.hosts[c]))
+                         backup_store=self.stores.get(self.hosts[c]), spill=self._spill_store(self.hosts[c]))
+
+    def _spill_store(self, host: int) -> SpillStore | None:
+        if self.spill_root is None:
+            return None
+        if host not in self.spills:
+            self.spills[host] = SpillStore(self.spill_root / f"host-{host}", owned=self.root is None)
+        return self.spills[host]
 
     def _event(self, kind: str, **info: Any) -> None:
         self.timeline.append((time.time(), kind, info))
@@ -549,13 +562,15 @@ class LocalCluster:
 
 
 def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
-              duplicate_every: int = 0, poll_s: float = 0.02, timeout_s: float = 600.0) -> dict[int, ContainerCore]:
+              duplicate_every: int = 0, poll_s: float = 0.02, timeout_s: float = 600.0,
+              spill_state: bool = True) -> dict[int, ContainerCore]:
     """Run the job to completion in this process; return the cores (their sinks hold the output).
 
     Messages are delivered in a seeded shuffled order; with ``duplicate_every``
     = k every k-th message is delivered twice (dedup must absorb it).
     """
-    cluster = LocalCluster(plan, placement, sources, seed=seed, duplicate_every=duplicate_every)
+    cluster = LocalCluster(plan, placement, sources, seed=seed, duplicate_every=duplicate_every,
+                           spill_state=spill_state)
     return cluster.run(poll_s=poll_s, timeout_s=timeout_s).cores
 
 

@@ -79,8 +79,9 @@ def capture_kv(state: KeyValueState, delta: bool) -> dict[str, Any]:
         deleted = [k for k in dirty if k not in state]
         values = [state.get(k) for k in keys]
     else:
-        keys = [k for k, _ in state.items()]
-        values = [v for _, v in state.items()]
+        pairs = list(state.items())  # one pass: cold values are read once
+        keys = [k for k, _ in pairs]
+        values = [v for _, v in pairs]
         deleted = []
     try:
         return {"shape": "kv", "keys": _pack(keys), "values": _pack(values), "deleted": _pack(deleted)}
@@ -329,10 +330,14 @@ def restore(rt: Any, ckpt: SliceCheckpoint) -> None:
         if part["shape"] == "kv" and not name.startswith("__op__"):
             st = rt.ctx.states.get(name)
             if st is None:
-                st = rt.ctx.states[name] = KeyValueState(name)
+                tiers = rt.ctx.cold_tiers
+                st = rt.ctx.states[name] = KeyValueState(name, cold=tiers(name) if tiers is not None else None)
             restore_kv(st, part)
         else:
             own[name] = part
+    for handle in rt.ctx.handles.values():
+        if hasattr(handle, "settle"):
+            handle.settle()  # long lists and queues send their middle chunks back to disk
     if own:
         if not hasattr(op, "restore_state"):
             raise ValueError(f"{type(op).__name__} has operator state parts {sorted(own)} but no restore_state()")

@@ -70,7 +70,8 @@ def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
 class SliceRuntime:
     """A slice of one stage: feed it epochs, get numbered outputs per stream."""
 
-    def __init__(self, plan: JobPlan, stage_id: int, slice_id: int, dead_letters: bool = False) -> None:
+    def __init__(self, plan: JobPlan, stage_id: int, slice_id: int, dead_letters: bool = False,
+                 cold_tiers: Any = None) -> None:
         self.plan = plan
         self.stage: StagePlan = plan.stages[stage_id]
         self.slice_id = slice_id
@@ -88,6 +89,7 @@ class SliceRuntime:
         if self.stage.kind == "operator":
             cls, args, kwargs = self.stage.factory  # type: ignore[misc]
             self.ctx = OperatorContext(self.stage.name, slice_id, self.stage.outputs)
+            self.ctx.cold_tiers = cold_tiers  # long queues' middle chunks go there (containers/spill.py)
             self.op = cls(*args, **kwargs)
             self.op.bind(self.ctx)
             self.op.setup()
@@ -135,7 +137,8 @@ class SliceRuntime:
 
     def state_size(self) -> tuple[int, int]:
         """(keys, approximate bytes) of the slice's state: registered states (sizes from a
-        sample of up to 32 entries each, msgpack-encoded) and an operator's own arrays."""
+        strided sample of up to 32 entries each, msgpack-encoded; spilled entries counted at
+        the sample's size) and an operator's own arrays."""
         import msgpack
 
         keys, nbytes = 0, 0
@@ -144,9 +147,9 @@ class SliceRuntime:
                 n = len(st)
                 keys += n
                 if n:
-                    sample = [kv for _, kv in zip(range(32), st.items())]
+                    sample = st.sample(32)  # spread over the state, in-memory entries only
                     try:
-                        per = len(msgpack.packb(sample, use_bin_type=True)) / len(sample)
+                        per = len(msgpack.packb(sample, use_bin_type=True)) / len(sample) if sample else 64.0
                     except TypeError:
                         per = 64.0
                     nbytes += int(per * n)
@@ -270,6 +273,12 @@ class SliceRuntime:
             self.events_out += t.num_rows
             result[sid] = t
         return result
+
+    def drop_cold(self) -> None:
+        """Forget the state's spilled values on this host (the slice left it)."""
+        if self.ctx is not None:
+            for st in self.ctx.states.values():
+                st.drop_cold()
 
     def statistics(self) -> SliceStatistics:
         """A frozen snapshot of this slice's counters."""

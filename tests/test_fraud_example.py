@@ -37,3 +37,19 @@ def test_exact_sliding_windows_alert_on_every_card_hopping_windows_alert_on(seri
     hopping = set(serial.results("hopping_alerts")["card"].to_pylist())
     assert hopping <= exact
     assert exact  # the generator's card-testing bursts trip the rule
+
+
+def test_sliding_and_hopping_windows_survive_a_killed_container_and_a_scale_out_on_ray(ray_session):
+    """Window state recovers and migrates with its slices: a profiles container dies, hopping scales out."""
+    from chronostream.chaos import Fault, run_with_faults
+
+    q = fraud_query(3_000, cards=200, seed=5, slices=6)
+    q.epoch_events = 50
+    faults = [Fault("delay", 0, "payments", seconds=0.03), Fault("kill", 8, "profiles", index=0),
+              Fault("scale_out", 14, "hopping", n=1)]
+    report = run_with_faults(q, faults, containers={"payments": 1, "profiles": 2, "hopping": 1},
+                             checkpoint_every=3)
+    assert report.ok, report.mismatches
+    assert len(report.applied) == 3, "the kill and the scale-out landed mid-stream"
+    kinds = [k for _, k, _ in report.timeline]
+    assert "recovery_end" in kinds and "migration_end" in kinds

@@ -1,0 +1,136 @@
+"""The host's spill store: cold chunks of slice state on local disk (lmdb), Railgun's event reservoir.
+
+Owns: one lmdb environment per host process (``<workdir>/spill``) and the
+per-state ``SpillTier`` views a ``KeyValueState`` spills its cold values to
+(``chronostream.state``: ``spill``/``promote``). Which values go cold is the
+state library's call (a long queue's middle chunks: immutable, read only
+when a window's head reaches them); this module only stores bytes under
+``<stage>/<slice>/<state>/`` + msgpack(key).
+
+Must not touch: checkpoints. The spill store is a cache of the slice's own
+memory, never a source of truth across processes: a checkpoint reads every
+cold value back (``KeyValueState.items``), a restore loads everything hot and
+the state library re-spills. So the environment is opened without fsync
+(``sync=False``): after a crash its contents are discarded (``clear`` of the
+slice's prefix when a slice is created here, and the whole directory is per
+job and host).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+#: Virtual size reserved for the map (sparse: only written pages use disk).
+SPILL_MAP_SIZE = 1 << 36
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+class SpillStore:
+    """One lmdb environment holding the cold values of every slice on this host.
+
+    >>> import tempfile
+    >>> store = SpillStore(tempfile.mkdtemp())
+    >>> tier = store.tier(1, 3, "window.events")
+    >>> tier.put(("c", "card1", 4), [[1, 2.5], [3, 1.0]])
+    >>> tier.get(("c", "card1", 4)), store.entries()
+    ([[1, 2.5], [3, 1.0]], 1)
+    >>> tier.pop(("c", "card1", 4)), store.entries()
+    ([[1, 2.5], [3, 1.0]], 0)
+    """
+
+    def __init__(self, path: str | Path, owned: bool = False) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=SPILL_MAP_SIZE, sync=False, metasync=False,
+                             max_readers=256, lock=True)
+        if owned:  # a temporary directory: removed with the store
+            weakref.finalize(self, shutil.rmtree, str(self.path), True)
+        self._write = threading.Lock()  # slices of one host run on several threads (scale-up)
+
+    def tier(self, stage_id: int, slice_id: int, state: str) -> SpillTier:
+        """The view of one slice's state ``state``."""
+        return SpillTier(self, f"{stage_id}/{slice_id}/{state}/".encode())
+
+    def tiers_for(self, stage_id: int, slice_id: int) -> Any:
+        """A factory ``state name -> SpillTier`` for one slice; drops what an earlier run of it left."""
+        self.clear_prefix(f"{stage_id}/{slice_id}/".encode())
+        return lambda state: self.tier(stage_id, slice_id, state)
+
+    def clear_prefix(self, prefix: bytes) -> int:
+        """Delete every entry under ``prefix``; returns how many."""
+        n = 0
+        with self._write, self.env.begin(write=True) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                while cur.key().startswith(prefix):
+                    n += 1
+                    if not cur.delete():
+                        break
+        return n
+
+    def entries(self) -> int:
+        """How many values are spilled on this host."""
+        return int(self.env.stat()["entries"])
+
+    def disk_bytes(self) -> int:
+        """Bytes of the pages in use (leaf + branch + overflow), for metrics."""
+        st = self.env.stat()
+        return int(st["psize"] * (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]))
+
+    def close(self) -> None:
+        """Close the environment (the directory stays; the next run clears its prefixes)."""
+        self.env.close()
+
+
+class SpillTier:
+    """One state's cold values: ``put``/``get``/``pop``/``delete`` of msgpack-encoded plain data."""
+
+    __slots__ = ("prefix", "store")
+
+    def __init__(self, store: SpillStore, prefix: bytes) -> None:
+        self.store = store
+        self.prefix = prefix
+
+    def _key(self, key: Any) -> bytes:
+        return self.prefix + _pack(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        """Store ``value`` under ``key`` (replacing any)."""
+        with self.store._write, self.store.env.begin(write=True) as txn:
+            txn.put(self._key(key), _pack(value))
+
+    def get(self, key: Any) -> Any:
+        """The value of ``key``; KeyError when absent (a state never asks for a key it did not spill)."""
+        with self.store.env.begin() as txn:
+            raw = txn.get(self._key(key))
+        if raw is None:
+            raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
+        return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+
+    def pop(self, key: Any) -> Any:
+        """Read and delete ``key``'s value (a value coming back to memory)."""
+        k = self._key(key)
+        with self.store._write, self.store.env.begin(write=True) as txn:
+            raw = txn.pop(k)
+        if raw is None:
+            raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
+        return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+
+    def delete(self, key: Any) -> None:
+        """Forget ``key`` (no error when absent)."""
+        with self.store._write, self.store.env.begin(write=True) as txn:
+            txn.delete(self._key(key))
+
+    def clear(self) -> int:
+        """Forget every value of this state; returns how many."""
+        return self.store.clear_prefix(self.prefix)
