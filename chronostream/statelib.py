@@ -26,7 +26,7 @@ handle would not know the key is dirty.
     ValueState  S[key]                    -> value
     ListState,  S[("m", key)]             -> [head, tail]   absolute item indices
     QueueState  S[("c", key, n)]          -> chunk n: items head.. of [n*C, (n+1)*C)
-    MapState    S[("h", key)]             -> [pages, size]
+    MapState    S[("h", key)]             -> [pages, size, cur, free]  cur: the page taking inserts
                 S[("p", key, i)]          -> page i: list of <= C map keys
                 S[("e", key, map_key)]    -> [page, value]
     TopKState   S[key]                    -> [next_seq, [[score, seq, item], ...]]  (<= k)
@@ -39,7 +39,9 @@ stays in its chunk until the chunk is exhausted, then the chunk is deleted).
 So a delta checkpoint holds O(chunks touched) entries, never the whole list,
 whatever its length. A map stores each entry under its own key (a set or
 update rewrites one entry); its key directory, needed only to iterate, is
-paged the same way (insert rewrites the last page, delete one page).
+paged the same way (insert rewrites the page taking inserts, delete one
+page; a page emptied by deletes is reused before the directory grows, so a
+churning map keeps O(live entries) pages).
 
 **Cold chunks** (Railgun's event reservoir). When the state has a cold tier
 (on Ray: the host's lmdb spill store, ``containers/spill.py``), a list or
@@ -332,9 +334,13 @@ class MapState(_Handle):
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
 
-    def _header(self, key: Any) -> list[int]:
+    def _header(self, key: Any) -> list:
+        """``[pages, size, cur, free]``: pages allocated, entries, the page taking inserts, emptied pages to reuse."""
         h = self.state.get(("h", key))
-        return [0, 0] if h is None else list(h)
+        if h is None:
+            return [0, 0, -1, []]
+        pages, size = h[0], h[1]
+        return [pages, size, h[2], list(h[3])] if len(h) > 2 else [pages, size, pages - 1, []]
 
     def get(self, key: Any, map_key: Any, default: Any = None) -> Any:
         """The value of ``map_key`` in ``key``'s map, or ``default``."""
@@ -350,24 +356,32 @@ class MapState(_Handle):
         return self._header(canonical_key(key))[1]
 
     def set(self, key: Any, map_key: Any, value: Any) -> None:
-        """Set one entry: rewrites that entry (and, for a new one, the last directory page)."""
+        """Set one entry: rewrites that entry (and, for a new one, its directory page and the header)."""
         key, map_key = canonical_key(key), canonical_key(map_key)
         ek = ("e", key, map_key)
         e = self.state.get(ek)
         if e is not None:
             self.state.set(ek, [e[0], value])
             return
-        pages, size = self._header(key)
-        page = self.state.get(("p", key, pages - 1)) if pages else None
+        pages, size, cur, free = self._header(key)
+        page = self.state.get(("p", key, cur)) if 0 <= cur < pages else None
+        if page is None and 0 <= cur < pages:
+            page = []  # the insert page emptied out: fill it again
         if page is None or len(page) >= self.page_size:
-            page, pages = [], pages + 1
+            # A page emptied by deletes is reused before the directory grows, so a map
+            # that churns (insert new, delete old) keeps O(live entries) pages.
+            if free:
+                cur = free.pop(0)
+            else:
+                cur, pages = pages, pages + 1
+            page = []
         page.append(map_key)
-        self.state.set(("p", key, pages - 1), page)
-        self.state.set(ek, [pages - 1, value])
-        self.state.set(("h", key), [pages, size + 1])
+        self.state.set(("p", key, cur), page)
+        self.state.set(ek, [cur, value])
+        self.state.set(("h", key), [pages, size + 1, cur, free])
 
     def delete(self, key: Any, map_key: Any) -> None:
-        """Remove one entry (no error when absent): rewrites it and its directory page."""
+        """Remove one entry (no error when absent): rewrites it, its directory page and the header."""
         key, map_key = canonical_key(key), canonical_key(map_key)
         ek = ("e", key, map_key)
         e = self.state.get(ek)
@@ -376,18 +390,22 @@ class MapState(_Handle):
         pk = ("p", key, e[0])
         page = [_hashable(k) for k in self.state.get(pk)]
         page.remove(map_key)
-        pages, size = self._header(key)
+        pages, size, cur, free = self._header(key)
         if page:
             self.state.set(pk, page)
         else:
             self.state.delete(pk)
-            while pages and ("p", key, pages - 1) not in self.state:
-                pages -= 1  # trailing empty pages go; inner ones are skipped when iterating
+            if e[0] != cur:
+                free.append(e[0])
+                free.sort()
+            while pages and ("p", key, pages - 1) not in self.state and pages - 1 != cur:
+                pages -= 1  # trailing empty pages go
+                free = [f for f in free if f < pages]
         self.state.delete(ek)
         if size == 1:
-            self.state.delete(("h", key))
+            self.state.delete(("h", key))  # (every page is empty, hence deleted, by now)
         else:
-            self.state.set(("h", key), [pages, size - 1])
+            self.state.set(("h", key), [pages, size - 1, cur, free])
 
     def increment(self, key: Any, map_key: Any, by: int = 1) -> int:
         """Add ``by`` to an integer entry (missing = 0); delete it when it reaches 0. Returns the new value."""
@@ -399,9 +417,9 @@ class MapState(_Handle):
         return n
 
     def keys(self, key: Any) -> Iterator[Any]:
-        """The map keys of ``key``, in directory order (insertion order, gaps refilled never)."""
+        """The map keys of ``key``, in directory order (page by page; emptied pages are reused)."""
         key = canonical_key(key)
-        pages, _ = self._header(key)
+        pages = self._header(key)[0]
         for i in range(pages):
             for k in self.state.get(("p", key, i)) or ():
                 yield _hashable(k)
@@ -414,7 +432,7 @@ class MapState(_Handle):
     def clear(self, key: Any) -> None:
         """Remove every entry of ``key``'s map."""
         key = canonical_key(key)
-        pages, _ = self._header(key)
+        pages = self._header(key)[0]
         for i in range(pages):
             for mk in self.state.get(("p", key, i)) or ():
                 self.state.delete(("e", key, _hashable(mk)))

@@ -19,6 +19,7 @@ job and host).
 from __future__ import annotations
 
 import shutil
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -38,8 +39,7 @@ def _pack(obj: Any) -> bytes:
 class SpillStore:
     """One lmdb environment holding the cold values of every slice on this host.
 
-    >>> import tempfile
-    >>> store = SpillStore(tempfile.mkdtemp())
+    >>> store = SpillStore()  # a temporary directory, opened on the first spill
     >>> tier = store.tier(1, 3, "window.events")
     >>> tier.put(("c", "card1", 4), [[1, 2.5], [3, 1.0]])
     >>> tier.get(("c", "card1", 4)), store.entries()
@@ -48,14 +48,27 @@ class SpillStore:
     ([[1, 2.5], [3, 1.0]], 0)
     """
 
-    def __init__(self, path: str | Path, owned: bool = False) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.path), map_size=SPILL_MAP_SIZE, sync=False, metasync=False,
-                             max_readers=256, lock=True)
-        if owned:  # a temporary directory: removed with the store
-            weakref.finalize(self, shutil.rmtree, str(self.path), True)
-        self._write = threading.Lock()  # slices of one host run on several threads (scale-up)
+    def __init__(self, path: str | Path | None = None) -> None:
+        # Opened on the first spill: a job whose queues never grow long writes nothing.
+        # Without a path, a temporary directory, removed with the store.
+        self.path = Path(path) if path is not None else None
+        self.env: Any = None
+        self._write = threading.RLock()  # slices of one host run on several threads (scale-up)
+
+    def opened(self) -> Any:
+        """The lmdb environment, opened (and its directory made) on first use."""
+        return self.env if self.env is not None else self._open()
+
+    def _open(self) -> Any:
+        with self._write:
+            if self.env is None:
+                if self.path is None:
+                    self.path = Path(tempfile.mkdtemp(prefix="chronostream-spill-"))
+                    weakref.finalize(self, shutil.rmtree, str(self.path), True)
+                self.path.mkdir(parents=True, exist_ok=True)
+                self.env = lmdb.open(str(self.path), map_size=SPILL_MAP_SIZE, sync=False, metasync=False,
+                                     max_readers=256, lock=True)
+        return self.env
 
     def tier(self, stage_id: int, slice_id: int, state: str) -> SpillTier:
         """The view of one slice's state ``state``."""
@@ -68,8 +81,10 @@ class SpillStore:
 
     def clear_prefix(self, prefix: bytes) -> int:
         """Delete every entry under ``prefix``; returns how many."""
-        n = 0
-        with self._write, self.env.begin(write=True) as txn:
+        if self.env is None and (self.path is None or not (self.path / "data.mdb").exists()):
+            return 0  # nothing was ever spilled here
+        env, n = self.opened(), 0
+        with self._write, env.begin(write=True) as txn:
             cur = txn.cursor()
             if cur.set_range(prefix):
                 while cur.key().startswith(prefix):
@@ -80,16 +95,20 @@ class SpillStore:
 
     def entries(self) -> int:
         """How many values are spilled on this host."""
-        return int(self.env.stat()["entries"])
+        return 0 if self.env is None else int(self.env.stat()["entries"])
 
     def disk_bytes(self) -> int:
         """Bytes of the pages in use (leaf + branch + overflow), for metrics."""
+        if self.env is None:
+            return 0
         st = self.env.stat()
         return int(st["psize"] * (st["leaf_pages"] + st["branch_pages"] + st["overflow_pages"]))
 
     def close(self) -> None:
         """Close the environment (the directory stays; the next run clears its prefixes)."""
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
+            self.env = None
 
 
 class SpillTier:
@@ -106,12 +125,12 @@ class SpillTier:
 
     def put(self, key: Any, value: Any) -> None:
         """Store ``value`` under ``key`` (replacing any)."""
-        with self.store._write, self.store.env.begin(write=True) as txn:
+        with self.store._write, self.store.opened().begin(write=True) as txn:
             txn.put(self._key(key), _pack(value))
 
     def get(self, key: Any) -> Any:
         """The value of ``key``; KeyError when absent (a state never asks for a key it did not spill)."""
-        with self.store.env.begin() as txn:
+        with self.store.opened().begin() as txn:
             raw = txn.get(self._key(key))
         if raw is None:
             raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
@@ -120,7 +139,7 @@ class SpillTier:
     def pop(self, key: Any) -> Any:
         """Read and delete ``key``'s value (a value coming back to memory)."""
         k = self._key(key)
-        with self.store._write, self.store.env.begin(write=True) as txn:
+        with self.store._write, self.store.opened().begin(write=True) as txn:
             raw = txn.pop(k)
         if raw is None:
             raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
@@ -128,7 +147,7 @@ class SpillTier:
 
     def delete(self, key: Any) -> None:
         """Forget ``key`` (no error when absent)."""
-        with self.store._write, self.store.env.begin(write=True) as txn:
+        with self.store._write, self.store.opened().begin(write=True) as txn:
             txn.delete(self._key(key))
 
     def clear(self) -> int:

@@ -102,9 +102,9 @@ class LocalCluster:
         self.alive: set[int] = set(ids)
         self.next_id = max(ids) + 1
         self.stores: dict[int, BackupStore] = {}
-        # Each host's spill store (long queues' middle chunks), opened on first use.
-        self.spill_root = (self.root / "spill" if self.root else Path(tempfile.mkdtemp(prefix="chronostream-spill-"))) \
-            if spill_state else None
+        # Each host's spill store (long queues' middle chunks): under the workdir, or a
+        # temporary directory made on the first spill.
+        self.spill_state = spill_state
         self.spills: dict[int, SpillStore] = {}
         if self.fault_tolerant:
             self.stores = {h: BackupStore(self.root / f"host-{h}" / "backups", merge_every=merge_every) for h in ids}
@@ -133,10 +133,10 @@ class LocalCluster:
                          backup_store=self.stores.get(self.hosts[c]), spill=self._spill_store(self.hosts[c]))
 
     def _spill_store(self, host: int) -> SpillStore | None:
-        if self.spill_root is None:
+        if not self.spill_state:
             return None
         if host not in self.spills:
-            self.spills[host] = SpillStore(self.spill_root / f"host-{host}", owned=self.root is None)
+            self.spills[host] = SpillStore(self.root / "spill" / f"host-{host}" if self.root else None)
         return self.spills[host]
 
     def _event(self, kind: str, **info: Any) -> None:

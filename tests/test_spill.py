@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import tempfile
 
 import pytest
 from hypothesis import given, settings
@@ -31,7 +30,7 @@ from master.local import LocalCluster, collect
 from master.placement import containers_per_stage, initial_placement
 from slices.checkpoint import capture_kv, restore_kv
 
-STORE = SpillStore(tempfile.mkdtemp(prefix="chronostream-test-spill-"), owned=True)
+STORE = SpillStore()  # a temporary directory, removed with the store
 _names = itertools.count()
 
 
@@ -45,7 +44,7 @@ def chunks_in_memory(q: QueueState) -> int:
 
 
 OPS = st.lists(st.one_of(st.tuples(st.just("append"), st.integers(0, 10**6)), st.just(("popleft",)),
-                         st.just(("pop",)), st.tuples(st.just("set"), st.integers(0, 200), st.integers()),
+                         st.just(("pop",)), st.tuples(st.just("set"), st.integers(0, 200), st.integers(-(2**63), 2**63 - 1)),
                          st.tuples(st.just("get"), st.integers(0, 200))), max_size=300)
 
 

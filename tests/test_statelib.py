@@ -288,3 +288,15 @@ def test_every_handle_query_local_equals_serial():
     expected = cs.run(every_handle_query(4), executor="serial").results("digest").to_pylist()
     got = cs.run(every_handle_query(4), executor="local", containers=2, seed=3).results("digest").to_pylist()
     assert got == expected
+
+
+def test_a_churning_map_reuses_emptied_directory_pages():
+    """200,000 inserts, each deleting the entry 100 older: the directory stays O(live entries) pages."""
+    m = MapState(KeyValueState("index"), page_size=64)
+    for i in range(200_000):
+        m.set("loc", i, i)
+        if i >= 100:
+            m.delete("loc", i - 100)
+    pages = m.state.get(("h", "loc"))[0]
+    assert m.len("loc") == 100 and sorted(m.keys("loc")) == list(range(199_900, 200_000))
+    assert pages <= 4, f"{pages} directory pages for 100 live entries"
