@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import chronostream as cs
-from chronostream.demo import build_query, expected_route_delays
 from chronostream.datasets import flights, weather
+from chronostream.demo import build_query, expected_route_delays
 
 FLIGHT_COLUMNS = ["origin", "dest", "dep_delay", "sched_ts", "time_hour", "carrier", "flight", "tailnum"]
 WEATHER_COLUMNS = ["origin", "time_hour", "temp", "wind_speed", "visib"]

@@ -22,12 +22,12 @@ ways: on the exact sliding window, and on 5-minute windows hopping by
 from __future__ import annotations
 
 import argparse
-import time
 
 import pyarrow.compute as pc
 
 import chronostream as cs
 from chronostream.datasets import payments
+from examples.common import add_run_flags, run_timed
 
 FIVE_MINUTES_S = 300
 SEVEN_DAYS_S = 7 * 86_400
@@ -59,18 +59,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--cards", type=int, default=100_000)
     ap.add_argument("--skew", type=float, default=0.8, help="Zipf exponent of card frequencies")
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--slices", type=int, default=8)
-    ap.add_argument("--executor", choices=["local", "serial", "ray"], default="local")
-    ap.add_argument("--containers", type=int, default=2)
+    add_run_flags(ap)
     args = ap.parse_args()
     q = fraud_query(args.rows, args.cards, args.seed, args.slices, args.skew)
-    start = time.perf_counter()
-    kwargs = {} if args.executor == "serial" else {"containers": args.containers}
-    job = cs.run(q, executor=args.executor, **kwargs)
-    if args.executor == "ray":
-        job.wait()
-    elapsed = time.perf_counter() - start
+    job, elapsed = run_timed(q, args)
     profiles, alerts, hopping = (job.results(s) for s in ("profiles", "alerts", "hopping_alerts"))
     exact_cards = set(alerts["card"].to_pylist())
     hop_cards = set(hopping["card"].to_pylist())

@@ -49,7 +49,6 @@ words most frequent, Zipf locations, Poisson times at ``rate`` per second).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -58,6 +57,7 @@ import pyarrow.compute as pc
 
 import chronostream as cs
 from chronostream.datasets import STOP_WORDS, tweets
+from examples.common import add_run_flags, run_timed
 
 #: Default time window, in seconds (about 6,000 tweets in all windows at 10 tweets/s).
 DEFAULT_WINDOW_S = 600
@@ -204,20 +204,12 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=DEFAULT_WINDOW_S, help="time window, seconds")
     ap.add_argument("--last-n", type=int, default=None, help="count window: the last N tweets (replaces --window)")
     ap.add_argument("--vocab", type=int, default=20_000)
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--slices", type=int, default=8)
-    ap.add_argument("--executor", choices=["local", "serial", "ray"], default="local")
-    ap.add_argument("--containers", type=int, default=2)
+    add_run_flags(ap)
     args = ap.parse_args()
     window = int(args.window) if float(args.window).is_integer() else args.window
     q = similarity_query(args.rows, args.locations, window, args.seed, args.slices, last_n=args.last_n,
                          vocab=args.vocab)
-    start = time.perf_counter()
-    kwargs = {} if args.executor == "serial" else {"containers": args.containers}
-    job = cs.run(q, executor=args.executor, **kwargs)
-    if args.executor == "ray":
-        job.wait()
-    elapsed = time.perf_counter() - start
+    job, elapsed = run_timed(q, args)
     out = job.results("similar")
     matched = pc.sum(pc.is_valid(out["best_id"])).as_py() or 0
     shared = np.asarray(out["shared"].combine_chunks() if isinstance(out["shared"], pa.ChunkedArray)

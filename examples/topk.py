@@ -42,14 +42,15 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
 from chronostream.datasets import STOP_WORDS, topic_text
+from examples.common import add_run_flags, run_timed
 
 #: The output schema of the ``topk`` sink (list columns need it declared).
 TOPK_SCHEMA = pa.schema([("category", pa.string()), ("id", pa.int64()), ("pos", pa.int64()), ("word", pa.string()),
@@ -81,8 +82,6 @@ def split_category_words(t: pa.Table) -> tuple[pa.Table, pa.Array]:
 
 def _first_index_per_run(parent: pa.Array) -> pa.Array:
     """For a sorted array of run labels, the index where each element's run starts."""
-    import numpy as np
-
     p = parent.to_numpy(zero_copy_only=False)
     if len(p) == 0:
         return pa.array([], pa.int64())
@@ -240,18 +239,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1_000, help="words per category window")
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--categories", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--slices", type=int, default=8)
-    ap.add_argument("--executor", choices=["local", "serial", "ray"], default="local")
-    ap.add_argument("--containers", type=int, default=2)
+    add_run_flags(ap)
     args = ap.parse_args()
     q = topk_query(args.lines, args.window, args.k, args.categories, args.seed, args.slices)
-    start = time.perf_counter()
-    kwargs = {} if args.executor == "serial" else {"containers": args.containers}
-    job = cs.run(q, executor=args.executor, **kwargs)
-    if args.executor == "ray":
-        job.wait()
-    elapsed = time.perf_counter() - start
+    job, elapsed = run_timed(q, args)
     out = job.results("topk")
     print(f"{args.lines:,} lines -> {out.num_rows:,} word events, {args.executor} executor: {elapsed:.1f} s "
           f"({out.num_rows / elapsed:,.0f} words/s)")
