@@ -328,7 +328,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 0,
         recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
         gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
-        spill_state: bool = True) -> Job | CompletedJob:
+        spill_state: bool = True, source_poll_s: float = 0.01,
+        full_gc_interval_s: float = 600.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -363,6 +364,15 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     them, keep only their end chunks in memory and the rest in each host's
     local lmdb (``containers/spill.py``).
 
+    A followed source log (``q.source_log(..., follow=True)``) is tailed every
+    ``source_poll_s`` seconds while its source waits for input (an unchanged
+    log costs one ``fstat``); this bounds the wait added to end-to-end latency.
+    Each Ray host runs Python's full garbage collection itself, every
+    ``full_gc_interval_s`` seconds, instead of whenever its state grows by a
+    quarter (``containers/gc_pacing.py``; 0 restores CPython's policy): a
+    full collection walks all the state, a pause that used to be the whole
+    p99.9 latency tail.
+
     >>> import chronostream as cs
     >>> q = cs.Query()
     >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
@@ -375,7 +385,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
                          full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
                          gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s,
-                         spill_state=spill_state)
+                         spill_state=spill_state, source_poll_s=source_poll_s,
+                         full_gc_interval_s=full_gc_interval_s)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731

@@ -33,6 +33,8 @@ class JobOptions:
     gc_interval_s: float = 2.0  # how often the master trims output logs below the consumers' checkpoints
     autoscale_interval_s: float = 2.0  # how often the master takes a metrics snapshot and asks the policy
     spill_state: bool = True  # long lists/queues (window contents) keep their middle chunks in the host's lmdb
+    source_poll_s: float = 0.01  # how often a source tails a followed log (a stat of its manifest when idle)
+    full_gc_interval_s: float = 600.0  # a host's own full garbage collections (0: CPython's automatic ones)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
@@ -41,11 +43,13 @@ class JobOptions:
         for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s", "autoscale_interval_s"):
+        for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s", "autoscale_interval_s",
+                     "source_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.checkpoint_interval_s < 0:
-            raise ValueError(f"checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
+        for name in ("checkpoint_interval_s", "full_gc_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def checkpointing(self) -> bool:

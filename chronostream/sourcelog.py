@@ -105,14 +105,27 @@ class SourceLog:
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.dir = Path(log_dir)
+        self._seen: tuple[int, int, int] | None = None  # (inode, mtime, size) of the manifest last parsed
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read the manifest (a consistent snapshot: it is replaced atomically)."""
-        path = self.dir / MANIFEST
-        if not path.exists():
-            raise SourceLogError(f"{self.dir} is not a source log (no {MANIFEST})")
-        m = json.loads(path.read_text())
+        """Re-read the manifest (a consistent snapshot: it is replaced atomically).
+
+        A tailing source calls this every few milliseconds, so an unchanged
+        manifest (same inode, mtime and size: the writer replaces it by a
+        rename) costs an ``open`` and ``fstat`` and is not parsed again.
+        """
+        try:
+            f = open(self.dir / MANIFEST, "rb")
+        except FileNotFoundError:
+            raise SourceLogError(f"{self.dir} is not a source log (no {MANIFEST})") from None
+        with f:
+            st = os.fstat(f.fileno())  # of the file read below, even if a rename replaces it meanwhile
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen == self._seen:
+                return
+            m = json.loads(f.read())
+        self._seen = seen
         self.sealed: bool = m["sealed"]
         self.high_water: int = m["high_water"]
         self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}

@@ -41,6 +41,7 @@ from ray.exceptions import RayActorError
 from chronostream.dag import JobPlan
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
+from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.core import ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
@@ -92,7 +93,7 @@ class ResourceContainer:
         # in call order, so the event loop keeps serving pushes meanwhile (the store is not
         # thread-safe: one thread only).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="backup-store")
-        self.poll_s = 0.05
+        self.gc_pacing: CollectorPacing | None = None
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
         """Set the job-wide parameters and open the backup store. Returns the node id."""
@@ -104,6 +105,9 @@ class ResourceContainer:
         if options.spill_state:
             self.spill_store = SpillStore(self.workdir / "spill")
         _warm_up()
+        # After the warm-up, so what it made is frozen too (containers/gc_pacing.py).
+        self.gc_pacing = CollectorPacing(options.full_gc_interval_s)
+        self.gc_pacing.install()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
         return ray.get_runtime_context().get_node_id()
 
@@ -145,6 +149,7 @@ class ResourceContainer:
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
+        core.gc_pacing = self.gc_pacing
         self.cores[container_id] = core
         self.conds[container_id] = asyncio.Condition()
         return info
@@ -203,10 +208,13 @@ class ResourceContainer:
                 async with cond:
                     while not ((core.ready() and cid not in self.frozen) or self.stopped or core.done):
                         if core.reader is not None:
-                            # A followed source log: nothing will notify; poll it.
+                            # A followed source log: nothing will notify; poll it, and take
+                            # what the poll found at once (waiting first would add a period).
                             core.poll_source()
+                            if core.ready() and cid not in self.frozen:
+                                break
                             try:
-                                await asyncio.wait_for(cond.wait(), self.poll_s)
+                                await asyncio.wait_for(cond.wait(), self.opts.source_poll_s)
                             except asyncio.TimeoutError:
                                 pass
                         else:
@@ -300,6 +308,9 @@ class ResourceContainer:
 
     async def _heartbeats(self) -> None:
         while not self.stopped:
+            if self.gc_pacing is not None:
+                # On the event loop, so between two epochs of every hosted container.
+                self.gc_pacing.collect_if_due()
             try:
                 if self.backup_store is not None:  # lazy persistence of the replication buffer
                     await self._in_store_thread(self.backup_store.flush)
@@ -556,6 +567,8 @@ class ResourceContainer:
     async def stop(self, cleanup: bool = False) -> None:
         """Stop processing; pending pushes are released. ``cleanup`` deletes the local store."""
         self.stopped = True
+        if self.gc_pacing is not None:
+            self.gc_pacing.uninstall()
         for cond in self.conds.values():
             async with cond:
                 cond.notify_all()

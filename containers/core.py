@@ -92,6 +92,8 @@ class ContainerStatistics:
     latency: dict = field(default_factory=dict)  # end-to-end latency histogram of its sink writes (plain)
     backlog_events: int = 0  # input events received, not yet processed
     source_lag: int = 0  # a source container: events readable in its source and not read yet (approx.)
+    gc_full_collections: int = 0  # the host's own paced full garbage collections (containers/gc_pacing.py)
+    gc_full_pause_s: float = 0.0  # their total pause
 
 
 class ContainerCore:
@@ -116,6 +118,7 @@ class ContainerCore:
             s: SliceRuntime(plan, stage_id, s, dead, cold_tiers=spill.tiers_for(stage_id, s) if cold else None)
             for s in sorted(local_slices)}
         self.routes = routes
+        self.gc_pacing: Any = None  # the host's CollectorPacing (set by the Ray host; figures in statistics)
         # Sender -> the upstream (stage, slice) pairs its messages cover. A
         # recovered container's slices are re-hosted by new senders whose
         # coverage is a part of the dead one's; see ``_epoch_messages``.
@@ -753,7 +756,12 @@ class ContainerCore:
             self.output_log.entries() if self.output_log is not None else 0,
             self.backup_store.total_bytes() if self.backup_store is not None else 0,
             tuple(sorted(self.released)), self.threads.threads, self.latency.to_plain(), self.backlog_events(),
-            self.source_lag())
+            self.source_lag(), *self.host_gc_figures())
+
+    def host_gc_figures(self) -> tuple[int, float]:
+        """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""
+        pacing = self.gc_pacing
+        return (pacing.full_collections, pacing.full_pause_s) if pacing is not None else (0, 0.0)
 
     def slice_metrics(self) -> list[SliceMetrics]:
         """Per local slice: cumulative events in and busy time, events waiting, state size."""

@@ -114,6 +114,24 @@ def count_query(log_dir, follow: bool) -> cs.Query:
     return q
 
 
+def test_an_unchanged_manifest_is_not_parsed_again(tmp_path, monkeypatch):
+    """A tailing source refreshes every few ms: without news that costs an fstat, not a parse."""
+    import chronostream.sourcelog as sl
+
+    w = SourceLogWriter(tmp_path)
+    w.append({"s": rows(0, 0, 10)}, high_water=10)
+    log = SourceLog(tmp_path)
+    parses = []
+    real = sl.json.loads
+    monkeypatch.setattr(sl.json, "loads", lambda text: parses.append(1) or real(text))
+    log.refresh()
+    log.refresh()
+    assert parses == [] and log.high_water == 10
+    w.append({"s": rows(10, 10, 10)}, high_water=20)
+    log.refresh()
+    assert parses == [1] and log.high_water == 20
+
+
 def test_job_tailing_a_growing_log_equals_a_bounded_run_over_the_final_log(tmp_path):
     """A job following the log while a writer appends gives the bounded run's output (local runtime)."""
     w = SourceLogWriter(tmp_path)
@@ -152,6 +170,26 @@ def test_job_on_ray_tailing_a_growing_log_equals_a_bounded_run(ray_session, tmp_
     bounded = cs.run(count_query(tmp_path, follow=False), executor="serial").results("sums")
     assert live.num_rows == 300
     assert live.to_pylist() == bounded.to_pylist()
+
+
+def test_job_on_ray_with_paced_full_collections_equals_a_bounded_run(ray_session, tmp_path):
+    """Hosts that run their own full garbage collections (here every 0.2 s, while the job tails a
+    log) still give the bounded run's output, and report the collections they ran."""
+    w = SourceLogWriter(tmp_path)
+    w.append({"s": rows(0, 0, 30)}, high_water=30)
+    job = cs.run(count_query(tmp_path, follow=True), containers=2, full_gc_interval_s=0.2)
+    try:
+        for s in range(1, 10):
+            time.sleep(0.15)
+            w.append({"s": rows(s * 30, s * 30, 30)}, high_water=(s + 1) * 30)
+        stats = job.statistics()
+        w.seal()
+        live = job.results("sums")
+    finally:
+        job.stop()
+    bounded = cs.run(count_query(tmp_path, follow=False), executor="serial").results("sums")
+    assert live.to_pylist() == bounded.to_pylist()
+    assert all(s.gc_full_collections >= 1 for s in stats.values())
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
