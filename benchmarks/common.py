@@ -86,3 +86,34 @@ def append_to_sink_ms(rows: pa.Table, written: dict, appended: list, epoch: int)
     append_t = at[np.searchsorted(last_order, order)]
     write_t = np.array([written[k] for k in zip(slices.tolist(), (order // epoch).tolist())])
     return (write_t - append_t) * 1000
+
+
+def paced_run(job: Any, w: SourceLogWriter, stream: str, table: pa.Table, start: int, rate: float, sink: str,
+              appended: list, *, ready: Any = None, sample: Any = None, period_s: float = 0.25
+              ) -> tuple[pa.Table, dict, dict]:
+    """Feed a running job (tailing ``w``'s log) at ``rate`` rows/s with ``write_paced`` and wait for it.
+
+    The writer starts once ``ready()`` holds (default: at once); ``appended[0]``
+    is then re-stamped, so rows already in the log count from the writer's
+    start. ``sample()`` is called every ``period_s`` while the job runs.
+    Returns the sink's rows, its ``sink_write_times`` and the runtime's
+    latency summary; the job is stopped.
+    """
+    stop = threading.Event()
+    writer = threading.Thread(target=write_paced, args=(w, stream, table, start, rate, appended, stop))
+    try:
+        while ready is not None and not ready():
+            time.sleep(period_s)
+        appended[0] = (appended[0][0], time.time())
+        writer.start()
+        while job.status().state == "running":
+            if sample is not None:
+                sample()
+            time.sleep(period_s)
+        job.wait(timeout_s=3600)
+        return job.results(sink), job.sink_write_times(sink), job.metrics()["latency_total"]
+    finally:
+        stop.set()
+        if writer.ident is not None:
+            writer.join()
+        job.stop()

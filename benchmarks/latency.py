@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -41,10 +40,10 @@ import chronostream as cs
 from benchmarks.common import (
     append_to_sink_ms,
     emit,
+    paced_run,
     parser,
     with_order,
     write_all,
-    write_paced,
 )
 from chronostream.datasets import payments
 from chronostream.sourcelog import SourceLogWriter
@@ -76,31 +75,21 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
     w = SourceLogWriter(log_dir)
     first = min(epoch, table.num_rows)
     w.append({"payments": with_order(table, 0, first)}, high_water=first)
-    appended: list[tuple[int, float]] = [(first - 1, time.time())]
-    stop = threading.Event()
+    appended: list[tuple[int, float]] = [(first - 1, time.time())]  # the first chunk counts from the start
     job = cs.run(build(log_dir, window_s, epoch, True), containers={"payments": 1, "profiles": 2})
-    writer = threading.Thread(target=write_paced, args=(w, "payments", table, first, rate, appended, stop))
-    rss = 0.0
-    try:
-        appended[0] = (first - 1, time.time())  # the first chunk counts from the job's start
-        writer.start()
-        while job.status().state == "running":
-            snap = job.metrics()["snapshot"]
-            hosts = {job.placement()["hosts"][c] for c in snap["stages"]["profiles"]["containers"]}
-            rss = max([rss] + [snap["host_rss_mb"].get(str(h), snap["host_rss_mb"].get(h, 0.0)) for h in hosts])
-            time.sleep(1.0)
-        job.wait()
-        rows = job.results("profiles")
-        written = job.sink_write_times("profiles")
-        runtime = job.metrics()["latency_total"]
-    finally:
-        stop.set()
-        writer.join()
-        job.stop()
+    rss = [0.0]
+
+    def sample() -> None:
+        snap = job.metrics()["snapshot"]
+        hosts = {job.placement()["hosts"][c] for c in snap["stages"]["profiles"]["containers"]}
+        rss[0] = max([rss[0]] + [snap["host_rss_mb"].get(str(h), snap["host_rss_mb"].get(h, 0.0)) for h in hosts])
+
+    rows, written, runtime = paced_run(job, w, "payments", table, first, rate, "profiles", appended,
+                                       sample=sample, period_s=1.0)
     lat_ms = append_to_sink_ms(rows, written, appended, epoch)
     return {"p50_ms": round(float(np.percentile(lat_ms, 50)), 1), "p99_ms": round(float(np.percentile(lat_ms, 99)), 1),
             "p999_ms": round(float(np.percentile(lat_ms, 99.9)), 1), "max_ms": round(float(lat_ms.max()), 1),
-            "runtime_p99_ms": runtime["p99_ms"], "runtime_p999_ms": runtime["p999_ms"], "rss_mb": round(rss, 1),
+            "runtime_p99_ms": runtime["p99_ms"], "runtime_p999_ms": runtime["p999_ms"], "rss_mb": round(rss[0], 1),
             "outputs": len(lat_ms)}
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,10 +47,10 @@ from benchmarks.common import (
     append_to_sink_ms,
     emit,
     median,
+    paced_run,
     parser,
     with_order,
     write_all,
-    write_paced,
 )
 from chronostream.datasets import topic_text
 from chronostream.sourcelog import SourceLogWriter
@@ -109,24 +108,14 @@ def latency_run(table: pa.Table, prefill: int, window: int, k: int, epoch: int, 
     w = SourceLogWriter(log_dir)
     w.append({"text": with_order(table, 0, prefill)}, high_water=prefill)
     appended: list[tuple[int, float]] = [(prefill - 1, time.time())]
-    stop = threading.Event()
     job = cs.run(topk_query(table.num_rows, window=window, k=k, epoch_events=epoch, log_dir=log_dir, follow=True),
                  containers=CONTAINERS)
-    writer = threading.Thread(target=write_paced, args=(w, "text", table, prefill, rate, appended, stop))
-    try:
-        last_prefill = prefill // epoch - 1
-        # Pace only once every epoch of the prefill has reached the sink.
-        while len({e for (_s, e) in job.sink_write_times("topk") if e <= last_prefill}) < last_prefill + 1:
-            time.sleep(0.25)
-        writer.start()
-        job.wait(timeout_s=3600)
-        rows = job.results("topk")
-        written = job.sink_write_times("topk")
-        runtime = job.metrics()["latency_total"]
-    finally:
-        stop.set()
-        writer.join()
-        job.stop()
+    last_prefill = prefill // epoch - 1
+
+    def prefilled() -> bool:  # pace only once every epoch of the prefill has reached the sink
+        return len({e for (_s, e) in job.sink_write_times("topk") if e <= last_prefill}) == last_prefill + 1
+
+    rows, written, runtime = paced_run(job, w, "text", table, prefill, rate, "topk", appended, ready=prefilled)
     measured = rows.filter(pc.greater_equal(rows["_order"], prefill))
     lat = append_to_sink_ms(measured, written, appended, epoch)
     return {"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),

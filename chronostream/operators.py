@@ -53,13 +53,14 @@ class OperatorContext:
         self._sub = sub
         self._k = 0
 
+    def _undeclared(self, stream_id: str) -> KeyError:
+        return KeyError(f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
+                        f"declared outputs: {list(self.output_names)}")
+
     def produce(self, stream_id: str, event: dict) -> None:
         """Record one produced event under the current lineage."""
         if stream_id not in self.events:
-            raise KeyError(
-                f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
-                f"declared outputs: {list(self.output_names)}"
-            )
+            raise self._undeclared(stream_id)
         # Per-stream outputs keep production order; mixing per-event and batch
         # produce on one stream is refused in take_outputs().
         self.events[stream_id].append(event)
@@ -68,16 +69,15 @@ class OperatorContext:
 
     def produce_update(self, stream_id: str, event: dict) -> None:
         """Record the one output of a one-to-one operator: it keeps the input's lineage."""
+        if stream_id not in self.events:
+            raise self._undeclared(stream_id)
         self.events[stream_id].append(event)
         self.lineage[stream_id].append((self._order, self._sub, -1))
 
     def produce_batch(self, stream_id: str, batch: pa.RecordBatch | pa.Table) -> None:
         """Record a produced batch; it must carry the ``_order``/``_sub`` columns."""
         if stream_id not in self.batches:
-            raise KeyError(
-                f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
-                f"declared outputs: {list(self.output_names)}"
-            )
+            raise self._undeclared(stream_id)
         names = batch.schema.names
         if ORDER not in names or SUB not in names:
             raise ValueError(
@@ -163,6 +163,16 @@ class Operator:
     def produce(self, stream_id: str, event: dict) -> None:
         """Emit ``event`` (a dict of plain values) to output ``stream_id``."""
         self._ctx.produce(stream_id, event)
+
+    def produce_update(self, stream_id: str, event: dict) -> None:
+        """Emit the one output of the current event, in its place: it keeps the event's lineage.
+
+        For operators that answer every input event with exactly one row (a
+        window's aggregate, a lookup): the output is numbered like the input
+        instead of as a new event derived from it. Call it at most once per
+        event and stream; use ``produce`` for zero or several outputs.
+        """
+        self._ctx.produce_update(stream_id, event)
 
     def produce_batch(self, stream_id: str, batch: pa.Table | pa.RecordBatch) -> None:
         """Emit a batch that keeps the ``_order``/``_sub`` columns of its input rows."""
@@ -477,7 +487,7 @@ class KeyedAggregate(Operator):
             else:
                 out[name] = cur[f"{agg}_{col}"]
         # One update per input row: the output keeps the input's lineage (no fan-out).
-        self._ctx.produce_update("out", out)
+        self.produce_update("out", out)
 
 
 class KeyedJoin(Operator):

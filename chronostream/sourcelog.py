@@ -9,15 +9,27 @@ through ``SourceLog``.
 
 Layout::
 
-    log_dir/manifest.json                       # replaced atomically
+    log_dir/manifest.json                       # small; replaced atomically
+    log_dir/segments.jsonl                      # the segment index: one line per segment, append-only
     log_dir/segments/<stream>/<first_order>-<id>.arrow
 
-Crash safety: a segment is written and fsynced under a temporary name,
-renamed, and only then listed in the manifest (itself written to a
-temporary file, fsynced and renamed). A segment not in the manifest does
-not exist for readers. Every listed segment carries its size and CRC-32; a
-segment that does not match (torn, truncated, corrupted) raises
-``SourceLogError`` naming it and is never read as valid.
+Crash safety: a segment is written and fsynced under a temporary name and
+renamed; its index line is appended to ``segments.jsonl`` and fsynced; only
+then does the manifest (written to a temporary file, fsynced and renamed)
+publish it, by the index's new length and CRC-32 (``index_bytes``,
+``index_crc32``). Readers read the index only up to ``index_bytes``: a
+segment or index line the manifest does not cover does not exist for them
+(a reopening writer cuts such a tail off). Every listed segment carries its
+size and CRC-32; a segment that does not match (torn, truncated,
+corrupted) raises ``SourceLogError`` naming it and is never read as valid,
+and an index that does not match its CRC-32 is refused the same way.
+
+Cost: an append writes its segments, one index line per segment and the
+small manifest, and a tailing reader parses only the index lines it has not
+seen, so both stay O(new data) however long the log grows (version 1 kept
+every segment in the manifest: each append rewrote it and each refresh
+parsed it whole; such logs are still read, and a writer reopening one
+moves its list to the index).
 
 The manifest's ``high_water`` is the global order below which the log is
 complete (every row with a smaller ``_order`` is in a listed segment);
@@ -26,6 +38,8 @@ complete (every row with a smaller ``_order`` is in a listed segment);
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import json
 import os
 import uuid
@@ -40,6 +54,7 @@ import pyarrow as pa
 ORDER = "_order"
 STREAM_SEQ = "_stream_seq"
 MANIFEST = "manifest.json"
+INDEX = "segments.jsonl"
 
 
 class SourceLogError(Exception):
@@ -74,6 +89,10 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
+def _index_line(seg: Segment) -> bytes:
+    return (json.dumps(dataclasses.asdict(seg), separators=(",", ":")) + "\n").encode()
+
+
 def _schema_to_str(schema: pa.Schema) -> str:
     return schema.serialize().to_pybytes().hex()
 
@@ -106,6 +125,11 @@ class SourceLog:
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.dir = Path(log_dir)
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime, size) of the manifest last parsed
+        self.segments: list[Segment] = []
+        self._by_stream: dict[str, list[Segment]] = {}
+        self._last_orders: dict[str, list[int]] = {}  # per stream, its segments' last orders (for bisect)
+        self._index_bytes = 0  # how much of segments.jsonl is parsed
+        self._index_crc = 0
         self.refresh()
 
     def refresh(self) -> None:
@@ -125,12 +149,38 @@ class SourceLog:
             if seen == self._seen:
                 return
             m = json.loads(f.read())
+        if "segments" in m:  # version 1: the whole list in the manifest
+            self.segments, self._by_stream, self._last_orders = [], {}, {}
+            self._add_segments([Segment(**s) for s in m["segments"]])
+        else:
+            self._read_index(m["index_bytes"], m["index_crc32"])
         self._seen = seen
         self.sealed: bool = m["sealed"]
         self.high_water: int = m["high_water"]
         self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
         self.stream_rows: dict[str, int] = {k: v["rows"] for k, v in m["streams"].items()}
-        self.segments: list[Segment] = [Segment(**s) for s in m["segments"]]
+
+    def _read_index(self, upto: int, crc: int) -> None:
+        """Parse the index lines the manifest now covers and this reader has not seen."""
+        if upto == self._index_bytes:
+            return
+        if upto < self._index_bytes:
+            raise SourceLogError(f"{self.dir}: the segment index shrank ({self._index_bytes} -> {upto} bytes)")
+        with open(self.dir / INDEX, "rb") as f:
+            f.seek(self._index_bytes)
+            data = f.read(upto - self._index_bytes)
+        running = zlib.crc32(data, self._index_crc)
+        if len(data) != upto - self._index_bytes or running != crc:
+            raise SourceLogError(f"{self.dir / INDEX} is torn or corrupt: it does not match the manifest's "
+                                 f"length and CRC-32 ({upto} bytes)")
+        self._add_segments([Segment(**json.loads(line)) for line in data.splitlines()])
+        self._index_bytes, self._index_crc = upto, running
+
+    def _add_segments(self, new: list[Segment]) -> None:
+        self.segments.extend(new)
+        for seg in new:
+            self._by_stream.setdefault(seg.stream, []).append(seg)
+            self._last_orders.setdefault(seg.stream, []).append(seg.last_order)
 
     def streams(self) -> list[str]:
         """Stream names, in the order they were first written."""
@@ -166,11 +216,11 @@ class SourceLog:
     def segments_of(self, stream: str, from_order: int = 0, to_order: int | None = None) -> Iterator[Segment]:
         """Listed segments of ``stream`` overlapping [from_order, to_order)."""
         self.schema(stream)
-        for seg in self.segments:
-            if seg.stream != stream or seg.last_order < from_order:
-                continue
+        segs = self._by_stream.get(stream, [])
+        # A stream's segments are in order: skip those ending before from_order by bisection.
+        for seg in segs[bisect.bisect_left(self._last_orders.get(stream, []), from_order):]:
             if to_order is not None and seg.first_order >= to_order:
-                continue
+                break
             yield seg
 
     def read(self, stream: str, from_order: int = 0, to_order: int | None = None) -> pa.Table:
@@ -219,14 +269,24 @@ class SourceLogWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / MANIFEST
         if path.exists():
-            m = json.loads(path.read_text())
-            if m["sealed"]:
+            log = SourceLog(self.dir)  # verifies the index against the manifest
+            if log.sealed:
                 raise SourceLogError(f"the source log {self.dir} is sealed; it takes no more rows")
-        else:
-            m = {"version": 1, "sealed": False, "high_water": 0, "streams": {}, "segments": []}
+            m = json.loads(path.read_text())
+            index = b"".join(_index_line(s) for s in log.segments)
+            # Keep exactly what the manifest published: an index tail written by a writer that
+            # crashed before publishing is cut off (and a version-1 list moves to the index).
+            _fsync_write(self.dir / INDEX, index)
+            m.pop("segments", None)
+            m.update(version=2, index_bytes=len(index), index_crc32=zlib.crc32(index))
             _fsync_write(path, json.dumps(m).encode())
+            self._last_order = {s.stream: s.last_order for s in log.segments}
+        else:
+            m = {"version": 2, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0, "index_crc32": 0}
+            _fsync_write(self.dir / INDEX, b"")
+            _fsync_write(path, json.dumps(m).encode())
+            self._last_order = {}
         self.manifest = m
-        self._last_order = {s["stream"]: s["last_order"] for s in m["segments"]}
 
     def _check(self, stream: str, table: pa.Table) -> None:
         for col in (ORDER, STREAM_SEQ):
@@ -265,14 +325,21 @@ class SourceLogWriter:
                 w.write_table(table)
             data = sink.getvalue().to_pybytes()
             _fsync_write(seg_dir / name, data)
-            new_segments.append({
-                "file": f"segments/{stream}/{name}", "stream": stream, "first_order": int(order[0]),
-                "last_order": int(order[-1]), "first_seq": int(table.column(STREAM_SEQ)[0].as_py()),
-                "rows": table.num_rows, "bytes": len(data), "crc32": zlib.crc32(data)})
+            new_segments.append(Segment(
+                file=f"segments/{stream}/{name}", stream=stream, first_order=int(order[0]),
+                last_order=int(order[-1]), first_seq=int(table.column(STREAM_SEQ)[0].as_py()),
+                rows=table.num_rows, bytes=len(data), crc32=zlib.crc32(data)))
             entry = self.manifest["streams"].setdefault(stream, {"schema": _schema_to_str(table.schema), "rows": 0})
             entry["rows"] += table.num_rows
             self._last_order[stream] = int(order[-1])
-        self.manifest["segments"].extend(new_segments)
+        if new_segments:
+            lines = b"".join(_index_line(s) for s in new_segments)
+            with open(self.dir / INDEX, "ab") as f:
+                f.write(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            self.manifest["index_bytes"] += len(lines)
+            self.manifest["index_crc32"] = zlib.crc32(lines, self.manifest["index_crc32"])
         if high_water is not None:
             if high_water < self.manifest["high_water"]:
                 raise SourceLogError("the high water mark only grows")

@@ -442,7 +442,7 @@ class WindowAggregate(Operator):
         for _ in range(head, oldest):
             self.events.popleft(key)
         self.keys.set(key, {"t": t_eff, "heads": new_heads, "agg": new_aggs})
-        self._ctx.produce_update("out", row)  # one row per event: keeps the event's lineage
+        self.produce_update("out", row)  # one row per event: keeps the event's lineage
 
     # -- hopping and tumbling ------------------------------------------------------------------
 

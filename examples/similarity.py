@@ -144,7 +144,7 @@ class MostSimilarTweet(cs.Operator):
                 shared[other] = shared.get(other, 0) + 1
         # Most shared words, then the largest id: a total order, so no dict-order dependence.
         best = max(shared.items(), key=lambda kv: (kv[1], kv[0])) if shared else (None, 0)
-        self._ctx.produce_update("out", {"location": loc, "tweet_id": tid, "ts": ts,
+        self.produce_update("out", {"location": loc, "tweet_id": tid, "ts": ts,
                                          "best_id": best[0], "shared": best[1]})
         self.window.append(loc, [tid, ts, words])
         for w in words:

@@ -137,3 +137,37 @@ def test_one_stream_as_both_inputs_of_a_join_matches_serial():
     expected = cs.run(build(), executor="serial").results("j").to_pylist()
     assert len(expected) > 20
     assert cs.run(build(), executor="local", containers=2).results("j").to_pylist() == expected
+
+
+class Tagger(cs.Operator):
+    """Answers every event with one row through ``produce_update`` (a one-to-one operator)."""
+
+    def consume(self, stream_id, event):
+        self.produce_update("out", {"k": event["k"], "tag": event["k"] * 10})
+
+
+class Stray(cs.Operator):
+    def consume(self, stream_id, event):
+        self.produce_update("nowhere", {"k": event["k"]})
+
+
+def test_produce_update_keeps_each_events_place_in_the_output():
+    """A one-to-one operator's rows keep the input's lineage: the same order in every executor."""
+    rows = [{"k": k} for k in (3, 1, 2, 3, 1)]
+
+    def query():
+        q = cs.Query(epoch_events=2)
+        q.source("s", rows).key_by("k").apply(Tagger, slices=2).sink(name="out")
+        return q
+
+    serial = cs.run(query(), executor="serial").results("out")
+    local = cs.run(query(), executor="local", containers=2).results("out")
+    assert sorted(serial.column("tag").to_pylist()) == [10, 10, 20, 30, 30]
+    assert local.to_pylist() == serial.to_pylist()
+
+
+def test_produce_update_to_an_undeclared_output_names_the_stage():
+    q = cs.Query()
+    q.source("s", [{"k": 1}]).key_by("k").apply(Stray, slices=1, name="stray").sink(name="out")
+    with pytest.raises(Exception, match="stray.*undeclared output 'nowhere'"):
+        cs.run(q, executor="serial")
