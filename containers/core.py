@@ -670,12 +670,6 @@ class ContainerCore:
         phase 2) the slices' owner keeps getting their rows too, until
         ``release_route``.
         """
-        self.switch_route(stage_id, slices, target, dual)
-        return self.replay_epochs(stage_id, slices, target, progress, resume, self.next_epoch)
-
-    def switch_route(self, stage_id: int, slices: list[int], target: int, dual: bool = False) -> None:
-        """From the next epoch on, route ``stage_id``'s ``slices`` to ``target`` (with ``dual``, to
-        their owner as well). Call it at an epoch boundary (not during ``step``)."""
         route_ = self.routes[stage_id]
         moved = np.array(sorted(slices), dtype=np.int64)
         if dual:
@@ -687,19 +681,8 @@ class ContainerCore:
             self.routes[stage_id] = OutputRoute(stage_id, table, {s: c for s, c in route_.dual.items()
                                                                   if s not in set(moved.tolist())})
         self._refresh_destinations()
-
-    def replay_epochs(self, stage_id: int, slices: list[int], target: int,
-                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int], upto: int,
-                      since: int = 0) -> dict[int, Message]:
-        """The replay for ``target`` of epochs [max(resume, since), upto): one message per epoch.
-
-        Reads only the output log and the plan, so it may run in a worker
-        thread while this core goes on stepping (a migration destination
-        catches up in rounds, ``ResourceContainer.reroute``).
-        """
-        moved = np.array(sorted(slices), dtype=np.int64)
-        first = max(since, min(resume[s] for s in slices))
-        replay: dict[int, Message] = {e: {} for e in range(first, upto)}
+        first = min(resume[s] for s in slices)
+        replay: dict[int, Message] = {e: {} for e in range(first, self.next_epoch)}
         if not replay:
             return replay
         if self.num_epochs is not None and self.plan.num_epochs is None:
@@ -714,12 +697,9 @@ class ContainerCore:
                     f"{min(resume[s] for s in late)}, but the output of stage {self.stage.name!r} slice {p} "
                     f"before epoch {start} was lost with the container that hosted it or dropped by GC")
         rows = self._replay_rows(stage_id, slices, moved, progress)
-        # Route as if ``target`` owned the slices (whether or not the live route says so yet).
-        table = self.routes[stage_id].slice_to_container.copy()
-        table[moved] = target
-        keep_route = OutputRoute(stage_id, table, {})
         for sid, t in rows.items():
             epochs = np.asarray(t.column(ORDER)) // self.plan.epoch_events
+            keep_route = self.routes[stage_id]
             for e in np.unique(epochs).tolist():
                 if e in replay:
                     part = route(t.filter(pa.array(epochs == e)), self.plan.streams[sid].key, keep_route)

@@ -383,7 +383,7 @@ class JobMaster:
         await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=False)
         self._save_layout()
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
-                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(r["epochs"] for r in replayed),
+                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
                     seconds=round(time.time() - t0, 3))
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
@@ -527,7 +527,7 @@ class JobMaster:
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
                                   "phase": t.phase.value, "resume": t.resume, "released_at": t.released_at,
-                                  "pause_ms": t.pause_ms, "catch_up": t.catch_up,
+                                  "pause_ms": t.pause_ms,
                                   "phases_s": {p: round(info["at"] - t0, 3) for _, p, _, info in t.story}}
                                  for t in transfers],
                    "released_hosts": released, "seconds": round(time.time() - t0, 3), "reason": reason}
@@ -584,17 +584,15 @@ class JobMaster:
         await asyncio.gather(*[self.handles[t.host].set_extra_window.remote(t.new_id, 64) for t in transfers])
         await asyncio.gather(*[self.handles[t.host].start.remote([t.new_id]) for t in transfers])
         # 3. DUAL: producers send the slices to both copies, replaying to the new one.
-        reroutes, who = [], []
+        reroutes = []
         for t, info in zip(transfers, infos):
             t.resume = info["resume"]
             for c, producer in self._producers(sid, live_only=False):
                 reroutes.append(producer.reroute.remote(
                     c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
-                who.append((t, c))
             t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
                       restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
-        for (t, c), caught_up in zip(who, await asyncio.gather(*reroutes)):
-            t.catch_up[c] = caught_up  # producer -> epochs replayed and rounds before joining live
+        await asyncio.gather(*reroutes)
         if not stop_copy:
             await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
                               or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
