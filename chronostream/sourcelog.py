@@ -273,13 +273,18 @@ class SourceLogWriter:
             if log.sealed:
                 raise SourceLogError(f"the source log {self.dir} is sealed; it takes no more rows")
             m = json.loads(path.read_text())
-            index = b"".join(_index_line(s) for s in log.segments)
-            # Keep exactly what the manifest published: an index tail written by a writer that
-            # crashed before publishing is cut off (and a version-1 list moves to the index).
-            _fsync_write(self.dir / INDEX, index)
-            m.pop("segments", None)
-            m.update(version=2, index_bytes=len(index), index_crc32=zlib.crc32(index))
-            _fsync_write(path, json.dumps(m).encode())
+            if "segments" in m:  # version 1: its list moves to the index
+                index = b"".join(_index_line(s) for s in log.segments)
+                _fsync_write(self.dir / INDEX, index)
+                del m["segments"]
+                m.update(version=2, index_bytes=len(index), index_crc32=zlib.crc32(index))
+                _fsync_write(path, json.dumps(m).encode())
+            else:
+                # Keep exactly what the manifest published: an index tail written by a writer
+                # that crashed before publishing is cut off.
+                with open(self.dir / INDEX, "r+b") as f:
+                    f.truncate(m["index_bytes"])
+                    os.fsync(f.fileno())
             self._last_order = {s.stream: s.last_order for s in log.segments}
         else:
             m = {"version": 2, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0, "index_crc32": 0}

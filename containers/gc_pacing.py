@@ -7,7 +7,7 @@ interpreter walks its objects.
 Why: a slice's state is long-lived Python containers (a dict per key, a
 list per window chunk), a million or more per host. CPython starts a full
 collection whenever the objects promoted to the oldest generation grow by a
-quarter, and a full collection walks every tracked object (about 70-110 ms
+quarter, and a full collection walks every tracked object (about 55-110 ms
 per host in ``benchmarks.latency``'s 5-minute window, more with more
 state), in the middle of whatever epoch is running. Those pauses were the
 whole p99.9 tail of end-to-end latency.
