@@ -17,12 +17,17 @@ For each window size:
    latency is the time its (slice, epoch) part reached the sink minus the
    time its payment was appended: from source append to sink write,
    including the wait for its epoch to fill (``--epoch`` events).
+   With ``--same-rate`` every window is offered the same rate, half the
+   smallest maximum measured over the windows: the wait for an epoch to fill
+   depends on the rate, so this compares window lengths at equal load
+   (the maxima of separate runs differ by up to 30% on a noisy machine).
    Reported: p50, p99, p99.9 and max over all rows; the runtime's own
    histogram (from the epoch's ingest by the source container to the sink
    write: ``job.metrics()["latency_total"]``); and the largest RSS of the
    window containers' hosts seen during the run.
 
     python -m benchmarks.latency --json                  # 200,000 payments
+    python -m benchmarks.latency --json --same-rate      # every window at one offered rate
     python -m benchmarks.latency --json --rows 50000 --epoch 250
 """
 
@@ -77,19 +82,20 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
     w.append({"payments": with_order(table, 0, first)}, high_water=first)
     appended: list[tuple[int, float]] = [(first - 1, time.time())]  # the first chunk counts from the start
     job = cs.run(build(log_dir, window_s, epoch, True), containers={"payments": 1, "profiles": 2})
-    rss = [0.0]
+    rss = 0.0
 
     def sample() -> None:
+        nonlocal rss
         snap = job.metrics()["snapshot"]
         hosts = {job.placement()["hosts"][c] for c in snap["stages"]["profiles"]["containers"]}
-        rss[0] = max([rss[0]] + [snap["host_rss_mb"].get(str(h), snap["host_rss_mb"].get(h, 0.0)) for h in hosts])
+        rss = max([rss] + [snap["host_rss_mb"].get(str(h), snap["host_rss_mb"].get(h, 0.0)) for h in hosts])
 
     rows, written, runtime = paced_run(job, w, "payments", table, first, rate, "profiles", appended,
                                        sample=sample, period_s=1.0)
     lat_ms = append_to_sink_ms(rows, written, appended, epoch)
     return {"p50_ms": round(float(np.percentile(lat_ms, 50)), 1), "p99_ms": round(float(np.percentile(lat_ms, 99)), 1),
             "p999_ms": round(float(np.percentile(lat_ms, 99.9)), 1), "max_ms": round(float(lat_ms.max()), 1),
-            "runtime_p99_ms": runtime["p99_ms"], "runtime_p999_ms": runtime["p999_ms"], "rss_mb": round(rss[0], 1),
+            "runtime_p99_ms": runtime["p99_ms"], "runtime_p999_ms": runtime["p999_ms"], "rss_mb": round(rss, 1),
             "outputs": len(lat_ms)}
 
 
@@ -98,6 +104,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--epoch", type=int, default=500, help="events per epoch (default 500)")
     p.add_argument("--windows", default="5m,1h,7d")
+    p.add_argument("--same-rate", action="store_true",
+                   help="offer every window half the smallest maximum throughput (equal load)")
     args = p.parse_args()
     n = 20_000 if args.quick else args.rows
     table = payments(n, cards=100_000, s=0.8, seed=42)
@@ -105,15 +113,16 @@ def main() -> None:
     rows = []
     root = Path(tempfile.mkdtemp(prefix="chronostream-latency-"))
     try:
-        for name in args.windows.split(","):
-            size = WINDOWS[name]
-            top = max_throughput(table, size, args.epoch, root)
-            res = latency_run(table, size, args.epoch, top / 2, root)
-            rows.append({"window": name, "max_events_per_s": round(top), "offered_events_per_s": round(top / 2),
+        names = args.windows.split(",")
+        tops = {name: max_throughput(table, WINDOWS[name], args.epoch, root) for name in names}
+        for name in names:
+            rate = (min(tops.values()) if args.same_rate else tops[name]) / 2
+            res = latency_run(table, WINDOWS[name], args.epoch, rate, root)
+            rows.append({"window": name, "max_events_per_s": round(tops[name]), "offered_events_per_s": round(rate),
                          **res})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    emit({"payments": n, "epoch_events": args.epoch, "containers": {"payments": 1, "profiles": 2}, "rows": rows},
+    emit({"payments": n, "epoch_events": args.epoch, "same_rate": args.same_rate, "containers": {"payments": 1, "profiles": 2}, "rows": rows},
          args.json)
 
 

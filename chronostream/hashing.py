@@ -29,6 +29,9 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_PADDED_BYTES_LIMIT = 1 << 22  # rows x longest value: above it, no padded byte matrix
+
+
 def _hash_binary(arr: pa.Array) -> np.ndarray:
     """FNV-1a of each value's bytes, vectorized over rows (loop over byte positions)."""
     if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
@@ -44,21 +47,33 @@ def _hash_binary(arr: pa.Array) -> np.ndarray:
     h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
     if n == 0:
         return h
-    # Rows sorted by length let each byte position touch only rows that long.
+    # Rows sorted by length: at byte position j the rows still going are a
+    # suffix, so each position is two in-place ufuncs on that suffix. The
+    # fixed cost per call matters: a container hashes every slice's new keys
+    # each epoch, and a slice's batch can be a few hundred rows.
     order = np.argsort(lengths, kind="stable")
     sorted_len = lengths[order]
     sorted_start = starts[order]
     hs = h[order]
-    max_len = int(sorted_len[-1]) if n else 0
-    first_live = 0
+    max_len = int(sorted_len[-1])
+    first_live = np.searchsorted(sorted_len, np.arange(max_len), side="right").tolist()
     with np.errstate(over="ignore"):
-        for j in range(max_len):
-            first_live = int(np.searchsorted(sorted_len, j, side="right"))
-            if first_live >= n:
-                break
-            live = slice(first_live, n)
-            byte = data[sorted_start[live] + j].astype(np.uint64)
-            hs[live] = (hs[live] ^ byte) * _FNV_PRIME
+        if n * max_len <= _PADDED_BYTES_LIMIT and len(data):
+            # One gather for every byte (positions past a value's end are clipped
+            # and never read: they are outside the live suffix).
+            pos = np.minimum(sorted_start[:, None] + np.arange(max_len), len(data) - 1)
+            padded = data[pos].astype(np.uint64).T.copy()  # row j: byte j of every value
+            for j, lo in enumerate(first_live):
+                live = hs[lo:]
+                np.bitwise_xor(live, padded[j, lo:], out=live)
+                np.multiply(live, _FNV_PRIME, out=live)
+        else:
+            for j, lo in enumerate(first_live):
+                if lo >= n:
+                    break
+                live = slice(lo, n)
+                byte = data[sorted_start[live] + j].astype(np.uint64)
+                hs[live] = (hs[live] ^ byte) * _FNV_PRIME
     h[order] = hs
     # Mix in the length so "" and a value of zero bytes hash apart from prefixes.
     return h ^ _splitmix64(lengths.astype(np.uint64))
