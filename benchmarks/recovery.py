@@ -59,7 +59,8 @@ def one_run(lost_mb: int, peers: int, interval: int) -> dict:
     try:
         kill_at = load_epochs + 2 * interval + 2  # the state is loaded and checkpointed
         applied = apply_schedule(job, [Fault("delay", 0, stage="events", seconds=0.15),
-                                       Fault("kill", kill_at, stage="agg")])
+                                       Fault("kill", kill_at, stage="agg")],
+                                 timeout_s=3600)  # loading 1 GB per container takes minutes here
         job.wait(timeout_s=900)
         timeline = job.timeline()
     finally:

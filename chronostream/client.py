@@ -329,7 +329,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
         gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
         spill_state: bool = True, source_poll_s: float = 0.01,
-        full_gc_interval_s: float = 600.0) -> Job | CompletedJob:
+        full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -357,7 +357,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     Elasticity (Ray executor): ``job.scale_out``, ``job.scale_in``,
     ``job.migrate``, ``job.scale_up``, ``job.scale_down`` rescale the running
     job; ``autoscale=`` a policy (``chronostream.autoscale``) lets the master
-    decide every ``autoscale_interval_s`` from ``job.metrics()``.
+    decide every ``autoscale_interval_s`` from ``job.metrics()``. A
+    migration first waits (up to ``migration_warm_up_s``, pausing nothing)
+    for the destination's chained backups to reach the source's current
+    epoch, so the new copy has few epochs to catch up.
 
     State (Ray and local executors): with ``spill_state`` (the default) long
     lists and queues of the state library, a long window's contents among
@@ -386,7 +389,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
                          gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s,
                          spill_state=spill_state, source_poll_s=source_poll_s,
-                         full_gc_interval_s=full_gc_interval_s)
+                         full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731

@@ -71,9 +71,16 @@ class KeyIndex:
         """Slot of each row of ``unique_keys`` (rows must be distinct keys); new keys get new slots."""
         n = len(unique_keys[0])
         h = hash_columns(unique_keys)
-        if len(np.unique(h)) != n:
+        # Work in hash order: searchsorted with sorted queries walks the stored
+        # hashes once (random queries into millions of hashes miss the cache on
+        # every probe), and duplicates are neighbours.
+        by_hash = np.argsort(h, kind="stable")
+        hs = h[by_hash]
+        if n > 1 and bool(np.any(hs[1:] == hs[:-1])):
             raise KeyCollision("two distinct keys of one batch share a 64-bit hash")
-        pos = np.searchsorted(self._hashes, h)
+        pos_sorted = np.searchsorted(self._hashes, hs)
+        pos = np.empty(n, dtype=np.int64)
+        pos[by_hash] = pos_sorted
         found = pos < len(self._hashes)
         found[found] = self._hashes[pos[found]] == h[found]
         out = np.empty(n, dtype=np.int64)
@@ -96,8 +103,10 @@ class KeyIndex:
             for c, col in enumerate(unique_keys):
                 self._columns[c].append(col.take(sel))
             self._size += k
-            hashes = np.concatenate([self._hashes, h[new]])
-            slots_all = np.concatenate([self._slot_of_sorted, new_slots])
-            order = np.argsort(hashes, kind="stable")
-            self._hashes, self._slot_of_sorted = hashes[order], slots_all[order]
+            # Merge the new hashes in (already in hash order, with their insertion
+            # points): O(stored + new) per batch, not a sort of every stored hash.
+            new_in_order = new[by_hash]
+            at = pos_sorted[new_in_order]
+            self._hashes = np.insert(self._hashes, at, hs[new_in_order])
+            self._slot_of_sorted = np.insert(self._slot_of_sorted, at, out[by_hash][new_in_order])
         return out

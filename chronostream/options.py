@@ -35,6 +35,7 @@ class JobOptions:
     spill_state: bool = True  # long lists/queues (window contents) keep their middle chunks in the host's lmdb
     source_poll_s: float = 0.01  # how often a source tails a followed log (a stat of its manifest when idle)
     full_gc_interval_s: float = 600.0  # a host's own full garbage collections (0: CPython's automatic ones)
+    migration_warm_up_s: float = 30.0  # a migration waits this long at most for fresh backups (0: no wait)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
@@ -47,7 +48,7 @@ class JobOptions:
                      "source_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("checkpoint_interval_s", "full_gc_interval_s"):
+        for name in ("checkpoint_interval_s", "full_gc_interval_s", "migration_warm_up_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -66,6 +66,12 @@ def _warm_up() -> None:
 class ResourceContainer:
     """Hosts containers (slices of one or more stages) on one Ray worker process."""
 
+    #: Replay rounds a migration destination gets before it joins the live route anyway
+    #: (then backpressure paces this container to it, as for any slow consumer).
+    CATCH_UP_ROUNDS = 8
+    #: Replayed epochs per ``push_many`` call.
+    REPLAY_BATCH = 16
+
     def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
         self.host_id = host_id
         self.container_id = host_id  # the container it starts with
@@ -198,6 +204,26 @@ class ResourceContainer:
             cond.notify_all()
         return accepted
 
+    async def push_many(self, container_id: int, sender: int, messages: list[tuple[int, Message]]) -> int:
+        """Receive a run of epoch messages (a replay) in one call, in order, each waiting for room
+        in the inbox as ``push`` does; returns how many were accepted.
+
+        One awaited call per replayed epoch made a catch-up as slow as the
+        call's round trip (tens of ms on a busy host), barely faster than
+        the epochs a producer makes meanwhile.
+        """
+        accepted = 0
+        for epoch, message in messages:
+            accepted += bool(await self.push(container_id, epoch, sender, message))
+        return accepted
+
+    async def _push_replay(self, target: int, target_host: Any, sender: int, replay: dict[int, Message]) -> None:
+        """Push a replay in epoch order, ``REPLAY_BATCH`` epochs per call."""
+        epochs = sorted(replay)
+        for i in range(0, len(epochs), self.REPLAY_BATCH):
+            run = epochs[i:i + self.REPLAY_BATCH]
+            await target_host.push_many.remote(target, sender, [(e, replay[e]) for e in run])
+
     # -- the loop ------------------------------------------------------------------
 
     async def _run(self, cid: int) -> None:
@@ -328,21 +354,52 @@ class ResourceContainer:
             self.conds[container_id].notify_all()
 
     async def reroute(self, container_id: int, stage_id: int, slices: list[int], target: int, target_host: Any,
-                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int], dual: bool = False) -> int:
+                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int],
+                      dual: bool = False) -> dict[str, int]:
         """Send ``slices`` of ``stage_id`` to ``target`` from now on and replay what it is owed.
 
-        Returns the number of epochs replayed. The replay messages are
+        Returns ``{"epochs": replayed, "rounds": catch-up rounds}``. The replay messages are
         pushed in epoch order and awaited (the receiver's window paces them).
-        With ``dual`` (migration) the slices' owner keeps getting them too.
+
+        With ``dual`` (migration phase 2) the slices' owner keeps getting
+        them too, and the new copy catches up *before* it joins the live
+        route: rounds of replay, each read from the output log in a worker
+        thread while this container keeps stepping, until the gap is at most
+        one window (or after ``CATCH_UP_ROUNDS``); only then does the route
+        switch, at an epoch boundary, and the last gap is replayed. So this
+        container never waits on a copy that is still far behind (its other
+        destinations, the slices' owner among them, keep their pace), and
+        it is never blocked while the replay is read.
         """
         core, cond = self.cores[container_id], self.conds[container_id]
         async with cond:
             self.peers[target] = target_host
             self.unreachable.discard(target)
-            replay = core.reroute(stage_id, slices, target, progress, resume, dual=dual)
-        for epoch in sorted(replay):
-            await target_host.push.remote(target, epoch, container_id, replay[epoch])
-        return len(replay)
+            if not dual:
+                replay = core.reroute(stage_id, slices, target, progress, resume)
+        if not dual:
+            await self._push_replay(target, target_host, container_id, replay)
+            return {"epochs": len(replay), "rounds": 1}
+        since, pushed, round_ = 0, 0, 0
+        cursor: dict[tuple[int, int], int] = {}  # each round reads only the log after the last one
+        for round_ in range(1, self.CATCH_UP_ROUNDS + 1):
+            async with cond:  # between two steps: an epoch boundary
+                upto = core.next_epoch
+                joining = upto - max(since, min(resume[s] for s in slices)) <= self.window \
+                    or round_ == self.CATCH_UP_ROUNDS
+                if joining:
+                    core.switch_route(stage_id, slices, target, dual=True)
+            replay = await asyncio.to_thread(core.replay_epochs, stage_id, slices, target, progress, resume,
+                                             upto, since, cursor)
+            log.info("host %s: container %s replays epochs %s..%s of stage %s slices %s to container %s "
+                     "(catch-up round %d%s)", self.host_id, container_id, since, upto - 1, stage_id, slices,
+                     target, round_, ", then live" if joining else "")
+            await self._push_replay(target, target_host, container_id, replay)
+            pushed += len(replay)
+            since = upto
+            if joining:
+                break
+        return {"epochs": pushed, "rounds": round_}
 
     async def retarget_backups(self, container_id: int, backup_peers: dict[int, list[int]],
                                hosts: dict[int, Any]) -> None:

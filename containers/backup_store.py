@@ -3,9 +3,12 @@
 Each backed-up slice has a chain: one full checkpoint and the deltas taken
 after it. New checkpoints land in memory first (the replication buffer,
 paper IV) and are persisted lazily to this container's lmdb store by
-``flush``. When a chain's deltas weigh as much as its full checkpoint, or
-number more than ``merge_every``, they are merged into a new full
-checkpoint, so a restore never replays a long chain.
+``flush``, each checkpoint once under its own key. When a chain's deltas
+weigh as much as its full checkpoint, or number more than ``merge_every``
+(128), they are folded into a new full checkpoint in one pass
+(``slices.checkpoint.merge_chain``), so a restore reads at most about twice
+a full checkpoint. A merge rewrites the whole state, so it must stay rare
+for large states with small deltas.
 Every checkpoint is verified (magic, length, CRC-32) when it arrives and
 when it is restored; a bad one raises ``CheckpointCorrupt`` naming the
 slice and epoch. A delta that cannot extend its chain (no chain, a gap,
@@ -24,7 +27,7 @@ import msgpack
 
 from containers.lmdb_store import put_all
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
-                               merge)
+                               merge_chain)
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -40,7 +43,7 @@ class BackupStore:
     {0: 9}
     """
 
-    def __init__(self, path: str | os.PathLike, merge_every: int = 16, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike, merge_every: int = 128, map_size: int = 1 << 30) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False)
@@ -55,20 +58,33 @@ class BackupStore:
         self.damaged: set[SliceKey] = set()  # chains a merge found corrupt: deltas refused until a full
         self.refused = 0  # deltas refused (the sender sends a full checkpoint instead)
         self._unflushed: set[SliceKey] = set()
+        # Lazy persistence writes each checkpoint of a chain once, under its own key
+        # ("stage:slice:index"): a chain rewritten whole at every flush copied a large
+        # state's full checkpoint to lmdb twice a second.
+        self._persisted: dict[SliceKey, int] = {}  # leading chain entries already in lmdb
+        self._rewrite: set[SliceKey] = set()  # chains replaced since (a full, a merge): rewrite them
         with self.env.begin() as txn:
+            entries: dict[SliceKey, list[tuple[int, bytes]]] = {}
             for k, v in txn.cursor():
                 name = k.decode()
                 if name.startswith("out:"):
                     stage, sl = (int(x) for x in name[4:].split(":"))
                     self.outputs[(stage, sl)] = [tuple(x) for x in msgpack.unpackb(v, raw=False)]
+                    continue
+                fields = [int(x) for x in name.split(":")]
+                if len(fields) == 2:  # a store written whole per chain (before per-entry keys)
+                    entries[(fields[0], fields[1])] = list(enumerate(msgpack.unpackb(v, raw=False)))
+                    self._rewrite.add((fields[0], fields[1]))
                 else:
-                    stage, sl = (int(x) for x in name.split(":"))
-                    chain = list(msgpack.unpackb(v, raw=False))
-                    self.chains[(stage, sl)] = chain
-                    try:
-                        self.chain_end[(stage, sl)] = self.newest[(stage, sl)] = decode(chain[-1]).epoch
-                    except CheckpointCorrupt:
-                        self.damaged.add((stage, sl))
+                    entries.setdefault((fields[0], fields[1]), []).append((fields[2], bytes(v)))
+            for key, items in entries.items():
+                chain = [data for _, data in sorted(items)]
+                self.chains[key] = chain
+                self._persisted[key] = len(chain)
+                try:
+                    self.chain_end[key] = self.newest[key] = decode(chain[-1]).epoch
+                except CheckpointCorrupt:
+                    self.damaged.add(key)
 
     def put(self, data: bytes) -> SliceKey | None:
         """Receive one encoded checkpoint, or carried outputs, of a peer's slice (verified before it is kept).
@@ -89,6 +105,7 @@ class BackupStore:
         key = (ckpt.stage_id, ckpt.slice_id)
         if ckpt.kind == "full":
             self.chains[key] = [data]
+            self._rewrite.add(key)
             self.damaged.discard(key)
         else:
             chain = self.chains.get(key)
@@ -104,6 +121,7 @@ class BackupStore:
             if len(chain) - 1 > self.merge_every or sum(len(d) for d in chain[1:]) >= len(chain[0]):
                 try:
                     self.chains[key] = [encode(self._merged(key))]
+                    self._rewrite.add(key)
                 except CheckpointCorrupt:
                     self.damaged.add(key)
                     self.refused += 1
@@ -115,10 +133,8 @@ class BackupStore:
 
     def _merged(self, key: SliceKey) -> SliceCheckpoint:
         chain = self.chains[key]
-        full = decode(chain[0], f"backup of stage {key[0]} slice {key[1]}")
-        for d in chain[1:]:
-            full = merge(full, decode(d, f"backup of stage {key[0]} slice {key[1]}"))
-        return full
+        what = f"backup of stage {key[0]} slice {key[1]}"
+        return merge_chain(decode(chain[0], what), [decode(d, what) for d in chain[1:]])
 
     def latest(self, stage_id: int, slice_id: int) -> SliceCheckpoint:
         """The newest full checkpoint of a slice (chain merged), verified."""
@@ -180,11 +196,26 @@ class BackupStore:
         return sorted(self.chains)
 
     def flush(self) -> int:
-        """Persist the chains changed since the last flush, in one transaction; return how many."""
+        """Persist what changed since the last flush; return how many slices it concerned.
+
+        A chain that only grew gets its new deltas written; a replaced one (a
+        full checkpoint arrived, or a merge) has its old entries deleted and
+        is written again. Carried outputs are rewritten per slice.
+        """
         if not self._unflushed:
             return 0
-        items = [(f"{s}:{sl}".encode(), msgpack.packb(self.chains[(s, sl)], use_bin_type=True))
-                 for s, sl in sorted(self._unflushed) if (s, sl) in self.chains]
+        items = []
+        rewrite = sorted(k for k in self._unflushed if k in self._rewrite or k not in self._persisted)
+        if rewrite:
+            self._delete_chains(rewrite)
+        for key in sorted(self._unflushed):
+            chain = self.chains.get(key)
+            if chain is None:
+                continue
+            start = 0 if key in rewrite else self._persisted[key]
+            items += [(_entry_key(key, i), chain[i]) for i in range(start, len(chain))]
+            self._persisted[key] = len(chain)
+            self._rewrite.discard(key)
         items += [(f"out:{s}:{sl}".encode(), msgpack.packb([list(x) for x in self.outputs[(s, sl)]],
                                                            use_bin_type=True))
                   for s, sl in sorted(self._unflushed) if (s, sl) in self.outputs]
@@ -192,6 +223,22 @@ class BackupStore:
         n = len(self._unflushed)
         self._unflushed.clear()
         return n
+
+    def _delete_chains(self, keys: list[SliceKey]) -> None:
+        """Delete the lmdb entries of these chains (both key layouts)."""
+        with self.env.begin(write=True) as txn:
+            cur = txn.cursor()
+            for s, sl in keys:
+                txn.delete(f"{s}:{sl}".encode())
+                prefix = f"{s}:{sl}:".encode()
+                dead = []
+                if cur.set_range(prefix):
+                    for k in cur.iternext(keys=True, values=False):
+                        if not k.startswith(prefix):
+                            break
+                        dead.append(k)
+                for k in dead:
+                    txn.delete(k)
 
     def corrupt(self, stage_id: int, slice_id: int, truncate: bool = False) -> None:
         """Damage the newest checkpoint held for a slice (failure injection: bit rot or a torn write).
@@ -207,6 +254,7 @@ class BackupStore:
             data[len(data) // 2] ^= 0xFF
         chain[-1] = bytes(data)
         self._unflushed.add((stage_id, slice_id))
+        self._rewrite.add((stage_id, slice_id))
         self.flush()
 
     def drop(self, stage_id: int, slice_id: int) -> None:
@@ -217,14 +265,20 @@ class BackupStore:
         self.newest.pop(key, None)
         self.damaged.discard(key)
         self._unflushed.discard(key)
-        with self.env.begin(write=True) as txn:
-            txn.delete(f"{stage_id}:{slice_id}".encode())
+        self._persisted.pop(key, None)
+        self._rewrite.discard(key)
+        self._delete_chains([key])
 
     def close(self, flush: bool = True) -> None:
         """Close the lmdb environment (after a flush unless ``flush=False``: the buffer is then lost)."""
         if flush:
             self.flush()
         self.env.close()
+
+
+def _entry_key(key: SliceKey, index: int) -> bytes:
+    """lmdb key of a chain's ``index``-th checkpoint (0: the full one); sorts by index."""
+    return f"{key[0]}:{key[1]}:{index:08d}".encode()
 
 
 __all__ = ["BackupStore", "CheckpointCorrupt"]

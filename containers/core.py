@@ -670,6 +670,12 @@ class ContainerCore:
         phase 2) the slices' owner keeps getting their rows too, until
         ``release_route``.
         """
+        self.switch_route(stage_id, slices, target, dual)
+        return self.replay_epochs(stage_id, slices, target, progress, resume, self.next_epoch)
+
+    def switch_route(self, stage_id: int, slices: list[int], target: int, dual: bool = False) -> None:
+        """From the next epoch on, route ``stage_id``'s ``slices`` to ``target`` (with ``dual``, to
+        their owner as well). Call it at an epoch boundary (not during ``step``)."""
         route_ = self.routes[stage_id]
         moved = np.array(sorted(slices), dtype=np.int64)
         if dual:
@@ -681,8 +687,22 @@ class ContainerCore:
             self.routes[stage_id] = OutputRoute(stage_id, table, {s: c for s, c in route_.dual.items()
                                                                   if s not in set(moved.tolist())})
         self._refresh_destinations()
-        first = min(resume[s] for s in slices)
-        replay: dict[int, Message] = {e: {} for e in range(first, self.next_epoch)}
+
+    def replay_epochs(self, stage_id: int, slices: list[int], target: int,
+                      progress: dict[int, dict[int, list[int]]], resume: dict[int, int], upto: int,
+                      since: int = 0, cursor: dict[tuple[int, int], int] | None = None) -> dict[int, Message]:
+        """The replay for ``target`` of epochs [max(resume, since), upto): one message per epoch.
+
+        Reads only the output log and the plan, so it may run in a worker
+        thread while this core goes on stepping (a migration destination
+        catches up in rounds, ``ResourceContainer.reroute``). ``cursor``
+        ((stream, producer slice) -> last out_seq already replayed), kept by
+        the caller across rounds, makes each round read only the log batches
+        after the previous round's; this call advances it to ``upto``.
+        """
+        moved = np.array(sorted(slices), dtype=np.int64)
+        first = max(since, min(resume[s] for s in slices))
+        replay: dict[int, Message] = {e: {} for e in range(first, upto)}
         if not replay:
             return replay
         if self.num_epochs is not None and self.plan.num_epochs is None:
@@ -696,19 +716,32 @@ class ContainerCore:
                     f"stage {self.plan.stages[stage_id].name!r} slices {late} resume at epoch "
                     f"{min(resume[s] for s in late)}, but the output of stage {self.stage.name!r} slice {p} "
                     f"before epoch {start} was lost with the container that hosted it or dropped by GC")
-        rows = self._replay_rows(stage_id, slices, moved, progress)
+        rows = self._replay_rows(stage_id, slices, moved, progress, upto, cursor)
+        # Route as if ``target`` owned the slices (whether or not the live route says so yet).
+        table = self.routes[stage_id].slice_to_container.copy()
+        table[moved] = target
+        keep_route = OutputRoute(stage_id, table, {})
         for sid, t in rows.items():
+            # One stable sort by epoch, then zero-copy slices: cost O(rows), not
+            # O(rows x epochs) (a replay can span hundreds of epochs).
             epochs = np.asarray(t.column(ORDER)) // self.plan.epoch_events
-            keep_route = self.routes[stage_id]
-            for e in np.unique(epochs).tolist():
+            if len(epochs) > 1 and np.any(epochs[1:] < epochs[:-1]):
+                by_epoch = np.argsort(epochs, kind="stable")
+                t, epochs = t.take(pa.array(by_epoch)), epochs[by_epoch]
+            uniq, starts = np.unique(epochs, return_index=True)
+            ends = np.append(starts[1:], len(epochs))
+            for e, lo, hi in zip(uniq.tolist(), starts.tolist(), ends.tolist()):
                 if e in replay:
-                    part = route(t.filter(pa.array(epochs == e)), self.plan.streams[sid].key, keep_route)
+                    part = route(t.slice(lo, hi - lo), self.plan.streams[sid].key, keep_route)
                     if target in part:
                         replay[e][sid] = part[target]
         return replay
 
     def _replay_rows(self, stage_id: int, slices: list[int], moved: np.ndarray,
-                     progress: dict[int, dict[int, list[int]]]) -> dict[int, pa.Table]:
+                     progress: dict[int, dict[int, list[int]]], upto: int | None = None,
+                     cursor: dict[tuple[int, int], int] | None = None) -> dict[int, pa.Table]:
+        """Logged rows the moved slices have not consumed, per stream: derived from epochs before
+        ``upto`` (all when None) and, with ``cursor``, after its out_seq per (stream, producer)."""
         if self.output_log is None:
             raise ReplayUnavailable(f"container {self.container_id} keeps no output log to replay from")
         n = self.plan.stages[stage_id].num_slices
@@ -724,9 +757,18 @@ class ContainerCore:
                 for s in slices:
                     vec = progress.get(s, {}).get(sid, [])
                     consumed[s] = vec[p] if p < len(vec) else -1
-                t = self.output_log.read(sid, p, int(consumed[moved].min()))
+                after = int(consumed[moved].min())
+                if cursor is not None:
+                    after = max(after, cursor.get((sid, p), -1))
+                t = self.output_log.read(sid, p, after)
+                if upto is not None and t.num_rows:
+                    # A producer numbers its epochs in order: the rows before ``upto`` are a prefix.
+                    cut = int(np.searchsorted(np.asarray(t.column(ORDER)) // self.plan.epoch_events, upto))
+                    t = t.slice(0, cut)
                 if t.num_rows == 0:
                     continue
+                if cursor is not None:
+                    cursor[(sid, p)] = int(np.asarray(t.column(SEQ))[-1])
                 dst = consumer_slices(t, sp.key, n)
                 keep = np.asarray(t.column(SEQ)) > consumed[dst]
                 if keep.any():

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Iterable
 
 import lmdb
 
 
-def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]]) -> None:
+def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]],
+            resize_lock: threading.Lock | None = None) -> None:
     """Write every (key, value) in one transaction; double ``map_size`` and retry when the map is full.
 
-    ``map_size`` is address space, not disk, so growing it is cheap.
+    ``map_size`` is address space, not disk, so growing it is cheap. LMDB
+    allows the resize only while no transaction is open in the process:
+    readers in other threads hold ``resize_lock`` for their transactions.
     """
     items = list(items)
     if not items:
@@ -22,4 +27,5 @@ def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]]) -> None
                     txn.put(k, v)
             return
         except lmdb.MapFullError:
-            env.set_mapsize(env.info()["map_size"] * 2)
+            with resize_lock if resize_lock is not None else contextlib.nullcontext():
+                env.set_mapsize(env.info()["map_size"] * 2)

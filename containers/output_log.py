@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -52,6 +53,9 @@ class OutputLog:
         self.env = lmdb.open(str(self.path), map_size=map_size, subdir=True, lock=True,
                              writemap=False, metasync=False, sync=False, max_dbs=1)
         self.rows_written = 0
+        # A migration's replay reads from a worker thread while the container appends: a map
+        # resize must not happen inside its read transaction (lmdb_store.put_all).
+        self._resize_lock = threading.Lock()
 
     def append_epoch(self, outputs: dict[tuple[int, int], pa.Table]) -> None:
         """Persist one epoch's outputs ((stream, slice) -> rows with ``_seq``) in one transaction."""
@@ -62,7 +66,7 @@ class OutputLog:
             first = int(table.column(SEQ)[0].as_py())
             items.append((_KEY.pack(stream_id, slice_id, first), _encode(table)))
             self.rows_written += table.num_rows
-        put_all(self.env, items)
+        put_all(self.env, items, self._resize_lock)
 
     def scan(self, stream_id: int, slice_id: int, after_seq: int = -1) -> Iterator[pa.Table]:
         """Yield the logged batches of (stream, slice) holding rows with out_seq > ``after_seq``."""
@@ -89,7 +93,8 @@ class OutputLog:
 
     def read(self, stream_id: int, slice_id: int, after_seq: int = -1) -> pa.Table:
         """All logged rows of (stream, slice) with out_seq > ``after_seq``, as one table."""
-        parts = list(self.scan(stream_id, slice_id, after_seq))
+        with self._resize_lock:
+            parts = list(self.scan(stream_id, slice_id, after_seq))
         if not parts:
             return pa.table({})
         return pa.concat_tables(parts, promote_options="permissive")

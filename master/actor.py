@@ -383,7 +383,7 @@ class JobMaster:
         await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=False)
         self._save_layout()
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
-                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(replayed),
+                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(r["epochs"] for r in replayed),
                     seconds=round(time.time() - t0, 3))
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
@@ -527,7 +527,9 @@ class JobMaster:
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
                                   "phase": t.phase.value, "resume": t.resume, "released_at": t.released_at,
-                                  "pause_ms": t.pause_ms,
+                                  "pause_ms": t.pause_ms, "catch_up": t.catch_up,
+                                  "warm_wait_s": next((info.get("warm_wait_s", 0.0) for _, p, _, info in t.story
+                                                       if p == "rebuilding"), 0.0),
                                   "phases_s": {p: round(info["at"] - t0, 3) for _, p, _, info in t.story}}
                                  for t in transfers],
                    "released_hosts": released, "seconds": round(time.time() - t0, 3), "reason": reason}
@@ -552,6 +554,7 @@ class JobMaster:
             t.advance(P.WARMING, host=t.host)
         self._save_layout()  # the new hosts (a restarted master releases them if the migration is undone)
         # 1. WARMING: the destination holds the newest backup, or gets a snapshot.
+        warm_wait_s = 0.0 if stop_copy else await self._await_fresh_backups(sid, transfers)
         held = dict(zip(sorted(self.alive), await asyncio.gather(
             *[self.handles[h].backup_epochs.remote() for h in sorted(self.alive)])))
         snaps = []
@@ -568,6 +571,7 @@ class JobMaster:
         for t, ref in zip(transfers, snaps):
             info = await ref if ref is not None else {"epoch": None, "bytes": 0}
             t.advance(P.REBUILDING, info["epoch"], snapshot=t.snapshot, mb=round(info["bytes"] / 1e6, 3),
+                      warm_wait_s=warm_wait_s,
                       local=sorted(set(t.slices) - set(t.snapshot)))
         # 2. REBUILDING: consumers accept the new containers; each restores from its host's store.
         calls = []
@@ -584,15 +588,17 @@ class JobMaster:
         await asyncio.gather(*[self.handles[t.host].set_extra_window.remote(t.new_id, 64) for t in transfers])
         await asyncio.gather(*[self.handles[t.host].start.remote([t.new_id]) for t in transfers])
         # 3. DUAL: producers send the slices to both copies, replaying to the new one.
-        reroutes = []
+        reroutes, who = [], []
         for t, info in zip(transfers, infos):
             t.resume = info["resume"]
             for c, producer in self._producers(sid, live_only=False):
                 reroutes.append(producer.reroute.remote(
                     c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
+                who.append((t, c))
             t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
                       restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
-        await asyncio.gather(*reroutes)
+        for (t, c), caught_up in zip(who, await asyncio.gather(*reroutes)):
+            t.catch_up[c] = caught_up  # producer -> epochs replayed and rounds before joining live
         if not stop_copy:
             await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
                               or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
@@ -629,6 +635,39 @@ class JobMaster:
                                            for h, cs_ in ids.items()]):
             out.update(part)
         return out
+
+    async def _await_fresh_backups(self, sid: int, transfers: list[Transfer]) -> float:
+        """Warm-up: wait, pausing nothing, until each destination host's own backup of its moving
+        slices is from the source's current epoch or later.
+
+        A chained backup can be many epochs old when the migration starts
+        (deltas deferred while the peers were behind, as during a state
+        load). Every epoch it lags is an epoch the new copy must catch up by
+        replay after the rebuild, which costs far more than waiting here for
+        the next checkpoint round or two to arrive. Waits at most
+        ``JobOptions.migration_warm_up_s``, then goes on with what the host holds.
+        Destinations holding no backup of a slice get a fresh snapshot anyway.
+        Returns the seconds waited.
+        """
+        t0 = time.monotonic()
+        goals: dict[int, tuple[list[int], int]] = {}  # transfer index -> (slices, epoch to reach)
+        for i, t in enumerate(transfers):
+            st = (await self.handles[self.host_of[t.source]].migration_state.remote([t.source])).get(t.source)
+            own = await self.handles[t.host].backup_epochs.remote()
+            waiting = [s for s in t.slices if own.get((sid, s), -1) >= 0]
+            if st is not None and not st["done"] and waiting:
+                goals[i] = (waiting, st["next_epoch"] - 1)
+        while goals and time.monotonic() - t0 < self.opts.migration_warm_up_s:
+            for i, (slices, goal) in list(goals.items()):
+                own = await self.handles[transfers[i].host].backup_epochs.remote()
+                if all(own.get((sid, s), -1) >= goal for s in slices):
+                    goals.pop(i)
+            if goals:
+                await asyncio.sleep(0.05)
+        waited = round(time.monotonic() - t0, 3)
+        log.info("migration of stage %s: waited %.2f s for fresh backups%s", self.plan.stages[sid].name,
+                 waited, f" (still old: transfers {sorted(goals)})" if goals else "")
+        return waited
 
     async def _until(self, transfers: list[Transfer], ok, what: str, timeout_s: float = 120.0) -> None:
         """Poll the transfers' containers until ``ok(t, states)`` holds for every transfer."""

@@ -94,6 +94,7 @@ class Transfer:
     resume: dict[int, int] = field(default_factory=dict)
     released_at: dict[int, int] = field(default_factory=dict)
     pause_ms: dict[int, float] = field(default_factory=dict)
+    catch_up: dict[int, dict[str, int]] = field(default_factory=dict)  # producer -> {"epochs", "rounds"} (Ray)
 
     def to_plain(self) -> dict[str, Any]:
         """What a restarted master needs to settle it (``master.catalog``)."""

@@ -117,7 +117,6 @@ def test_a_chain_found_damaged_at_merge_refuses_deltas_until_a_full_checkpoint_h
 
 def test_store_detects_a_corrupted_backup_on_restore(tmp_path):
     """A backup damaged at rest (in lmdb) raises CheckpointCorrupt naming slice and epoch."""
-    import msgpack
 
     store = BackupStore(tmp_path)
     store.put(ckpt(3, "full", -1, 30))
@@ -127,9 +126,8 @@ def test_store_detects_a_corrupted_backup_on_restore(tmp_path):
 
     env = lmdb.open(str(tmp_path))
     with env.begin(write=True) as txn:
-        chain = msgpack.unpackb(txn.get(b"1:4"), raw=False)
-        chain[0] = chain[0][:-2] + b"!!"
-        txn.put(b"1:4", msgpack.packb(chain, use_bin_type=True))
+        full = txn.get(b"1:4:00000000")
+        txn.put(b"1:4:00000000", full[:-2] + b"!!")
     env.close()
     with pytest.raises(CheckpointCorrupt, match="stage 1 slice 4 epoch 3"):
         BackupStore(tmp_path).latest(1, 4)
@@ -142,3 +140,99 @@ def test_store_refuses_a_damaged_incoming_backup(tmp_path):
     with pytest.raises(CheckpointCorrupt):
         store.put(ckpt(4, "full", -1, 40)[:-5])
     assert store.latest(1, 4).epoch == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 30), st.integers(-5, 5)), max_size=12), min_size=1, max_size=6),
+       st.lists(st.lists(st.tuples(st.integers(0, 20), st.one_of(st.none(), st.integers(-1000, 1000))), max_size=8),
+                min_size=1, max_size=6))
+def test_a_whole_chain_folds_into_the_state_its_deltas_describe(table_writes, kv_writes):
+    """merge_chain (one fold per state part for the whole chain) gives what applying the deltas one
+    by one means: per slot the last row written; per key the last value, or gone if deleted."""
+    import pyarrow as pa
+
+    from slices.checkpoint import _pack, merge_chain, read_table_part, table_part
+
+    def table(rows):
+        return table_part(pa.table({"slot": pa.array([s for s, _ in rows], pa.int64()),
+                                    "v": pa.array([v for _, v in rows], pa.int64())}))
+
+    def kv(pairs):
+        sets = {k: v for k, v in pairs if v is not None}
+        dels = [k for k, v in pairs if v is None and k not in sets]
+        return {"shape": "kv", "keys": _pack(list(sets)), "values": _pack(list(sets.values())), "deleted": _pack(dels)}
+
+    parts = [{"t": table(sorted(dict(table_writes[0]).items())), "m": kv(kv_writes[0])}]
+    parts += [{"t": table(w), "m": kv(k)} for w, k in zip(table_writes[1:], kv_writes[1:] + [[]] * 6)]
+    base = SliceCheckpoint(1, 2, 0, "full", -1, {}, {0: 0}, parts[0])
+    deltas = [SliceCheckpoint(1, 2, i, "delta", i - 1, {}, {0: i}, p) for i, p in enumerate(parts[1:], start=1)]
+    merged = merge_chain(base, deltas)
+    want_t: dict = {}
+    want_m: dict = {}
+    for i, p in enumerate(parts):
+        want_t.update(table_writes[i] if i else sorted(dict(table_writes[0]).items()))
+        for k, v in (kv_writes + [[]] * 6)[i]:
+            if v is None:
+                want_m.pop(k, None)
+        want_m.update({k: v for k, v in (kv_writes + [[]] * 6)[i] if v is not None})
+    got_t = read_table_part(merged.state["t"])
+    assert list(zip(got_t["slot"].to_pylist(), got_t["v"].to_pylist())) == sorted(want_t.items())
+    import msgpack
+    keys = msgpack.unpackb(merged.state["m"]["keys"], raw=False)
+    values = msgpack.unpackb(merged.state["m"]["values"], raw=False, strict_map_key=False)
+    assert dict(zip(keys, values)) == want_m
+    assert merged.kind == "full" and merged.epoch == len(parts) - 1 and merged.next_seq == {0: len(parts) - 1}
+
+
+def test_a_growing_chain_is_persisted_entry_by_entry_and_reopens_whole(tmp_path):
+    """flush() writes only the deltas that arrived since the last flush (the full checkpoint once);
+    after a merge or a new full checkpoint the old entries go; a reopened store has the chain."""
+    import pyarrow as pa
+
+    from slices.checkpoint import table_part
+
+    big = table_part(pa.table({"slot": pa.array(range(2000), pa.int64())}))  # deltas stay smaller
+    store = BackupStore(tmp_path, merge_every=3)
+    store.put(encode(SliceCheckpoint(1, 4, 0, "full", -1, {0: [0]}, {0: 0}, {"t": big})))
+    store.flush()
+    with store.env.begin() as txn:
+        full_bytes = txn.get(b"1:4:00000000")
+    for e in range(1, 4):
+        store.put(ckpt(e, "delta", e - 1, e * 10))
+        store.flush()
+    with store.env.begin() as txn:
+        keys = [k for k, _ in txn.cursor()]
+        assert txn.get(b"1:4:00000000") == full_bytes  # the full one was not rewritten
+    assert keys == [b"1:4:%08d" % i for i in range(4)]
+    store.put(ckpt(4, "delta", 3, 40))  # a fourth delta: merged into a new full checkpoint
+    store.flush()
+    with store.env.begin() as txn:
+        assert [k for k, _ in txn.cursor()] == [b"1:4:00000000"]
+    store.put(ckpt(5, "delta", 4, 50))
+    store.close()
+    again = BackupStore(tmp_path)
+    assert len(again.chains[(1, 4)]) == 2 and again.latest(1, 4).next_seq == {0: 50}
+    again.drop(1, 4)
+    with again.env.begin() as txn:
+        assert [k for k, _ in txn.cursor()] == []
+
+
+def test_a_store_written_a_whole_chain_per_key_still_opens(tmp_path):
+    """Stores written before per-entry keys (one msgpack list per slice) are read, and rewritten in
+    the new layout at the next flush."""
+    import lmdb
+    import msgpack
+
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"1:4", msgpack.packb([ckpt(3, "full", -1, 30), ckpt(4, "delta", 3, 40)], use_bin_type=True))
+    env.close()
+    store = BackupStore(tmp_path)
+    assert store.latest(1, 4).next_seq == {0: 40}
+    store.put(ckpt(5, "delta", 4, 50))
+    store.flush()
+    n = len(store.chains[(1, 4)])
+    with store.env.begin() as txn:
+        assert [k for k, _ in txn.cursor()] == [b"1:4:%08d" % i for i in range(n)]
+    store.close()
+    assert BackupStore(tmp_path).latest(1, 4).next_seq == {0: 50}

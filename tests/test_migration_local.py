@@ -212,3 +212,54 @@ def test_migration_needs_output_logs_and_real_slices():
         cl.scale_in(operator_stage(cl), 1)
     with pytest.raises(MigrationError, match="no stage named"):
         cl.scale_out("nope", 1)
+
+
+def _replay_by_filtering_each_epoch(core, stage_id, slices, target, upto):
+    """The replay as first written: one filter of the whole log per epoch (the reference)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from chronostream.types import ORDER
+    from containers.routing import OutputRoute, route
+
+    moved = np.array(sorted(slices), dtype=np.int64)
+    table = core.routes[stage_id].slice_to_container.copy()
+    table[moved] = target
+    keep = OutputRoute(stage_id, table, {})
+    out: dict = {}
+    for sid, t in core._replay_rows(stage_id, slices, moved, {}).items():
+        epochs = np.asarray(t.column(ORDER)) // core.plan.epoch_events
+        for e in np.unique(epochs).tolist():
+            if e < upto:
+                part = route(t.filter(pa.array(epochs == e)), core.plan.streams[sid].key, keep)
+                if target in part:
+                    out.setdefault(e, {})[sid] = part[target]
+    return out
+
+
+def test_a_replay_read_in_rounds_equals_one_replay_and_the_per_epoch_reference():
+    """Catch-up rounds (ResourceContainer.reroute) read the output log from a cursor: the
+    messages of rounds [0, k) + [k, n) equal one replay of [0, n), epoch for epoch, and both
+    equal cutting the log by filtering it once per epoch. Four producer slices interleave
+    their epochs in the read, so the cut must sort by epoch."""
+    import numpy as np
+
+    cl = cluster("running_sum", containers=1)
+    cl.run()
+    (source,) = [c for c in cl.cores.values() if c.reader is not None]
+    stage_id = cl.stage_id(operator_stage(cl))
+    moved, target, upto = [0, 2], 99, source.next_epoch
+    assert len(source.slices) > 1 and upto > 10
+    resume = {s: 0 for s in moved}
+    whole = source.replay_epochs(stage_id, moved, target, {}, resume, upto)
+    cursor: dict = {}
+    rounds = {**source.replay_epochs(stage_id, moved, target, {}, resume, upto // 3, 0, cursor),
+              **source.replay_epochs(stage_id, moved, target, {}, resume, upto, upto // 3, cursor)}
+    reference = _replay_by_filtering_each_epoch(source, stage_id, moved, target, upto)
+    assert sorted(whole) == sorted(rounds) == list(range(upto))
+    assert sum(1 for m in whole.values() if m) == len(reference) > 10
+    for e in range(upto):
+        assert set(whole[e]) == set(rounds[e]) == set(reference.get(e, {}))
+        for sid, (table, dst) in whole[e].items():
+            for other in (rounds[e][sid], reference[e][sid]):
+                assert table.equals(other[0]) and np.array_equal(dst, other[1])

@@ -81,6 +81,52 @@ def test_slices_that_are_not_moving_keep_producing_output_during_a_migration(ray
         job.stop()
 
 
+def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live_route(ray_session):
+    """The destination restores a backup ~20 epochs old: the producer replays it up in rounds (reading
+    its output log off its event loop) and routes live epochs to it only once it is within a window."""
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20,
+                 migration_warm_up_s=0)  # no warm-up: start from the old backup
+    try:
+        apply_schedule(job, [SLOW_SOURCE])
+        placement = job.placement()["stages"]["running_sum"]
+        src, dst = sorted(placement)
+        apply_schedule(job, [Fault("delay", 38, "payments", seconds=0.05)])  # checkpoints at ~19 and ~39
+        summary = job.migrate("running_sum", placement[src][0], to_container=dst)
+        (t,) = summary["transfers"]
+        assert t["phase"] == "done"
+        (caught_up,) = t["catch_up"].values()  # one producer: the payments container
+        assert caught_up["rounds"] >= 2 and caught_up["epochs"] > 4, caught_up
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
+def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_epoch(ray_session):
+    """Warm-up: the destination's chained backup is up to 20 epochs old when the call comes; the
+    master waits (pausing nothing) for the next checkpoint round, so the copy resumes at or after
+    the epoch the job had reached and joins the live route in one catch-up round."""
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20)
+    try:
+        apply_schedule(job, [SLOW_SOURCE])
+        placement = job.placement()["stages"]["running_sum"]
+        src, dst = sorted(placement)
+        apply_schedule(job, [Fault("delay", 45, "payments", seconds=0.05)])  # newest backups: epoch 39
+        reached = job.progress()["min_epoch"]
+        summary = job.migrate("running_sum", placement[src][0], to_container=dst)
+        (t,) = summary["transfers"]
+        assert t["phase"] == "done" and t["warm_wait_s"] > 0
+        assert min(t["resume"].values()) >= reached > 40, (t["resume"], reached)
+        (caught_up,) = t["catch_up"].values()
+        assert caught_up["rounds"] == 1, caught_up
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
 def test_scaling_requested_while_a_container_dies_still_gives_the_serial_output(ray_session):
     """A kill and a scale-out at once: the master runs one after the other (one control
     operation at a time); whichever comes first, the output is exact."""
