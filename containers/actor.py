@@ -43,7 +43,7 @@ from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
-from containers.core import ContainerCore, ContainerStatistics, Message, encode_snapshot
+from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
 
@@ -379,6 +379,7 @@ class ResourceContainer:
                 replay = core.reroute(stage_id, slices, target, progress, resume)
         if not dual:
             await self._push_replay(target, target_host, container_id, replay)
+            await self._tell_end(core, target, target_host, container_id)
             return {"epochs": len(replay), "rounds": 1}
         since, pushed, round_ = 0, 0, 0
         cursor: dict[tuple[int, int], int] = {}  # each round reads only the log after the last one
@@ -399,7 +400,19 @@ class ResourceContainer:
             since = upto
             if joining:
                 break
+        await self._tell_end(core, target, target_host, container_id)
         return {"epochs": pushed, "rounds": round_}
+
+    async def _tell_end(self, core: ContainerCore, target: int, target_host: Any, sender: int) -> None:
+        """Tell a rerouted-to container where a sealed followed input ends.
+
+        This container may have announced the end before ``target`` became a
+        destination (``take_end_notice`` goes out once), and a replay that was
+        empty carries nothing. Epoch -1 is below every container's next epoch:
+        ``deliver`` records the end and keeps nothing in the inbox.
+        """
+        if core.num_epochs is not None and core.plan.num_epochs is None:
+            await target_host.push.remote(target, -1, sender, {END_KEY: core.num_epochs})
 
     async def retarget_backups(self, container_id: int, backup_peers: dict[int, list[int]],
                                hosts: dict[int, Any]) -> None:

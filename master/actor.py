@@ -649,6 +649,8 @@ class JobMaster:
         Destinations holding no backup of a slice get a fresh snapshot anyway.
         Returns the seconds waited.
         """
+        if not self.opts.checkpointing:
+            return 0.0  # no checkpoint rounds will come (a backup it holds is a migration's snapshot)
         t0 = time.monotonic()
         goals: dict[int, tuple[list[int], int]] = {}  # transfer index -> (slices, epoch to reach)
         for i, t in enumerate(transfers):

@@ -106,7 +106,7 @@ def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live
 def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_epoch(ray_session):
     """Warm-up: the destination's chained backup is up to 20 epochs old when the call comes; the
     master waits (pausing nothing) for the next checkpoint round, so the copy resumes at or after
-    the epoch the job had reached and joins the live route in one catch-up round."""
+    the epoch the job had reached and has only the epochs of its rebuild to catch up."""
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20)
     try:
         apply_schedule(job, [SLOW_SOURCE])
@@ -119,7 +119,7 @@ def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_
         assert t["phase"] == "done" and t["warm_wait_s"] > 0
         assert min(t["resume"].values()) >= reached > 40, (t["resume"], reached)
         (caught_up,) = t["catch_up"].values()
-        assert caught_up["rounds"] == 1, caught_up
+        assert caught_up["epochs"] < 20, caught_up  # not the 20+ epochs since the old backup
         job.wait(timeout_s=300)
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches
