@@ -25,7 +25,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from containers.lmdb_store import put_all
+from containers.lmdb_store import delete_prefix, put_all
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
                                merge_chain)
 
@@ -227,18 +227,9 @@ class BackupStore:
     def _delete_chains(self, keys: list[SliceKey]) -> None:
         """Delete the lmdb entries of these chains (both key layouts)."""
         with self.env.begin(write=True) as txn:
-            cur = txn.cursor()
             for s, sl in keys:
                 txn.delete(f"{s}:{sl}".encode())
-                prefix = f"{s}:{sl}:".encode()
-                dead = []
-                if cur.set_range(prefix):
-                    for k in cur.iternext(keys=True, values=False):
-                        if not k.startswith(prefix):
-                            break
-                        dead.append(k)
-                for k in dead:
-                    txn.delete(k)
+                delete_prefix(txn, f"{s}:{sl}:".encode())
 
     def corrupt(self, stage_id: int, slice_id: int, truncate: bool = False) -> None:
         """Damage the newest checkpoint held for a slice (failure injection: bit rot or a torn write).

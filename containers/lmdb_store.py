@@ -1,4 +1,5 @@
-"""Owns the one way this package writes to lmdb: a batch of puts in one transaction, growing the map when full."""
+"""Owns the shared ways this package writes to lmdb: a batch of puts in one transaction (growing the map
+when full), and deleting every key under a prefix."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]],
         except lmdb.MapFullError:
             with resize_lock if resize_lock is not None else contextlib.nullcontext():
                 env.set_mapsize(env.info()["map_size"] * 2)
+
+
+def delete_prefix(txn: lmdb.Transaction, prefix: bytes) -> int:
+    """Delete every key starting with ``prefix`` in the write transaction ``txn``; return how many."""
+    cur = txn.cursor()
+    dead = []
+    if cur.set_range(prefix):
+        for key in cur.iternext(keys=True, values=False):
+            if not key.startswith(prefix):
+                break
+            dead.append(key)
+    for key in dead:
+        txn.delete(key)
+    return len(dead)

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.types import ORDER, SEQ
-from containers.lmdb_store import put_all
+from containers.lmdb_store import delete_prefix, put_all
 
 _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-endian sorts right)
 _INITIAL_MAP_SIZE = 1 << 30
@@ -103,16 +103,7 @@ class OutputLog:
         """Delete every logged batch of (stream, slice) (the slice migrated away); return how many."""
         prefix = struct.pack(">II", stream_id, slice_id)
         with self.env.begin(write=True) as txn:
-            cur = txn.cursor()
-            dead = []
-            if cur.set_range(prefix):
-                for key in cur.iternext(keys=True, values=False):
-                    if not key.startswith(prefix):
-                        break
-                    dead.append(key)
-            for key in dead:
-                txn.delete(key)
-        return len(dead)
+            return delete_prefix(txn, prefix)
 
     def trim(self, stream_id: int, slice_id: int, before_order: int) -> int:
         """Delete the logged batches of (stream, slice) whose rows all have ``_order < before_order`` (GC).
