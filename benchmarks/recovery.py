@@ -9,7 +9,8 @@ recovery timeline and report, per configuration:
 
 - ``recovery_s``: from the kill to the first output of every recovered slice;
 - ``detect_s``: from the kill to its detection by the master;
-- ``restore_s``: the slowest host's restore of its share (decode + load);
+- ``restore_s``: the slowest host's restore of its share (fetch + decode + load);
+- ``fetch_s``: of which reading (or receiving) and decoding the checkpoints;
 - ``lost_mb``: size of the checkpoints the dead container's slices were
   restored from (what had to be rebuilt).
 
@@ -77,6 +78,7 @@ def one_run(lost_mb: int, peers: int, interval: int) -> dict:
     n_slices = sum(len(i["slices"]) for i in restored)
     return {"recovery_s": max(firsts) - t_kill if len(firsts) == n_slices else float("nan"),
             "detect_s": detect - t_kill, "restore_s": max(i["seconds"] for i in restored),
+            "fetch_s": max(i.get("fetch_s", 0.0) for i in restored),
             "lost_mb": sum(i.get("mb", 0.0) for i in restored), "hosts": len({i["host"] for i in restored})}
 
 
@@ -102,6 +104,7 @@ def main() -> None:
                              "recovery_s": round(median([r["recovery_s"] for r in runs]), 3),
                              "detect_s": round(median([r["detect_s"] for r in runs]), 3),
                              "restore_s": round(median([r["restore_s"] for r in runs]), 3),
+                             "fetch_s": round(median([r["fetch_s"] for r in runs]), 3),
                              "hosts_rebuilding": runs[0]["hosts"]})
     emit({"epoch_events": EPOCH, "slices": SLICES, "repeat": repeat, "rows": rows}, args.json)
 

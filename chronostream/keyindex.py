@@ -74,10 +74,20 @@ class KeyIndex:
         # Work in hash order: searchsorted with sorted queries walks the stored
         # hashes once (random queries into millions of hashes miss the cache on
         # every probe), and duplicates are neighbours.
-        by_hash = np.argsort(h, kind="stable")
+        # Any sort will do: equal hashes within a batch are refused below, so
+        # their order never matters (and introsort is ~1.5x a stable sort here).
+        by_hash = np.argsort(h)
         hs = h[by_hash]
         if n > 1 and bool(np.any(hs[1:] == hs[:-1])):
             raise KeyCollision("two distinct keys of one batch share a 64-bit hash")
+        if not self._size:
+            # First load (a restore, or a first batch): every key is new, in slot order.
+            # Own compact copies: a restored column is a view into a whole checkpoint's bytes.
+            slots = np.arange(n, dtype=np.int64)
+            self._columns = [[col.take(pa.array(slots))] for col in unique_keys]
+            self._size = n
+            self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
+            return slots
         pos_sorted = np.searchsorted(self._hashes, hs)
         pos = np.empty(n, dtype=np.int64)
         pos[by_hash] = pos_sorted

@@ -146,11 +146,13 @@ class ResourceContainer:
         if restore_from is not None:
             t0 = time.time()
             ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
+            t1 = time.time()
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).
             await asyncio.to_thread(core.restore_slices, {s: c for s, (c, _, _, _) in ckpts.items()},
                                     {s: out for s, (_, out, _, _) in ckpts.items()})
-            info.update(restore_start=t0, restore_end=time.time(), bytes=sum(n for *_, n in ckpts.values()),
+            info.update(restore_start=t0, restore_end=time.time(), fetch_s=t1 - t0,
+                        bytes=sum(n for *_, n in ckpts.values()),
                         rejected=[r for _, _, rej, _ in ckpts.values() for r in rej],
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
@@ -553,15 +555,22 @@ class ResourceContainer:
         return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn)
 
     async def backup_catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
-        """Verified (stage, slice, epoch) of every backup held, and the damaged ones."""
+        """Verified (stage, slice, epoch) of every backup held, and the damaged ones.
+
+        What the replication buffer holds now: a recovery restores from
+        memory, so it does not wait for a flush to lmdb.
+        """
         if self.backup_store is None:
             return [], []
         store = self.backup_store
-        return await self._in_store_thread(lambda: (store.flush(), store.catalog())[1])
+        return await self._in_store_thread(store.catalog)
 
     async def backups_held(self) -> list[tuple[int, int, int]]:
         """(stage, slice, epoch) of every backup this host holds (after a flush to lmdb)."""
-        return (await self.backup_catalog())[0]
+        if self.backup_store is None:
+            return []
+        store = self.backup_store
+        return await self._in_store_thread(lambda: (store.flush(), store.catalog())[1][0])
 
     async def backup_bytes(self, stage_id: int, slice_id: int, with_outputs: bool = False):
         """The merged, verified full backup of a peer's slice, encoded (and its carried-outputs frames)."""

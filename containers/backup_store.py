@@ -27,7 +27,7 @@ import msgpack
 
 from containers.lmdb_store import delete_prefix, put_all
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
-                               merge_chain)
+                               merge_chain, verify)
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -82,7 +82,7 @@ class BackupStore:
                 self.chains[key] = chain
                 self._persisted[key] = len(chain)
                 try:
-                    self.chain_end[key] = self.newest[key] = decode(chain[-1]).epoch
+                    self.chain_end[key] = self.newest[key] = verify(chain[-1])["epoch"]
                 except CheckpointCorrupt:
                     self.damaged.add(key)
 
@@ -101,15 +101,17 @@ class BackupStore:
             self.outputs[key] = segs + [(out.from_epoch, out.epoch, data)]
             self._unflushed.add(key)
             return None
-        ckpt = decode(data, "incoming backup")
-        key = (ckpt.stage_id, ckpt.slice_id)
-        if ckpt.kind == "full":
+        # The frame is checked (one CRC pass), not parsed: a large full checkpoint is
+        # only decoded when it is merged or restored.
+        header = verify(data, what="incoming backup")
+        key = (header["stage"], header["slice"])
+        if header["kind"] == "full":
             self.chains[key] = [data]
             self._rewrite.add(key)
             self.damaged.discard(key)
         else:
             chain = self.chains.get(key)
-            if not chain or key in self.damaged or self.chain_end.get(key) != ckpt.prev_epoch:
+            if not chain or key in self.damaged or self.chain_end.get(key) != header["prev"]:
                 # No chain, a gap, or a damaged chain: keep what we hold (restore
                 # reports it and another replica is used) and ask for a full one.
                 self.refused += 1
@@ -127,7 +129,7 @@ class BackupStore:
                     self.refused += 1
                     self._unflushed.add(key)
                     return key
-        self.newest[key] = self.chain_end[key] = ckpt.epoch
+        self.newest[key] = self.chain_end[key] = header["epoch"]
         self._unflushed.add(key)
         return None
 
@@ -146,7 +148,7 @@ class BackupStore:
     def latest_epoch(self, stage_id: int, slice_id: int) -> int:
         """Epoch of the newest checkpoint held for a slice (-1 when none), verified."""
         chain = self.chains.get((stage_id, slice_id))
-        return decode(chain[-1], f"backup of stage {stage_id} slice {slice_id}").epoch if chain else -1
+        return verify(chain[-1], what=f"backup of stage {stage_id} slice {slice_id}")["epoch"] if chain else -1
 
     def catalog(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, str]]]:
         """What this store can offer a recovery: ([(stage, slice, epoch)], [(stage, slice, error)]).

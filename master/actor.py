@@ -367,7 +367,8 @@ class JobMaster:
             for r in info["rejected"]:
                 self._event("backup_rejected", container=a.new_id, error=r)
             self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices,
-                        seconds=round(info["restore_end"] - info["restore_start"], 4), resume=info["resume"],
+                        seconds=round(info["restore_end"] - info["restore_start"], 4),
+                        fetch_s=round(info["fetch_s"], 4), resume=info["resume"],
                         mb=round(info["bytes"] / 1e6, 3))
         await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in plan])
         # 3. Producers reroute the slices and replay their output logs, in parallel.

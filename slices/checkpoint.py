@@ -16,9 +16,12 @@ Operator state comes in two shapes:
 An operator may provide ``checkpoint_state(delta: bool) -> dict`` and
 ``restore_state(parts: dict)``; otherwise its registered key-value states
 are captured. Byte format: ``b"CSCK"``, header length, msgpack header
-(stage, slice, epoch, kind, previous epoch, payload length, CRC-32), then
-the msgpack payload. ``decode`` refuses anything whose magic, length or
-checksum does not match, naming the slice and epoch.
+(stage, slice, epoch, kind, previous epoch, payload length), the msgpack
+payload, and a CRC-32 over all of it. ``decode`` and ``verify`` refuse
+anything whose magic, length or checksum does not match, naming the slice
+and epoch. (Frames written before the one-pass codec also carry the
+payload's CRC in the header; the trailing CRC covers it, so it is not
+checked twice.)
 """
 
 from __future__ import annotations
@@ -126,10 +129,22 @@ def _merge_kv(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table_part(table: pa.Table) -> dict[str, Any]:
     """A ``table`` state part: Arrow IPC of rows keyed by an int ``slot`` column."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
+    return {"shape": "table", "ipc": ipc_buffer(table)}
+
+
+def ipc_buffer(table: pa.Table) -> pa.Buffer:
+    """``table`` as an Arrow IPC stream, written once into a buffer of the right size.
+
+    Sized by a first pass that writes nothing: a growing output stream
+    reallocates (copies) a large state several times.
+    """
+    mock = pa.MockOutputStream()
+    with pa.ipc.new_stream(mock, table.schema) as w:
         w.write_table(table)
-    return {"shape": "table", "ipc": sink.getvalue().to_pybytes()}
+    buf = pa.allocate_buffer(mock.size())
+    with pa.ipc.new_stream(pa.FixedSizeBufferWriter(buf), table.schema) as w:
+        w.write_table(table)
+    return buf
 
 
 def frozen_table_part(table: pa.Table) -> dict[str, Any]:
@@ -152,16 +167,28 @@ def _serialized(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _merge_table(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fold table parts, oldest first, into one: a single concat and dedup for the whole chain."""
+    """Fold table parts, oldest first, into one (frozen: encoded only if it is sent or stored).
+
+    One concat for the whole chain, then last write wins per slot. Slots of
+    the built-in aggregate are dense (0..n-1), so the winner of each slot is
+    found with one ``maximum.at`` over a slot-indexed array, already in slot
+    order: no sort of the whole state.
+    """
     t = pa.concat_tables([read_table_part(p) for p in parts], promote_options="permissive")
     if t.num_rows == 0:
         return parts[0]
     slots = np.asarray(t.column("slot"))
-    # Last write wins per slot: keep the last occurrence of each slot, sorted by slot.
+    lo, hi = int(slots.min()), int(slots.max())
+    if lo >= 0 and hi < 4 * len(slots):
+        winner = np.full(hi + 1, -1, dtype=np.int64)
+        np.maximum.at(winner, slots, np.arange(len(slots), dtype=np.int64))
+        keep = winner[winner >= 0]
+        return frozen_table_part(t.take(pa.array(keep)))
+    # Sparse slots: keep the last occurrence of each slot, sorted by slot.
     rev = slots[::-1]
     _, first_in_rev = np.unique(rev, return_index=True)
     keep = len(slots) - 1 - first_in_rev
-    return table_part(t.take(pa.array(np.sort(keep))).sort_by("slot"))
+    return frozen_table_part(t.take(pa.array(np.sort(keep))).sort_by("slot"))
 
 
 # -- whole checkpoints -----------------------------------------------------------------
@@ -207,44 +234,88 @@ def merge_chain(base: SliceCheckpoint, deltas: list[SliceCheckpoint]) -> SliceCh
                            last.next_seq, state, {})
 
 
-def _frame(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
-    """magic, header length, msgpack header (with the payload's length and CRC-32), payload, trailing CRC."""
-    header = {**header, "len": len(payload), "crc": zlib.crc32(payload)}
-    hb = _pack(header)
-    body = magic + _LEN.pack(len(hb)) + hb + payload
-    return body + _LEN.pack(zlib.crc32(body))  # a trailing CRC covers the header too
+_BIG = 1 << 16  # binaries above this are framed by hand (msgpack bin 32), never copied into a msgpack buffer
 
 
-def _unframe(data: bytes, magic: bytes, what: str) -> tuple[dict[str, Any], bytes]:
-    """Verify a frame; return (header, payload) or raise ``CheckpointCorrupt`` naming the slice."""
+def _pack_parts(obj: Any, out: list) -> None:
+    """Append the msgpack encoding of ``obj`` to ``out`` as pieces, large binaries by reference.
+
+    Gives the same bytes as ``msgpack.packb`` (a binary above 64 KiB is bin 32
+    there too), without copying a large state into msgpack's growing buffer.
+    """
+    if isinstance(obj, dict):
+        out.append(msgpack.Packer().pack_map_header(len(obj)))
+        for k, v in obj.items():
+            out.append(_pack(k))
+            _pack_parts(v, out)
+    elif isinstance(obj, (bytes, bytearray, memoryview, pa.Buffer)) and memoryview(obj).nbytes > _BIG:
+        out.append(b"\xc6" + _LEN.pack(memoryview(obj).nbytes))
+        out.append(obj)
+    else:
+        out.append(_pack(memoryview(obj) if isinstance(obj, pa.Buffer) else obj))
+
+
+def _frame(magic: bytes, header: dict[str, Any], body: dict[str, Any]) -> bytes:
+    """magic, header length, msgpack header (with the payload's length), msgpack payload, trailing CRC-32.
+
+    The trailing CRC covers header and payload, computed in one pass
+    (chained over the pieces) and the frame is joined with one copy: for a
+    state of hundreds of MB every extra pass or copy is a visible share of
+    a checkpoint's cost.
+    """
+    parts: list = []
+    _pack_parts(body, parts)
+    hb = _pack({**header, "len": sum(memoryview(p).nbytes for p in parts)})
+    parts.insert(0, magic + _LEN.pack(len(hb)) + hb)
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    parts.append(_LEN.pack(crc))
+    return b"".join(parts)
+
+
+def verify(data: bytes, magic: bytes = MAGIC, what: str = "checkpoint") -> dict[str, Any]:
+    """Check a frame (magic, length, trailing CRC-32) without parsing its payload; return its header.
+
+    Costs one CRC pass over the bytes and no copy: what a backup holder
+    does when a checkpoint arrives and when it lists what it holds.
+    ``CheckpointCorrupt`` names the slice and epoch (when the header is
+    readable) and says whether the frame is truncated.
+    """
     if len(data) < 12 or data[:4] != magic:
         raise CheckpointCorrupt(f"{what}: not a {magic.decode()} frame (bad magic or too short)")
-    (hlen,) = _LEN.unpack(data[4:8])
+    view = memoryview(data)
+    (hlen,) = _LEN.unpack(view[4:8])
     try:
-        header = msgpack.unpackb(data[8:8 + hlen], raw=False)
+        header = msgpack.unpackb(view[8:8 + hlen], raw=False)
         name = f"stage {header.get('stage')} slice {header.get('slice')} epoch {header.get('epoch')}"
     except Exception:  # noqa: BLE001 - best effort: the name is for the message only
         header, name = None, "unknown slice"
-    (trailer,) = _LEN.unpack(data[-4:])
-    if zlib.crc32(data[:-4]) != trailer:
-        expected_len = None if header is None else 8 + hlen + header.get("len", 0) + 4
+    (trailer,) = _LEN.unpack(view[-4:])
+    if zlib.crc32(view[:-4]) != trailer:
+        expected_len = None if not isinstance(header, dict) else 8 + hlen + header.get("len", 0) + 4
         if expected_len is not None and len(data) < expected_len:
             raise CheckpointCorrupt(f"{what} ({name}): truncated: {len(data)} of {expected_len} bytes")
         raise CheckpointCorrupt(f"{what} ({name}): checksum mismatch")
-    assert header is not None
-    payload = data[8 + hlen:-4]
-    if len(payload) != header["len"]:
-        raise CheckpointCorrupt(f"{what} ({name}): truncated: {len(payload)} of {header['len']} payload bytes")
-    if zlib.crc32(payload) != header["crc"]:
-        raise CheckpointCorrupt(f"{what} ({name}): checksum mismatch")
-    return header, payload
+    assert isinstance(header, dict)
+    if len(data) - 12 - hlen != header["len"]:
+        raise CheckpointCorrupt(f"{what} ({name}): truncated: {len(data) - 12 - hlen} of {header['len']} "
+                                "payload bytes")
+    return header
+
+
+def _unframe(data: bytes, magic: bytes, what: str) -> tuple[dict[str, Any], memoryview]:
+    """Verify a frame; return (header, a view of the payload) or raise ``CheckpointCorrupt``."""
+    header = verify(data, magic, what)
+    (hlen,) = _LEN.unpack(data[4:8])
+    return header, memoryview(data)[8 + hlen:-4]
 
 
 def encode(ckpt: SliceCheckpoint) -> bytes:
-    """Bytes of a checkpoint: magic, header (with the payload's CRC-32), payload."""
-    payload = _pack({"progress": {str(k): v for k, v in ckpt.progress.items()},
-                     "next_seq": {str(k): v for k, v in ckpt.next_seq.items()},
-                     "state": _serialized(ckpt.state), "outputs": {str(k): v for k, v in ckpt.outputs.items()}})
+    """Bytes of a checkpoint: magic, header, payload, trailing CRC-32."""
+    payload = {"progress": {str(k): v for k, v in ckpt.progress.items()},
+               "next_seq": {str(k): v for k, v in ckpt.next_seq.items()},
+               "state": _serialized(ckpt.state), "outputs": {str(k): v for k, v in ckpt.outputs.items()}}
     return _frame(MAGIC, {"v": VERSION, "stage": ckpt.stage_id, "slice": ckpt.slice_id, "epoch": ckpt.epoch,
                           "kind": ckpt.kind, "prev": ckpt.prev_epoch}, payload)
 
@@ -290,7 +361,7 @@ class CarriedOutputs:
 
 def encode_outputs(out: CarriedOutputs) -> bytes:
     """Bytes of carried outputs: the checkpoint frame with magic ``CSOL`` and Arrow IPC per stream."""
-    payload = _pack({str(sid): table_part(t)["ipc"] for sid, t in out.tables.items()})
+    payload = {str(sid): ipc_buffer(t) for sid, t in out.tables.items()}
     return _frame(OUTPUTS_MAGIC, {"v": VERSION, "stage": out.stage_id, "slice": out.slice_id, "epoch": out.epoch,
                                   "from": out.from_epoch, "replace": out.replace}, payload)
 

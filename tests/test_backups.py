@@ -184,6 +184,26 @@ def test_a_whole_chain_folds_into_the_state_its_deltas_describe(table_writes, kv
     assert merged.kind == "full" and merged.epoch == len(parts) - 1 and merged.next_seq == {0: len(parts) - 1}
 
 
+@pytest.mark.parametrize("offset", [0, 10**12], ids=["dense slots", "sparse slots"])
+def test_folding_table_parts_keeps_the_last_row_per_slot_in_slot_order(offset):
+    """Both fold paths (a slot-indexed winner array for dense slots, a sort for sparse ones) keep
+    each slot's last write, in slot order."""
+    import numpy as np
+    import pyarrow as pa
+
+    from slices.checkpoint import _merge_table, read_table_part, table_part
+
+    rng = np.random.default_rng(5)
+    parts, want = [], {}
+    for i in range(4):
+        slots = rng.choice(1000, 300 if i else 1000, replace=False) + offset
+        vals = rng.integers(0, 10**6, len(slots))
+        want.update(zip(slots.tolist(), vals.tolist()))
+        parts.append(table_part(pa.table({"slot": pa.array(slots, pa.int64()), "v": pa.array(vals, pa.int64())})))
+    got = read_table_part(_merge_table(parts))
+    assert list(zip(got["slot"].to_pylist(), got["v"].to_pylist())) == sorted(want.items())
+
+
 def test_a_growing_chain_is_persisted_entry_by_entry_and_reopens_whole(tmp_path):
     """flush() writes only the deltas that arrived since the last flush (the full checkpoint once);
     after a merge or a new full checkpoint the old entries go; a reopened store has the chain."""
