@@ -96,7 +96,7 @@ def timed_epochs(op: KeyedAggregate, n_keys: int, epochs: int, sync_epochs: int,
         if ck is not None:  # deltas on the previous epoch (the state is loaded: no first full one)
             ck.schedule.last_epoch[0] = e - 1
         else:
-            op._dirty_slots = []  # (no checkpoint this epoch: what it dirtied is not carried over)
+            op.forget_dirty()  # (no checkpoint this epoch: what it dirtied is not carried over)
         t = time.perf_counter()
         op.consume_batch("in", b)
         op._ctx.take_outputs({})

@@ -289,7 +289,10 @@ class KeyedAggregate(Operator):
         # slots with vectorized lookups (no Python per key or per event).
         self.key_index = KeyIndex()
         self.arrays: dict[str, np.ndarray] = {}
-        self._dirty_slots: list[np.ndarray] = []  # slots changed since the last checkpoint
+        # Slots changed since the last checkpoint: each listed once (the mask says which are
+        # listed), so a capture needs no sort or unique of them inside the epoch.
+        self._dirty_slots: list[np.ndarray] = []
+        self._dirty_mask = np.zeros(0, dtype=bool)
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -375,7 +378,9 @@ class KeyedAggregate(Operator):
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
         li = state_idx[last_rows]
-        self._dirty_slots.append(li)
+        fresh = li[~self._dirty_mask[li]]
+        self._dirty_mask[fresh] = True
+        self._dirty_slots.append(fresh)
         for name, values in updates:
             self.arrays[name][li] = values[last_rows]
         count_arr[li] = running_count[last_rows]
@@ -405,6 +410,7 @@ class KeyedAggregate(Operator):
                 out[: len(a)] = a
             return out
         self.arrays["count"] = grow(self.arrays.get("count"), np.int64)
+        self._dirty_mask = grow(self._dirty_mask, bool)
         for col in self._value_columns():
             for kind, dtype in (("i", np.int64), ("f", np.float64)):
                 for agg in ("sum", "min", "max"):
@@ -425,11 +431,11 @@ class KeyedAggregate(Operator):
 
         n = len(self.key_index)
         if delta:
-            slots = np.unique(np.concatenate(self._dirty_slots)) if self._dirty_slots else np.zeros(0, np.int64)
+            slots = np.concatenate(self._dirty_slots) if self._dirty_slots else np.zeros(0, np.int64)
         else:
             slots = np.arange(n, dtype=np.int64)
         if clear:
-            self._dirty_slots = []
+            self.forget_dirty()
         cols: dict[str, pa.Array] = {"slot": pa.array(slots, pa.int64())}
         for i, k in enumerate(self.key_index.take(slots) if n else []):
             cols[f"key{i}"] = k
@@ -438,6 +444,12 @@ class KeyedAggregate(Operator):
             # while this operator goes on updating its arrays.
             cols[name] = pa.array((arr[:n].copy() if not delta else arr[:n][slots]) if n else arr[:0].copy())
         return {"__op__aggregate": frozen_table_part(pa.table(cols))}
+
+    def forget_dirty(self) -> None:
+        """Start the next delta here: what changed so far is covered (or deliberately not kept)."""
+        for slots in self._dirty_slots:
+            self._dirty_mask[slots] = False
+        self._dirty_slots = []
 
     def restore_state(self, parts: dict[str, dict]) -> None:
         """Rebuild the key index and the running values from a full slot table."""
@@ -449,6 +461,7 @@ class KeyedAggregate(Operator):
         self.key_index = KeyIndex()
         self.arrays = {}
         self._dirty_slots = []
+        self._dirty_mask = np.zeros(0, dtype=bool)
         if len(slots) == 0:
             return
         key_cols = [t.column(f"key{i}").combine_chunks() for i in range(len(self.key_columns))]

@@ -661,8 +661,10 @@ class JobMaster:
             if st is not None and not st["done"] and waiting:
                 goals[i] = (waiting, st["next_epoch"] - 1)
         while goals and time.monotonic() - t0 < self.opts.migration_warm_up_s:
+            hosts = sorted({transfers[i].host for i in goals})  # one call per host, however many transfers
+            held = dict(zip(hosts, await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])))
             for i, (slices, goal) in list(goals.items()):
-                own = await self.handles[transfers[i].host].backup_epochs.remote()
+                own = held[transfers[i].host]
                 if all(own.get((sid, s), -1) >= goal for s in slices):
                     goals.pop(i)
             if goals:

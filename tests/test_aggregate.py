@@ -241,3 +241,30 @@ def test_int64_sum_overflow_is_refused_like_the_oracle():
         run_serial(rows, ["s"], [("sum", "i")])
     with pytest.raises((OverflowError, ValueError, pa.ArrowInvalid)):
         run_vectorized(rows, ["s"], [("sum", "i")])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=15), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), max_size=6))
+def test_a_delta_lists_each_changed_slot_once_and_only_since_the_last_capture(batches, capture_after):
+    """Several batches touching the same keys: the delta holds each changed slot once (no sort or
+    unique inside the epoch does it), with its current values; a capture starts the next delta."""
+    from slices.checkpoint import read_table_part
+
+    op, ctx = make(["k"], [("count", None), ("sum", "i")])
+    changed: set[int] = set()
+    for i, keys in enumerate(batches):
+        op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k, "i": k} for k in keys])))
+        ctx.take_outputs({})
+        changed |= set(keys)
+        if i in capture_after or i == len(batches) - 1:
+            t = read_table_part(op.checkpoint_state(delta=True)["__op__aggregate"])
+            slots = t["slot"].to_pylist()
+            assert len(slots) == len(set(slots))
+            assert sorted(t["key0"].to_pylist()) == sorted(changed)
+            counts = dict(zip(t["key0"].to_pylist(), t["count"].to_pylist()))
+            seen = [k for b in batches[: i + 1] for k in b]
+            assert counts == {k: seen.count(k) for k in changed}
+            changed = set()
+    op.forget_dirty()
+    assert op.checkpoint_state(delta=True)["__op__aggregate"]["frozen"].num_rows == 0
