@@ -16,7 +16,10 @@ moves to that host, two ways:
 
 The delay is what the slice's output sees: the largest gap between two
 consecutive epochs of slice 0 reaching the sink during the migration,
-minus the median gap before it (the sink's write times). Also reported:
+minus the median gap before it (the sink's write times). The same measure
+for a slice of the source container that does not move
+(``unmoved_slice_delay_ms``) tells a gap of the move from one everybody
+saw; ``reconstruct_gap_at_s`` says when the largest gap ended. Also reported:
 the call's duration (``migrate_s``) and the restore time at the
 destination. Sizes are the slice's numpy state (``state_mb``).
 
@@ -55,15 +58,21 @@ def make_query(n_keys: int, seed: int = 5) -> cs.Query:
     return q
 
 
-def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float, t1: float) -> tuple[float, float]:
+def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
+                  t1: float) -> tuple[float, float, float]:
     """(largest gap between consecutive epochs of ``slice_id`` reaching the sink within [t0, t1 + 1s],
-    median gap before t0), in ms. An epoch counts when its first copy reached the sink."""
+    median gap before t0, in ms; when that gap ended, s after t0). An epoch counts when its first
+    copy reached the sink."""
     ts = sorted(t for (s, _e), t in times.items() if s == slice_id)
     gaps = np.diff(ts) * 1000
     mids = np.array(ts[1:])
     before = gaps[mids < t0]
-    during = gaps[(mids >= t0) & (mids <= t1 + 1.0)]
-    return (float(during.max()) if len(during) else 0.0), (float(np.median(before[-30:])) if len(before) else 0.0)
+    window = (mids >= t0) & (mids <= t1 + 1.0)
+    during, ends = gaps[window], mids[window]
+    normal = float(np.median(before[-30:])) if len(before) else 0.0
+    if not len(during):
+        return 0.0, normal, 0.0
+    return float(during.max()), normal, float(ends[int(np.argmax(during))] - t0)
 
 
 def one_run(state_mb: int, mode: str) -> dict:
@@ -82,9 +91,14 @@ def one_run(state_mb: int, mode: str) -> dict:
         time.sleep(2.0)  # a few epochs after the migration
         if job.progress()["state"] != "running":
             raise RuntimeError("the job ended before the measurement: raise UPDATE_EPOCHS")
-        gap, normal = output_gap_ms(job.sink_write_times("sample"), 0, t0, t1)
+        times = job.sink_write_times("sample")
+        gap, normal, gap_at = output_gap_ms(times, 0, t0, t1)
+        # A slice that stays put, over the same window: is the gap the move's, or everyone's?
+        stays = next(s for s in placement[src] if s != 0)  # on the source container, like slice 0
+        still_gap, still_normal, _ = output_gap_ms(times, stays, t0, t1)
         tr = summary["transfers"][0]
         return {"delay_ms": round(max(0.0, gap - normal), 1), "gap_ms": round(gap, 1), "normal_gap_ms": round(normal, 1),
+                "gap_at_s": round(gap_at, 3), "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
                 "migrate_s": round(t1 - t0, 3), "phase": tr["phase"], "pause_ms": tr["pause_ms"].get(0),
                 "phases_s": tr.get("phases_s", {})}
     finally:
@@ -109,6 +123,8 @@ def main() -> None:
             "normal_gap_ms": round(median([r["normal_gap_ms"] for r in runs["reconstruct"]]), 1),
             "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
             "reconstruct_phases_s": runs["reconstruct"][0]["phases_s"],
+            "reconstruct_gap_at_s": [r["gap_at_s"] for r in runs["reconstruct"]],
+            "unmoved_slice_delay_ms": round(median([r["still_delay_ms"] for r in runs["reconstruct"]]), 1),
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
         })

@@ -87,12 +87,26 @@ class SliceCheckpointer:
         self._encoded: list[tuple[list[tuple[int, bytes]], float]] = []  # rounds waited for by backpressure
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-encode") if async_encode else None
 
-    def retarget(self, backup_peers: dict[int, list[int]]) -> None:
-        """New backup peers (placement changed): every slice's next checkpoint is a full one,
-        because the new peers hold no chain to apply a delta to."""
+    def retarget(self, backup_peers: dict[int, list[int]]) -> list[int]:
+        """New backup peers (placement changed); returns the slices whose peers changed.
+
+        Their next checkpoint is a full one: a new peer holds no chain to
+        apply a delta to. Slices whose peers stay go on with deltas: after a
+        migration, full checkpoints of every slice of the stage at once (a
+        whole container's state copied in one epoch, encoded and shipped)
+        stalled the job for hundreds of ms. A peer that kept the slice's
+        peers but lost its chain refuses the next delta, which forces a
+        full one (``force_full``).
+        """
+        changed = sorted(s for s in set(backup_peers) | set(self.backup_peers)
+                         if sorted(backup_peers.get(s, [])) != sorted(self.backup_peers.get(s, [])))
         self.backup_peers = backup_peers
-        self.schedule.since_full.clear()
-        self.schedule.last_epoch.clear()
+        for s in changed:
+            self.schedule.since_full.pop(s, None)
+            self.schedule.last_epoch.pop(s, None)
+        if changed:
+            log.info("checkpoint slices %s: new backup peers, next checkpoint full", changed)
+        return changed
 
     def force_full(self, slices: list[int]) -> None:
         """The next checkpoint of each of ``slices`` is a full one (a backup refused a delta)."""

@@ -75,6 +75,24 @@ def test_after_the_first_full_checkpoint_only_deltas_are_taken_by_default():
     assert forced.count("full") == 5
 
 
+def test_new_backup_peers_force_a_full_checkpoint_only_for_the_slices_whose_peers_changed():
+    """After a placement change only slices with new peers start a new chain; the others go on with
+    deltas (full checkpoints of a whole stage at once stalled the job after every migration)."""
+    rts, rng = {0: _Slice(), 1: _Slice()}, np.random.default_rng(2)
+    rts[1].slice_id = 1
+    ck = SliceCheckpointer(rts, {0: [7], 1: [7]}, every_epochs=1, async_encode=False)
+    kinds: list[tuple[int, int, str]] = []
+    for e in range(6):
+        for rt in rts.values():
+            rt.feed(e, rng)
+        if e == 3:
+            assert ck.retarget({0: [7], 1: [8]}) == [1]
+        kinds += [(e, decode(b).slice_id, decode(b).kind) for blobs in ck.after_epoch(e).values() for b in blobs]
+    ck.close()
+    assert [k for e, s, k in kinds if s == 0] == ["full"] + ["delta"] * 5
+    assert [k for e, s, k in kinds if s == 1] == ["full", "delta", "delta", "full", "delta", "delta"]
+
+
 def test_a_captured_checkpoint_holds_the_state_of_its_epoch_though_encoded_later(monkeypatch):
     """The CAPTURE phase takes a frozen copy: updates made while the encoder waits do not leak in."""
     gate = threading.Event()
