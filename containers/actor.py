@@ -594,12 +594,14 @@ class ResourceContainer:
     async def gc(self, low_water: dict[int, int]) -> int:
         """Drop outputs every consumer's checkpoint covers: stage id -> last such epoch."""
         dropped = 0
-        for cid, core in self.cores.items():
+        for cid, core in list(self.cores.items()):
             lw = low_water.get(core.stage.stage_id, -1)
             if lw >= 0:
                 async with self.conds[cid]:
+                    if self.stopped:  # stop() may have closed the logs while this waited
+                        return dropped
                     dropped += core.gc(lw)
-        if self.backup_store is not None:
+        if self.backup_store is not None and not self.stopped:
             store = self.backup_store
             dropped += await self._in_store_thread(
                 lambda: sum(store.trim_outputs(stage_id, lw) for stage_id, lw in low_water.items() if lw >= 0))

@@ -271,6 +271,10 @@ class JobMaster:
                 self.gc_dropped += sum(dropped)
         except RayActorError:
             pass  # a host died: the watch loop recovers it; GC waits for the next round
+        except Exception:  # noqa: BLE001
+            if self.state == "running":
+                raise
+            # The job was stopped mid-round (hosts closing their stores): nothing to collect.
 
     async def container_unreachable(self, container_id: int, reporter: int) -> None:
         """A host could not push to ``container_id``: check its host now rather than at the next probe."""
