@@ -71,6 +71,7 @@ class ResourceContainer:
     CATCH_UP_ROUNDS = 8
     #: Replayed epochs per ``push_many`` call.
     REPLAY_BATCH = 16
+    SHIP_BY_REF_BYTES = 8 << 20  # checkpoints above this go to the object store off the event loop
 
     def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
         self.host_id = host_id
@@ -327,10 +328,12 @@ class ResourceContainer:
             if actor is None:
                 continue
             try:
-                # Into the object store from a worker thread, sent by reference: passed as an
-                # argument, a large slice's full checkpoint was copied inside the event loop
-                # that steps this host's slices (a 100 MB one stalled them for 200+ ms).
-                refused = await actor.receive_backups.remote(await asyncio.to_thread(ray.put, blobs))
+                if sum(len(b) for b in blobs) > self.SHIP_BY_REF_BYTES:
+                    # A full checkpoint of a large slice: copy it into the object store in a
+                    # worker thread, not in the event loop that steps this host's slices.
+                    refused = await actor.receive_backups.remote(await asyncio.to_thread(ray.put, blobs))
+                else:
+                    refused = await actor.receive_backups.remote(blobs)
             except RayActorError:
                 continue  # the peer died: recovery re-plans the chain, a full checkpoint follows
             core = self.cores.get(cid)
