@@ -715,6 +715,16 @@ class JobMaster:
         src, dst = st.get(t.source), st.get(t.new_id)
         if src is not None:
             t.released_at = {s: e for s, e in src["released"].items() if s in t.slices}
+            # The pause is known once the destination finished each release epoch; it may
+            # still be on it (the demo printed no pause when it asked too early).
+            deadline = time.monotonic() + 3.0
+            while dst is not None and not dst["done"] and time.monotonic() < deadline \
+                    and any(r not in dst["epoch_done_at"] for r in t.released_at.values()):
+                await asyncio.sleep(0.05)
+                try:
+                    dst = (await self._states([t], with_times=True)).get(t.new_id)
+                except RayActorError:
+                    dst = None
             if set(t.slices) <= set(src["released"]):
                 await asyncio.gather(*[producer.forget_released.remote(c, t.source)
                                        for c, producer in self._producers(sid)], return_exceptions=True)
