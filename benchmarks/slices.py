@@ -5,10 +5,14 @@ the built-in ``count``) on seeded Zipf text, in one process (the runtime's
 container cores, ``executor="local"``, one container per stage), with 1,
 2, 4, 8, 16 and 64 slices in the counting stage. More slices mean finer
 units of migration and recovery; the cost is per-slice work per epoch
-(cutting the epoch's rows by slice, one operator call and one numbering
-per slice). Reported per slice count: events/s (median of ``--repeat``
-runs, the configurations interleaved run by run so drift hits them alike)
-and the overhead against 1 slice.
+(cutting the epoch's rows by slice, admitting them, the operator's key
+lookups and state updates per slice). A container runs its slices of a
+fusing operator (the built-in aggregates) as one group: one merge, one
+operator call and one numbering per epoch for all of them
+(``slices/group.py``). Reported per slice count: events/s (median of
+``--repeat`` runs, the configurations interleaved run by run so drift hits
+them alike) and the overhead against 1 slice, with groups (the default)
+and with every slice run alone (``alone_*``, groups turned off).
 
     python -m benchmarks.slices --json
     python -m benchmarks.slices --json --words 2000000 --epoch 65536
@@ -21,17 +25,22 @@ import time
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.datasets import split_words, zipf_text
+from containers.core import ContainerCore
 
 COUNTS = (1, 2, 4, 8, 16, 64)
 
 
-def one_run(table, slices: int, epoch: int) -> float:
+def one_run(table, slices: int, epoch: int, grouped: bool = True) -> float:
     q = cs.Query(epoch_events=epoch)
     q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
         .count(slices=slices, name="count").sink(name="counts")
-    t0 = time.perf_counter()
-    job = cs.run(q, executor="local", containers=1)
-    elapsed = time.perf_counter() - t0
+    ContainerCore.GROUP_SLICES = grouped
+    try:
+        t0 = time.perf_counter()
+        job = cs.run(q, executor="local", containers=1)
+        elapsed = time.perf_counter() - t0
+    finally:
+        ContainerCore.GROUP_SLICES = True
     assert job.results("counts").num_rows > 0
     return elapsed
 
@@ -44,14 +53,19 @@ def main() -> None:
     words = 100_000 if args.quick else args.words
     table = zipf_text(words // 10, seed=1)  # 10 words per line
     n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
-    times: dict[int, list[float]] = {n: [] for n in COUNTS}
+    times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in COUNTS for g in (True, False)}
+    configs = [(n, g) for n in COUNTS for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
     for r in range(1 if args.quick else args.repeat):
-        for n in (COUNTS if r % 2 == 0 else COUNTS[::-1]):
-            times[n].append(one_run(table, n, args.epoch))
-    base = median(times[1])
-    rows = [{"slices": n, "events_per_s": round(n_words / median(times[n])),
-             "overhead_pct": round((median(times[n]) / base - 1) * 100, 1),
-             "runs_s": [round(t, 3) for t in times[n]]} for n in COUNTS]
+        for n, g in (configs if r % 2 == 0 else configs[::-1]):
+            times[(n, g)].append(one_run(table, n, args.epoch, grouped=g))
+    times[(1, False)] = times[(1, True)]
+    base = median(times[(1, True)])
+    rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
+             "overhead_pct": round((median(times[(n, True)]) / base - 1) * 100, 1),
+             "alone_events_per_s": round(n_words / median(times[(n, False)])),
+             "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1),
+             "runs_s": [round(t, 3) for t in times[(n, True)]],
+             "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in COUNTS]
     emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "rows": rows}, args.json)
 
 

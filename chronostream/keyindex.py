@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from chronostream.hashing import hash_columns
+from chronostream.sorting import stable_argsort
 
 
 class KeyCollision(RuntimeError):
@@ -48,6 +49,9 @@ class KeyIndex:
         self._slot_of_sorted = np.zeros(0, dtype=np.int64)
         self._columns: list[list[pa.Array]] = []  # per key column: chunks, in slot order
         self._size = 0
+        # Keys a KeyIndexGroup added (hashes, slots), not yet merged into the sorted arrays:
+        # the group does the lookups meanwhile, so the merge waits for this index's own.
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
 
     def __len__(self) -> int:
         return self._size
@@ -67,10 +71,39 @@ class KeyIndex:
             self._columns[col] = chunks = [pa.concat_arrays(chunks)]
         return chunks[0]
 
-    def slots(self, unique_keys: Sequence[pa.Array]) -> np.ndarray:
-        """Slot of each row of ``unique_keys`` (rows must be distinct keys); new keys get new slots."""
+    def _settle(self) -> None:
+        if self._pending:
+            hs = np.concatenate([self._hashes] + [h for h, _ in self._pending])
+            sl = np.concatenate([self._slot_of_sorted] + [s for _, s in self._pending])
+            order = np.argsort(hs)
+            self._hashes, self._slot_of_sorted = hs[order], sl[order]
+            self._pending = []
+
+    def sorted_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(hashes in increasing order, the slot of each)."""
+        self._settle()
+        return self._hashes, self._slot_of_sorted
+
+    def _append_unsorted(self, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
+        """Give new keys (known absent) the next slots; their hashes merge in later."""
+        k = len(hashes)
+        slots = np.arange(self._size, self._size + k, dtype=np.int64)
+        if not self._columns:
+            self._columns = [[] for _ in keys]
+        for c, col in enumerate(keys):
+            self._columns[c].append(col)
+        self._size += k
+        self._pending.append((hashes, slots))
+        return slots
+
+    def slots(self, unique_keys: Sequence[pa.Array], hashes: np.ndarray | None = None) -> np.ndarray:
+        """Slot of each row of ``unique_keys`` (rows must be distinct keys); new keys get new slots.
+
+        ``hashes``: ``hash_columns(unique_keys)`` when the caller has it already.
+        """
+        self._settle()
         n = len(unique_keys[0])
-        h = hash_columns(unique_keys)
+        h = hash_columns(unique_keys) if hashes is None else hashes
         # Work in hash order: searchsorted with sorted queries walks the stored
         # hashes once (random queries into millions of hashes miss the cache on
         # every probe), and duplicates are neighbours.
@@ -119,4 +152,96 @@ class KeyIndex:
             at = pos_sorted[new_in_order]
             self._hashes = np.insert(self._hashes, at, hs[new_in_order])
             self._slot_of_sorted = np.insert(self._slot_of_sorted, at, out[by_hash][new_in_order])
+        return out
+
+
+class KeyIndexGroup:
+    """One lookup over the key indexes of several slices (the slices a container runs as a group).
+
+    Derived data, kept beside the members: every member's keys by hash, with
+    the member and slot of each. ``slots`` finds the keys of many members in
+    one pass and gives new keys slots in their member (whose own sorted arrays
+    catch up lazily, on its next own lookup). A group is valid while its
+    members are the same objects with the sizes it left them at: a member
+    restored, replaced or grown on its own makes ``matches`` false, and the
+    caller builds a new group.
+
+    >>> a, b = KeyIndex(), KeyIndex()
+    >>> g = KeyIndexGroup([a, b])
+    >>> keys = pa.array(["x", "y", "z"])
+    >>> g.slots(np.array([0, 1, 0]), [keys], hash_columns([keys])).tolist()
+    [0, 0, 1]
+    >>> len(a), len(b), a.slots([pa.array(["z"])]).tolist()
+    (2, 1, [1])
+    """
+
+    def __init__(self, members: Sequence[KeyIndex]) -> None:
+        self.members = list(members)
+        parts = [m.sorted_hashes() for m in self.members]
+        hs = np.concatenate([h for h, _ in parts]) if parts else np.zeros(0, np.uint64)
+        member = np.repeat(np.arange(len(parts), dtype=np.int32), [len(h) for h, _ in parts])
+        slot = np.concatenate([s for _, s in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+        order = np.argsort(hs)
+        self._hashes, self._member, self._slot = hs[order], member[order], slot[order]
+        if len(hs) > 1 and bool(np.any(self._hashes[1:] == self._hashes[:-1])):
+            # Two members hold keys of one hash: a key in two slices, or a collision.
+            raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
+        self._sizes = [len(m) for m in self.members]
+
+    def matches(self, members: Sequence[KeyIndex]) -> bool:
+        """True when ``members`` are this group's members, unchanged since its last call."""
+        return (len(members) == len(self.members)
+                and all(a is b and len(a) == n for a, b, n in zip(members, self.members, self._sizes)))
+
+    def slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
+        """Slot of each row of ``keys`` in the index of member ``member_of[row]``; rows must be
+        distinct keys. New keys get new slots in their member. Raises ``KeyCollision`` (changing
+        nothing) when a key's hash is held by another member or by a different stored key."""
+        n = len(hashes)
+        by_hash = np.argsort(hashes)
+        hs = hashes[by_hash]
+        if n > 1 and bool(np.any(hs[1:] == hs[:-1])):
+            raise KeyCollision("two keys of one group batch share a 64-bit hash")
+        pos_sorted = np.searchsorted(self._hashes, hs)
+        pos = np.empty(n, dtype=np.int64)
+        pos[by_hash] = pos_sorted
+        found = pos < len(self._hashes)
+        found[found] = self._hashes[pos[found]] == hashes[found]
+        out = np.empty(n, dtype=np.int64)
+        rows = np.flatnonzero(found)
+        if len(rows):
+            if bool(np.any(self._member[pos[rows]] != member_of[rows])):
+                raise KeyCollision("a key's hash is held by another slice of the group")
+            slots = self._slot[pos[rows]]
+            out[rows] = slots
+            # Verify the hits key by key: one take per member holding some, one comparison.
+            mem = member_of[rows]
+            by_member = stable_argsort(mem)
+            cut = np.searchsorted(mem[by_member], np.arange(len(self.members) + 1))
+            for c, col in enumerate(keys):
+                stored = [self.members[i]._stored(c).take(pa.array(slots[by_member[cut[i]:cut[i + 1]]]))
+                          for i in range(len(self.members)) if cut[i + 1] > cut[i]]
+                got = pa.concat_arrays(stored) if len(stored) > 1 else stored[0]
+                if not _same(got, col.take(pa.array(rows[by_member]))).all():
+                    raise KeyCollision("a new key shares its 64-bit hash with a stored key")
+        new = np.flatnonzero(~found)
+        if len(new):
+            mem = member_of[new]
+            by_member = stable_argsort(mem)
+            cut = np.searchsorted(mem[by_member], np.arange(len(self.members) + 1))
+            taken = [col.take(pa.array(new[by_member])) for col in keys]
+            for i in range(len(self.members)):
+                lo, hi = int(cut[i]), int(cut[i + 1])
+                if hi > lo:
+                    rows_i = new[by_member[lo:hi]]
+                    out[rows_i] = self.members[i]._append_unsorted(
+                        [t.slice(lo, hi - lo) for t in taken], hashes[rows_i])
+            # Merge the new keys into the group's sorted arrays (insertion points known).
+            new_in_order = (~found)[by_hash]
+            at = pos_sorted[new_in_order]
+            new_rows = by_hash[new_in_order]
+            self._hashes = np.insert(self._hashes, at, hs[new_in_order])
+            self._member = np.insert(self._member, at, member_of[new_rows].astype(np.int32))
+            self._slot = np.insert(self._slot, at, out[new_rows])
+            self._sizes = [len(m) for m in self.members]
         return out

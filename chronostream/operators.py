@@ -15,7 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from chronostream.keyindex import KeyIndex
+from chronostream.hashing import hash_columns
+from chronostream.keyindex import KeyIndex, KeyIndexGroup
+from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
 from chronostream.types import ORDER, SUB, extend_sub_order
@@ -229,6 +231,16 @@ class Operator:
         return cls.consume_batch is not Operator.consume_batch
 
     @classmethod
+    def fuses_slices(cls) -> bool:
+        """True when the class runs many slices' batches in one call (``consume_slices``):
+        the class whose ``consume_batch`` is used also defines ``consume_slices``, so a
+        subclass that overrides only ``consume_batch`` is never fused behind its back."""
+        for klass in cls.__mro__:
+            if "consume_batch" in vars(klass):
+                return "consume_slices" in vars(klass)
+        return False
+
+    @classmethod
     def is_per_event(cls) -> bool:
         """True when the class overrides ``consume``."""
         return cls.consume is not Operator.consume
@@ -288,6 +300,7 @@ class KeyedAggregate(Operator):
         # Dense per-slice arrays indexed by a key slot; the KeyIndex maps keys to
         # slots with vectorized lookups (no Python per key or per event).
         self.key_index = KeyIndex()
+        self._key_group: KeyIndexGroup | None = None  # see consume_slices
         self.arrays: dict[str, np.ndarray] = {}
         # Slots changed since the last checkpoint: each listed once (the mask says which are
         # listed), so a capture needs no sort or unique of them inside the epoch.
@@ -298,10 +311,27 @@ class KeyedAggregate(Operator):
         return sorted({c for a, c in self.specs if c is not None})
 
     def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        if batch.num_rows:
+            out, _bounds = type(self).consume_slices([self], stream_id, batch,
+                                                     np.array([0, batch.num_rows]))["out"]
+            self.produce_batch("out", out)
+
+    @classmethod
+    def consume_slices(cls, ops: Sequence["KeyedAggregate"], stream_id: str, batch: pa.Table,
+                       bounds: np.ndarray) -> dict[str, tuple[pa.Table, np.ndarray]]:
+        """Many slices' batches in one vectorized pass: ``ops[i]`` (one slice's operator)
+        consumes rows ``bounds[i]:bounds[i + 1]`` of ``batch``.
+
+        Returns the ``out`` rows (one per input row, in input order) with their bounds
+        per op. The heavy work (key encoding, hashing, the per-key scans, the output
+        table) is done once for the whole batch; per op there are only its key-index
+        lookup and its state's gather and scatter. All or nothing: when it raises, no
+        op's running values changed (a key index may hold new keys with zero counts,
+        which read as unseen), so the caller can retry per slice or row by row.
+        """
+        agg = ops[0]
         n = batch.num_rows
-        if n == 0:
-            return
-        keys = [batch.column(c) for c in self.key_columns]
+        keys = [batch.column(c) for c in agg.key_columns]
         keys = [k.combine_chunks() if isinstance(k, pa.ChunkedArray) else k for k in keys]
         # Float keys: -0.0 + 0.0 == 0.0, and every NaN one value, as in canonical_key().
         keys = [pc.if_else(pc.is_nan(k), float("nan"), pc.add(k, 0.0)) if pa.types.is_floating(k.type) else k
@@ -320,55 +350,88 @@ class KeyedAggregate(Operator):
             _uniq, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
             first_rows = pa.array(first)
             unique_keys = [col.take(first_rows) for col in keys]
-        idx_of_uniq = self.key_index.slots(unique_keys)
-        self._grow(len(self.key_index))
-        # Sort rows by group (stable: keeps merge order within a key).
-        order = np.argsort(inverse, kind="stable")
+        # Sort rows by key (stable: keeps merge order within a key, and, since the batch
+        # is grouped by op, op order within a key). A segment is one (key, op) pair: one
+        # slot of one op's state. A key normally lives in one slice; kept apart if not.
+        order = stable_argsort(inverse)
         g_sorted = inverse[order]
+        owner_sorted = np.repeat(np.arange(len(ops)), np.diff(bounds))[order] if len(ops) > 1 else None
         starts = np.ones(n, dtype=bool)
         starts[1:] = g_sorted[1:] != g_sorted[:-1]
-        state_idx = idx_of_uniq[g_sorted]
-        # Running count.
+        if owner_sorted is not None:
+            starts[1:] |= owner_sorted[1:] != owner_sorted[:-1]
         start_pos = np.flatnonzero(starts)
         seg = np.cumsum(starts) - 1
+        last_rows = np.append(start_pos[1:] - 1, n - 1)
+        seg_key = g_sorted[start_pos]
+        # Each op's slots for its segments; then its prior values, gathered per segment.
+        hashes = hash_columns(unique_keys)
+        if owner_sorted is None:  # one op: its segments are the distinct keys, in order
+            op_segments = [np.arange(len(start_pos))]
+            seg_slots = agg.key_index.slots(unique_keys, hashes=hashes)
+        else:
+            seg_owner = owner_sorted[start_pos]
+            by_owner = stable_argsort(seg_owner)
+            cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
+            op_segments = [by_owner[cut[i]:cut[i + 1]] for i in range(len(ops))]
+            # One lookup for all ops' keys: a group over their key indexes, kept on the
+            # first op between calls, rebuilt when the ops or their indexes changed.
+            indexes = [op.key_index for op in ops]
+            group = agg._key_group
+            if group is None or not group.matches(indexes):
+                group = agg._key_group = KeyIndexGroup(indexes)
+            take = pa.array(seg_key)
+            seg_slots = group.slots(seg_owner, [col.take(take) for col in unique_keys], hashes[seg_key])
+        value_cols = agg._value_columns()
+        kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
+        needed = ["count"] + [f"{a}_{col}_{kinds[col]}" for col in value_cols for a in ("sum", "min", "max")]
+        prior = {name: np.empty(len(start_pos), dtype=np.float64 if name.endswith("_f") else np.int64)
+                 for name in needed}
+        per_op: list[tuple[KeyedAggregate, np.ndarray, np.ndarray]] = []  # (op, its segments, their slots)
+        for op, segs in zip(ops, op_segments):
+            if not len(segs):
+                continue
+            slots = seg_slots[segs]
+            op._grow(len(op.key_index))
+            for name in needed:
+                prior[name][segs] = op.arrays[name][slots]
+            per_op.append((op, segs, slots))
+        # Running count.
         pos_in_group = np.arange(n) - start_pos[seg]
-        count_arr = self.arrays["count"]
-        running_count = count_arr[state_idx] + pos_in_group + 1
+        running_count = prior["count"][seg] + pos_in_group + 1
+        first_seen = (prior["count"] == 0)[seg]
         results: dict[str, np.ndarray] = {}
         updates: list[tuple[str, np.ndarray]] = []
-        last_rows = np.append(start_pos[1:] - 1, n - 1)
-        for col in self._value_columns():
+        for col in value_cols:
             arr = batch.column(col)
             if arr.null_count:
                 raise ValueError(f"column {col!r} has a null value; aggregates need non-null values")
             vals = np.asarray(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr)
-            vals = vals.astype(np.float64) if vals.dtype.kind == "f" else vals.astype(np.int64)
+            kind = kinds[col]
+            vals = vals.astype(np.float64) if kind == "f" else vals.astype(np.int64)
             v_sorted = vals[order]
-            kind = "f" if vals.dtype.kind == "f" else "i"
             sums_key, mins_key, maxs_key = f"sum_{col}_{kind}", f"min_{col}_{kind}", f"max_{col}_{kind}"
+            prior_sum = prior[sums_key]
             if kind == "i":
                 # int64 must not wrap. A cheap bound first; the per-key running
                 # sums (float64) only when the bound cannot rule overflow out.
-                prior = self.arrays[sums_key][state_idx]
-                bound = float(np.abs(prior).max()) + float(np.abs(v_sorted.astype(np.float64)).sum())
+                bound = float(np.abs(prior_sum).max()) + float(np.abs(v_sorted.astype(np.float64)).sum())
                 if bound >= 2.0**62:
-                    approx = prior.astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
+                    approx = prior_sum[seg].astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
                     if float(np.abs(approx).max()) >= 2.0**63 * 0.999:
                         raise OverflowError(f"running int64 sum of column {col!r} overflows")
                 cs = np.cumsum(v_sorted)
                 base = np.where(start_pos > 0, cs[start_pos - 1], 0)
-                run_sum = self.arrays[sums_key][state_idx] + cs - base[seg]
+                run_sum = prior_sum[seg] + cs - base[seg]
             else:
                 # Floats: sequential per key so the result is bit-identical to
                 # one-at-a-time addition (per distinct key, not per event).
                 run_sum = np.empty(n, dtype=np.float64)
-                prior = self.arrays[sums_key]
-                for s, e in zip(start_pos, np.append(start_pos[1:], n)):
-                    chunk = np.concatenate(([prior[state_idx[s]]], v_sorted[s:e]))
-                    run_sum[s:e] = np.cumsum(chunk)[1:]
-            first_seen = self.arrays["count"][state_idx] == 0
-            prior_min = np.where(first_seen, v_sorted, self.arrays[mins_key][state_idx].astype(v_sorted.dtype))
-            prior_max = np.where(first_seen, v_sorted, self.arrays[maxs_key][state_idx].astype(v_sorted.dtype))
+                for j, (s, e) in enumerate(zip(start_pos.tolist(), last_rows.tolist())):
+                    chunk = np.concatenate(([prior_sum[j]], v_sorted[s:e + 1]))
+                    run_sum[s:e + 1] = np.cumsum(chunk)[1:]
+            prior_min = np.where(first_seen, v_sorted, prior[mins_key][seg])
+            prior_max = np.where(first_seen, v_sorted, prior[maxs_key][seg])
             run_min = _segmented_scan(np.minimum(v_sorted, prior_min), starts, np.minimum)
             run_max = _segmented_scan(np.maximum(v_sorted, prior_max), starts, np.maximum)
             results[f"sum_{col}"] = run_sum
@@ -377,27 +440,28 @@ class KeyedAggregate(Operator):
             updates += [(sums_key, run_sum), (mins_key, run_min), (maxs_key, run_max)]
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
-        li = state_idx[last_rows]
-        fresh = li[~self._dirty_mask[li]]
-        self._dirty_mask[fresh] = True
-        self._dirty_slots.append(fresh)
-        for name, values in updates:
-            self.arrays[name][li] = values[last_rows]
-        count_arr[li] = running_count[last_rows]
+        updates.append(("count", running_count))
+        for op, segs, slots in per_op:
+            fresh = slots[~op._dirty_mask[slots]]
+            op._dirty_mask[fresh] = True
+            op._dirty_slots.append(fresh)
+            rows = last_rows[segs]
+            for name, values in updates:
+                op.arrays[name][slots] = values[rows]
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.arange(n)
-        cols: dict[str, pa.Array] = {c: batch.column(c) for c in self.key_columns}
-        for agg, col in self.specs:
-            name = self.output_name(agg, col)
-            if agg == "count":
+        cols: dict[str, pa.Array] = {c: batch.column(c) for c in agg.key_columns}
+        for a, col in agg.specs:
+            name = cls.output_name(a, col)
+            if a == "count":
                 cols[name] = pa.array(running_count[inv], pa.int64())
-            elif agg == "mean":
+            elif a == "mean":
                 cols[name] = pa.array(results[f"sum_{col}"][inv] / running_count[inv], pa.float64())
             else:
-                cols[name] = pa.array(results[f"{agg}_{col}"][inv])
+                cols[name] = pa.array(results[f"{a}_{col}"][inv])
         cols[ORDER] = batch.column(ORDER)
         cols[SUB] = batch.column(SUB)
-        self.produce_batch("out", pa.table(cols))
+        return {"out": (pa.table(cols), np.asarray(bounds))}
 
     def _grow(self, size: int) -> None:
         cur = len(self.arrays.get("count", ()))

@@ -41,6 +41,7 @@ from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
 from containers.threads import SliceThreads
+from slices.group import fuses, process_group
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -99,6 +100,10 @@ class ContainerStatistics:
 class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
+    #: Run the local slices of a fusing operator as one group (slices/group.py). Off: each
+    #: slice alone (benchmarks.slices compares the two; outputs are the same).
+    GROUP_SLICES = True
+
     def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
                  routes: dict[int, OutputRoute], senders: set[int] | dict[int, Coverage], *,
                  source_table: Any = None,
@@ -147,6 +152,9 @@ class ContainerCore:
         self.dead_letter_rows = 0
         self.reader: SourceReader | None = None
         self.threads = SliceThreads(list(self.slices), threads)  # vertical scaling (set_threads)
+        # One vectorized pass per epoch for all local slices when the operator allows it.
+        self.group_slices = self.GROUP_SLICES and fuses(self.stage, plan)
+        self.grouped_epochs = 0  # epochs run as one group (tests and benchmarks read it)
         if self.stage.kind == "source":
             assert source_table is not None, f"source stage {self.stage.name} needs its input"
             self.reader = make_reader(source_table, plan.order_end)
@@ -386,7 +394,14 @@ class ContainerCore:
                             inputs.setdefault(stream_id, []).append(rows)
                 if inputs:
                     todo[s] = inputs
-            results = self.threads.run_epoch(epoch, list(todo), lambda s: self.slices[s].process(epoch, todo[s]))
+            if self.group_slices and self.threads.table_at(epoch).threads == 1:
+                # One vectorized pass for every slice (slices/group.py); threads split
+                # the work per slice instead.
+                results = process_group(list(self.slices.values()), epoch, todo)
+                self.grouped_epochs += 1
+            else:
+                results = self.threads.run_epoch(epoch, list(todo),
+                                                 lambda s: self.slices[s].process(epoch, todo[s]))
         if self.restored_at:
             self._note_first_outputs(results)
         return results

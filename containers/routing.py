@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.hashing import slice_of
+from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
@@ -75,7 +76,7 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute) -> dic
             cont = np.concatenate((cont, alt[dst[copies]]))
             dst = dst[rows]
     # One stable sort on (container, slice): keeps producer order within a slice.
-    order = np.argsort(cont * out.num_slices + dst, kind="stable")
+    order = stable_argsort(cont * out.num_slices + dst)
     cont_sorted = cont[order]
     bounds = np.flatnonzero(np.diff(cont_sorted)) + 1
     starts = np.concatenate(([0], bounds))

@@ -132,6 +132,10 @@ class SliceThreads:
             self.installed_at_epoch[version] = epoch
         return self.table
 
+    def table_at(self, epoch: int) -> ThreadControlTable:
+        """The table in effect for ``epoch`` (takes a newer one at this barrier)."""
+        return self._barrier(epoch)
+
     def run_epoch(self, epoch: int, slices: list[int], work: Callable[[int], T]) -> dict[int, T]:
         """``work(slice)`` for every slice, each on its thread; results by slice, in slice order."""
         table = self._barrier(epoch)

@@ -161,6 +161,7 @@ def run_with_checkpoints(query_name: str, slices: int, full_at: int, every: int)
     records: dict = defaultdict(list)
     chains: dict = defaultdict(list)
     for core in cores.values():
+        core.group_slices = False  # record per slice: each slice's process() is wrapped below
         for rt in core.slices.values():
             if rt.op is None:
                 continue

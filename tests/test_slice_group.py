@@ -1,0 +1,282 @@
+"""Specification of running many slices as one group (slices/group.py, KeyedAggregate.consume_slices,
+KeyIndexGroup): the group gives exactly what each slice gives alone.
+
+A group is a speed-up only: per slice, the outputs (rows, ``_slice``,
+``_seq``, lineage), the running state, the progress vector and the dead
+letters must equal running that slice by itself; and a job whose containers
+run their slices as groups must equal the serial oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import chronostream as cs
+from chronostream.dag import compile_query
+from chronostream.hashing import hash_columns, slice_of
+from chronostream.keyindex import KeyCollision, KeyIndex, KeyIndexGroup
+from chronostream.operators import KeyedAggregate, OperatorContext
+from chronostream.types import ORDER, SEQ, SLICE, SUB
+from containers.core import ContainerCore
+from master.local import collect, run_local
+from master.placement import containers_per_stage, initial_placement
+from slices.group import fuses, grouped_merge_order, process_group
+from slices.slice import SliceRuntime
+
+pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
+
+SPECS = [("count", None), ("sum", "i"), ("min", "i"), ("max", "f"), ("mean", "f")]
+
+
+def make_ops(n: int, key=("k",), specs=SPECS) -> list[KeyedAggregate]:
+    ops = []
+    for s in range(n):
+        op = KeyedAggregate(list(key), specs)
+        op.bind(OperatorContext("agg", s, ["out"]))
+        op.setup()
+        ops.append(op)
+    return ops
+
+
+def epoch_batch(rows: list[dict], owner: np.ndarray, first_order: int) -> tuple[pa.Table, np.ndarray]:
+    """The rows grouped by owning op (stable), with lineage, and the bounds per op."""
+    by_owner = np.argsort(owner, kind="stable")
+    t = pa.Table.from_pylist([rows[i] for i in by_owner.tolist()],
+                             schema=pa.schema([("k", pa.string()), ("i", pa.int64()), ("f", pa.float64())]))
+    t = t.append_column(ORDER, pa.array(first_order + by_owner.astype(np.int64)))
+    t = t.append_column(SUB, pa.array(np.zeros(len(rows), np.int64)))
+    bounds = np.searchsorted(owner[by_owner], np.arange(owner.max() + 2 if len(owner) else 1))
+    return t, bounds
+
+
+def exact(table: pa.Table) -> list[dict]:
+    return [{k: (v.hex() if isinstance(v, float) else v) for k, v in r.items()} for r in table.to_pylist()]
+
+
+row = st.fixed_dictionaries({"k": st.sampled_from(["a", "b", "c", "", "ü", "dd", "eee", "f"]),
+                             "i": st.integers(-10**6, 10**6),
+                             "f": st.floats(-1e9, 1e9, allow_nan=False)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(row, min_size=1, max_size=30), min_size=1, max_size=5), st.integers(2, 5))
+def test_one_group_call_equals_every_slice_consuming_alone(epochs, n_ops):
+    """Rows routed by key hash, over several epochs: each op's output rows and full state after
+    consume_slices equal those of the same op fed its rows alone with consume_batch."""
+    grouped, alone = make_ops(n_ops), make_ops(n_ops)
+    order = 0
+    for rows in epochs:
+        owner = slice_of([pa.array([r["k"] for r in rows])], n_ops)
+        batch, bounds = epoch_batch(rows, owner, order)
+        order += len(rows)
+        bounds = np.concatenate((bounds, np.full(n_ops + 1 - len(bounds), bounds[-1])))
+        out, out_bounds = KeyedAggregate.consume_slices(grouped, "in", batch, bounds)["out"]
+        assert out_bounds.tolist() == bounds.tolist()
+        for i, op in enumerate(alone):
+            part = batch.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
+            want = []
+            if part.num_rows:
+                op.consume_batch("in", part)
+                want = exact(op._ctx.take_outputs({})["out"])
+            assert exact(out.slice(int(bounds[i]), part.num_rows)) == want
+    for g, a in zip(grouped, alone):
+        assert len(g.key_index) == len(a.key_index)
+        gs = g.checkpoint_state(delta=False)["__op__aggregate"]
+        as_ = a.checkpoint_state(delta=False)["__op__aggregate"]
+        assert gs == as_
+
+
+def test_a_key_in_two_slices_rows_is_refused_and_changes_nothing():
+    """Rows not routed by hash (one key under two ops) are refused with KeyCollision, before any
+    state changes: the group runner then runs the slices one by one."""
+    ops = make_ops(2)
+    rows = [{"k": "x", "i": 1, "f": 1.0}, {"k": "x", "i": 2, "f": 2.0}]
+    batch, bounds = epoch_batch(rows, np.array([0, 1]), 0)
+    with pytest.raises(KeyCollision):
+        KeyedAggregate.consume_slices(ops, "in", batch, bounds)
+    assert all(not op.arrays.get("count", np.zeros(1)).any() for op in ops)
+    assert all(op._dirty_slots == [] for op in ops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), max_size=25, unique=True), max_size=8), st.integers(1, 4))
+def test_group_slots_equal_each_members_own_numbering(batches, members):
+    """Keys partitioned over members (key % members): the group gives each key the slot its member
+    would (first-seen order per member), and each member's own lookups agree afterwards."""
+    indexes = [KeyIndex() for _ in range(members)]
+    group = KeyIndexGroup(indexes)
+    ref: list[dict] = [{} for _ in range(members)]
+    for keys in batches:
+        if not keys:
+            continue
+        col = pa.array([f"k{k}" for k in keys])
+        member = np.array([k % members for k in keys])
+        got = group.slots(member, [col], hash_columns([col])).tolist()
+        assert got == [ref[k % members].setdefault(k, len(ref[k % members])) for k in keys]
+        assert group.matches(indexes)
+    for m, ix in enumerate(indexes):
+        assert len(ix) == len(ref[m])
+        if ref[m]:
+            keys = sorted(ref[m])
+            assert ix.slots([pa.array([f"k{k}" for k in keys])]).tolist() == [ref[m][k] for k in keys]
+
+
+def test_group_refuses_a_key_held_by_another_member_and_changes_nothing():
+    a, b = KeyIndex(), KeyIndex()
+    a.slots([pa.array(["x"])])
+    group = KeyIndexGroup([a, b])
+    col = pa.array(["x", "y"])
+    with pytest.raises(KeyCollision):
+        group.slots(np.array([1, 1]), [col], hash_columns([col]))
+    assert (len(a), len(b)) == (1, 0)
+    assert group.matches([a, b])
+
+
+def test_group_no_longer_matches_a_member_replaced_or_grown_alone():
+    a, b = KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    assert group.matches([a, b]) and not group.matches([b, a]) and not group.matches([a])
+    b.slots([pa.array(["z"])])
+    assert not group.matches([a, b])
+    assert not KeyIndexGroup([a, b]).matches([a, KeyIndex()])
+
+
+def test_grouped_merge_order_is_each_slices_merge_order():
+    """Rows arriving out of order within a slice, from two producers, are put in (slice, order,
+    sub, producer, seq) order; rows already in order are left as they are."""
+    owner = np.array([0, 0, 0, 1, 1])
+    order = np.array([5, 2, 2, 1, 0])
+    sub = np.array([0, 1, 0, 0, 0])
+    producer = np.array([0, 1, 0, 0, 0])
+    seq = np.array([9, 3, 4, 1, 0])
+    assert grouped_merge_order(owner, order, sub, producer, seq).tolist() == [2, 1, 0, 4, 3]
+    assert grouped_merge_order(owner, np.array([0, 1, 1, 0, 7]), sub * 0, producer * 0,
+                               seq).tolist() == [0, 1, 2, 3, 4]
+
+
+# -- the slice group against slices run alone ---------------------------------------------------
+
+SLICES = 6
+
+
+def count_plan(dead_letters: bool = False, value_sum: bool = False):
+    lines = pa.table({"w": ["a"], "v": pa.array([1], pa.int64())})
+    q = cs.Query()
+    keyed = q.source("s", lines, slices=1).key_by("w")
+    (keyed.aggregate(count=True, sum="v", slices=SLICES, name="agg") if value_sum
+     else keyed.count(slices=SLICES, name="agg")).sink(name="out")
+    if dead_letters:
+        q.dead_letters()
+    plan, _ = compile_query(q)
+    stage = next(s for s in plan.stages if s.name == "agg")
+    return plan, stage
+
+
+def routed_inputs(words: list[str], values: list, first: int, stream_id: int) -> dict[int, dict]:
+    """One epoch from a one-slice producer (out_seq = source order), cut by consumer slice."""
+    t = pa.table({"w": words, "v": pa.array(values, pa.int64()),
+                  ORDER: pa.array(np.arange(first, first + len(words), dtype=np.int64)),
+                  SUB: pa.array(np.zeros(len(words), np.int64)),
+                  SLICE: pa.array(np.zeros(len(words), np.int64)),
+                  SEQ: pa.array(np.arange(first, first + len(words), dtype=np.int64))})
+    dst = slice_of([t.column("w")], SLICES)
+    return {s: {stream_id: [t.filter(pa.array(dst == s))]} for s in range(SLICES) if (dst == s).any()}
+
+
+def run_both(plan, stage, epochs: list[tuple[list[str], list]], dead: bool = False):
+    alone = [SliceRuntime(plan, stage.stage_id, s, dead) for s in range(SLICES)]
+    grouped = [SliceRuntime(plan, stage.stage_id, s, dead) for s in range(SLICES)]
+    sid = stage.inputs[0].stream_id
+    first = 0
+    outs_alone, outs_grouped = [], []
+    for e, (words, values) in enumerate(epochs):
+        inputs = routed_inputs(words, values, first, sid)
+        first += len(words)
+        outs_alone.append({s: alone[s].process(e, inputs[s]) for s in sorted(inputs)})
+        outs_alone[-1] = {s: o for s, o in outs_alone[-1].items() if o}
+        outs_grouped.append(process_group(grouped, e, inputs))
+    return alone, grouped, outs_alone, outs_grouped
+
+
+def as_rows(outs):
+    return [{s: {sid: t.to_pylist() for sid, t in per.items()} for s, per in epoch.items()} for epoch in outs]
+
+
+def test_a_group_epoch_equals_each_slice_alone_row_for_row():
+    """Outputs per slice and stream (rows, _slice, _seq, lineage), counters and progress vectors."""
+    plan, stage = count_plan()
+    assert fuses(stage, plan)
+    rng = np.random.default_rng(3)
+    vocab = [f"w{i}" for i in range(40)]
+    epochs = [([vocab[i] for i in rng.integers(0, 40, 200)], [1] * 200) for _ in range(4)]
+    alone, grouped, oa, og = run_both(plan, stage, epochs)
+    assert as_rows(og) == as_rows(oa)
+    assert sum(len(e) for e in og) > SLICES  # several slices produced in several epochs
+    for a, g in zip(alone, grouped):
+        assert (a.events_in, a.events_out, a.last_epoch, a.next_seq) == (g.events_in, g.events_out,
+                                                                       g.last_epoch, g.next_seq)
+        assert a.progress.as_dict() == g.progress.as_dict()
+
+
+def test_rows_delivered_twice_are_dropped_by_each_slices_progress_vector():
+    plan, stage = count_plan()
+    grouped = [SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)]
+    sid = stage.inputs[0].stream_id
+    inputs = routed_inputs(["a", "b", "c", "a"], [1, 1, 1, 1], 0, sid)
+    first = process_group(grouped, 0, inputs)
+    again = process_group(grouped, 1, inputs)
+    assert sum(t.num_rows for per in first.values() for t in per.values()) == 4
+    assert again == {}
+    assert sum(rt.duplicates_dropped for rt in grouped) == 4
+
+
+def test_a_poison_epoch_reruns_slice_by_slice_with_the_same_dead_letters():
+    """An int64 sum overflow in one slice: the group call fails, the epoch reruns per slice, and the
+    outputs and dead letters equal running every slice alone."""
+    plan, stage = count_plan(dead_letters=True, value_sum=True)
+    big = 2**62
+    epochs = [(["a", "b", "c", "a"], [1, 2, 3, big]), (["a", "b", "a"], [big, 5, 6])]
+    alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
+    assert as_rows(og) == as_rows(oa)
+    dead_a = [d for rt in alone for d in rt.take_dead_letters()]
+    dead_g = [d for rt in grouped for d in rt.take_dead_letters()]
+    assert dead_a and dead_g == dead_a
+
+
+# -- a job whose container runs its slices as a group ------------------------------------------
+
+
+def word_count_job(slices: int) -> cs.Query:
+    rng = np.random.default_rng(5)
+    words = [f"w{int(i)}" for i in rng.zipf(1.3, 3000) % 500]
+    q = cs.Query(epoch_events=257)
+    q.source("words", pa.table({"word": words}), slices=2).key_by("word") \
+        .count(slices=slices, name="count").sink(name="counts")
+    return q
+
+
+def local_counts(query: cs.Query, containers: int):
+    plan, sources = compile_query(query)
+    placement = initial_placement(plan, containers_per_stage(plan, containers))
+    cores = run_local(plan, placement, sources, seed=2)
+    return collect(plan, cores, "counts").to_pylist(), sum(c.grouped_epochs for c in cores.values())
+
+
+@pytest.mark.parametrize("containers", [1, 3])
+def test_a_job_run_as_slice_groups_equals_the_serial_oracle(containers):
+    expected = cs.run_serial(word_count_job(16)).results("counts").to_pylist()
+    got, grouped = local_counts(word_count_job(16), containers)
+    assert grouped > 0
+    assert got == expected
+
+
+def test_turning_groups_off_runs_slices_alone_with_the_same_output(monkeypatch):
+    on, grouped_on = local_counts(word_count_job(16), 2)
+    monkeypatch.setattr(ContainerCore, "GROUP_SLICES", False)
+    off, grouped_off = local_counts(word_count_job(16), 2)
+    assert (grouped_on > 0, grouped_off) == (True, 0)
+    assert on == off
