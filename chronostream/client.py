@@ -329,7 +329,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
         gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
         spill_state: bool = True, source_poll_s: float = 0.01,
-        full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0) -> Job | CompletedJob:
+        full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
+        ship_by_reference_bytes: int = 8 << 20) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -352,7 +353,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     fails the job, unless ``recompute_lost=True`` (rebuild it from the
     start). Without checkpoints (the default) a dead container's slices are
     rebuilt from the start. Every ``gc_interval_s`` the master trims output
-    logs below what every consumer's checkpoint covers.
+    logs below what every consumer's checkpoint covers. A host ships
+    checkpoints to a peer directly when they are small, and above
+    ``ship_by_reference_bytes`` (8 MB) as arrays through Ray's object store,
+    put from a worker thread, which the peer keeps without copying.
 
     Elasticity (Ray executor): ``job.scale_out``, ``job.scale_in``,
     ``job.migrate``, ``job.scale_up``, ``job.scale_down`` rescale the running
@@ -389,7 +393,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
                          gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s,
                          spill_state=spill_state, source_poll_s=source_poll_s,
-                         full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s)
+                         full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
+                         ship_by_reference_bytes=ship_by_reference_bytes)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731

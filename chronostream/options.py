@@ -36,12 +36,13 @@ class JobOptions:
     source_poll_s: float = 0.01  # how often a source tails a followed log (a stat of its manifest when idle)
     full_gc_interval_s: float = 600.0  # a host's own full garbage collections (0: CPython's automatic ones)
     migration_warm_up_s: float = 30.0  # a migration waits this long at most for fresh backups (0: no wait)
+    ship_by_reference_bytes: int = 8 << 20  # checkpoint shipments above this go through the object store
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every"):
+        for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every", "ship_by_reference_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s", "autoscale_interval_s",

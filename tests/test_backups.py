@@ -256,3 +256,39 @@ def test_a_store_written_a_whole_chain_per_key_still_opens(tmp_path):
         assert [k for k, _ in txn.cursor()] == [b"1:4:%08d" % i for i in range(n)]
     store.close()
     assert BackupStore(tmp_path).latest(1, 4).next_seq == {0: 50}
+
+
+def as_object_store_view(frame: bytes) -> memoryview:
+    """What a large shipment arrives as: a read-only uint8 array in Ray's object store, viewed in place."""
+    import numpy as np
+
+    return memoryview(np.frombuffer(frame, np.uint8))
+
+
+def test_frames_received_as_object_store_views_are_kept_merged_flushed_and_reopened(tmp_path):
+    """Large checkpoints and carried outputs arrive as read-only array views (not bytes): the store
+    verifies, chains, merges, persists and restores them like bytes."""
+    import pyarrow as pa
+
+    from slices.checkpoint import CarriedOutputs, decode_outputs, encode_outputs
+
+    store = BackupStore(tmp_path, merge_every=2)
+    assert store.put(as_object_store_view(ckpt(0, "full", -1, 0))) is None
+    for e in range(1, 4):
+        assert store.put(as_object_store_view(ckpt(e, "delta", e - 1, e * 10))) is None
+    out = CarriedOutputs(1, 4, 0, 3, True, {7: pa.table({"x": [1, 2]})})
+    assert store.put(as_object_store_view(encode_outputs(out))) is None
+    assert store.latest(1, 4).next_seq == {0: 30}
+    assert store.flush() == 1
+    store.close(flush=False)
+    reopened = BackupStore(tmp_path)
+    assert (reopened.latest(1, 4).epoch, reopened.latest(1, 4).next_seq) == (3, {0: 30})
+    [frame] = reopened.carried_outputs(1, 4)
+    assert decode_outputs(frame).tables[7].to_pylist() == [{"x": 1}, {"x": 2}]
+
+
+def test_a_damaged_frame_received_as_a_view_is_refused(tmp_path):
+    frame = bytearray(ckpt(2, "full", -1, 5))
+    frame[len(frame) // 2] ^= 0xFF
+    with pytest.raises(CheckpointCorrupt, match="checksum"):
+        BackupStore(tmp_path).put(as_object_store_view(bytes(frame)))

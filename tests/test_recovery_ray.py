@@ -122,3 +122,13 @@ def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
     assert status["gc_dropped"] > 0
     # Each source container logs 2 slices x 1 stream x 120 epochs = 240 batches without GC.
     assert all(n < 60 for n in logged.values()), logged
+
+
+def test_checkpoints_shipped_through_the_object_store_restore_exactly(ray_session):
+    """With ship_by_reference_bytes=0 every checkpoint travels as object-store arrays, which the
+    backup holders keep as views: killed containers are still restored exactly from them."""
+    faults = [SLOW_SOURCE, Fault("kill", at_epoch=15, stage="running_sum"), Fault("kill", at_epoch=30, stage="stats")]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 3, "stats": 2},
+                             checkpoint_every=2, ship_by_reference_bytes=0)
+    assert report.ok, report.mismatches
+    assert len([k for k in kinds(report) if k == "recovery_end"]) == 2
