@@ -51,6 +51,17 @@ from containers.routing import OutputRoute
 log = logging.getLogger("chronostream.container")
 
 
+def to_wire(frame: bytes | memoryview) -> bytes | np.ndarray:
+    """A frame as a Ray argument or result: bytes as they are; a large frame (a memoryview,
+    which does not pickle) as a uint8 array, which Ray moves out of band, without copying."""
+    return frame if isinstance(frame, bytes) else np.frombuffer(frame, np.uint8)
+
+
+def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
+    """A frame received from Ray: arrays (read-only, in the object store) viewed in place."""
+    return memoryview(frame) if isinstance(frame, np.ndarray) else frame
+
+
 def _warm_up() -> None:
     """Pay lazy imports now, not in the first epoch: pyarrow imports pandas
     (when installed) on its first numpy conversion, which takes about a second."""
@@ -180,6 +191,7 @@ class ResourceContainer:
                     ckpt, carried, size = await self._in_store_thread(local)
                     return ckpt, carried, rejected, size
                 data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
+                data, outs = from_wire(data), [from_wire(b) for b in outs]
                 decoded = await asyncio.to_thread(lambda: (decode(data, "backup"), [decode_outputs(b) for b in outs]))
                 return decoded[0], decoded[1], rejected, len(data) + sum(len(b) for b in outs)
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
@@ -343,7 +355,8 @@ class ResourceContainer:
         uint8 arrays (zero-copy views of the bytes) are written out of band in 0.25 s,
         from a worker thread, and the receiver reads them in place.
         """
-        if sum(len(b) for b in blobs) > self.opts.ship_by_reference_bytes:
+        if sum(len(b) for b in blobs) > self.opts.ship_by_reference_bytes or not all(isinstance(b, bytes)
+                                                                                  for b in blobs):
             arrays = [np.frombuffer(b, np.uint8) for b in blobs]
             return await actor.receive_backups.remote(await asyncio.to_thread(ray.put, arrays))
         return await actor.receive_backups.remote(blobs)
@@ -564,7 +577,7 @@ class ResourceContainer:
         store = self.backup_store
         # Large checkpoints arrive as read-only uint8 arrays in the object store (_send_backups):
         # kept as views, not copied (the store takes any bytes-like frame).
-        blobs = [memoryview(b) if isinstance(b, np.ndarray) else b for b in blobs]
+        blobs = [from_wire(b) for b in blobs]
         refused = await self._in_store_thread(lambda: {store.put(b) for b in blobs})
         return sorted(k for k in refused if k is not None)
 
@@ -596,6 +609,7 @@ class ResourceContainer:
         store = self.backup_store
         data, outs = await self._in_store_thread(
             lambda: (encode(store.latest(stage_id, slice_id)), store.carried_outputs(stage_id, slice_id)))
+        data, outs = to_wire(data), [to_wire(b) for b in outs]
         return (data, outs) if with_outputs else data
 
     async def backup_epochs(self) -> dict[tuple[int, int], int]:
@@ -618,12 +632,12 @@ class ResourceContainer:
                 lambda: sum(store.trim_outputs(stage_id, lw) for stage_id, lw in low_water.items() if lw >= 0))
         return dropped
 
-    async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes:
-        """A full checkpoint of a hosted slice now (does not start a new delta)."""
+    async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes | np.ndarray:
+        """A full checkpoint of a hosted slice now (does not start a new delta); ``from_wire`` reads it."""
         from slices.checkpoint import capture, encode
 
         core = self.cores[self.container_id if container_id is None else container_id]
-        return encode(capture(core.slices[slice_id], delta=False, epoch=core.next_epoch - 1, clear=False))
+        return to_wire(encode(capture(core.slices[slice_id], delta=False, epoch=core.next_epoch - 1, clear=False)))
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Counters of every hosted container."""

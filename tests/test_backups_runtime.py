@@ -11,16 +11,24 @@ live slice.
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
+import pytest
 import ray
 
 import chronostream as cs
+from containers.actor import from_wire
 from queries import running_sum
-from slices.checkpoint import decode
+from slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
 
 
-def test_backups_follow_the_chain_and_match_the_live_slices(ray_session):
-    """Backups land on the chained peers, at the final epoch, and equal the live slices' state."""
-    job = cs.run(running_sum(7), containers=3, checkpoint_every=2, full_checkpoint_every=3, backup_factor=2)
+@pytest.mark.parametrize("ship_by_reference_bytes", [8 << 20, 0])
+def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by_reference_bytes):
+    """Backups land on the chained peers, at the final epoch, and equal the live slices' state; also
+    when every checkpoint travels through the object store as arrays (kept there as views). Frames
+    received that way are fetched back as arrays, with their carried outputs."""
+    job = cs.run(running_sum(7), containers=3, checkpoint_every=2, full_checkpoint_every=3, backup_factor=2,
+                 ship_by_reference_bytes=ship_by_reference_bytes)
     try:
         job.wait(timeout_s=120)
         expected = cs.run(running_sum(7), executor="serial")
@@ -38,9 +46,11 @@ def test_backups_follow_the_chain_and_match_the_live_slices(ray_session):
             for s, peers in chain[sid].items():
                 holders = sorted(c for c, held in catalog.items() if (sid, s, last_epoch) in held)
                 assert holders == sorted(peers) and len(peers) == 2
-                live = decode(ray.get(handles[owner[s]].slice_snapshot.remote(s)))
+                live = decode(from_wire(ray.get(handles[owner[s]].slice_snapshot.remote(s))))
                 for p in peers:
-                    backup = decode(ray.get(handles[p].backup_bytes.remote(sid, s)))
+                    data, outs = ray.get(handles[p].backup_bytes.remote(sid, s, with_outputs=True))
+                    backup = decode(from_wire(data))
+                    assert all(decode_outputs(from_wire(b)).slice_id == s for b in outs)
                     assert backup.epoch == live.epoch == last_epoch
                     assert backup.progress == live.progress and backup.next_seq == live.next_seq
                     assert set(backup.state) == set(live.state)
@@ -48,6 +58,14 @@ def test_backups_follow_the_chain_and_match_the_live_slices(ray_session):
                         assert _state_of(backup.state[name]) == _state_of(live.state[name]), (stage, s, name)
                     checked += 1
         assert checked == 2 * 2 * 7
+        # Carried outputs shipped as an object-store array come back (as an array) and decode.
+        sid = job.plan.stage("running_sum").stage_id
+        p = chain[sid][0][0]
+        sent = CarriedOutputs(sid, 0, last_epoch, last_epoch, False, {0: pa.table({"card": ["c"], "total": [5]})})
+        assert ray.get(handles[p].receive_backups.remote(ray.put([np.frombuffer(encode_outputs(sent), np.uint8)]))) == []
+        _data, outs = ray.get(handles[p].backup_bytes.remote(sid, 0, with_outputs=True))
+        assert isinstance(outs[-1], np.ndarray)
+        assert decode_outputs(from_wire(outs[-1])).tables[0].to_pylist() == [{"card": "c", "total": 5}]
     finally:
         job.stop()
 

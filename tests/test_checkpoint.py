@@ -130,6 +130,34 @@ def test_a_frame_written_by_the_previous_codec_still_decodes():
         decode(bytes(damaged))
 
 
+def test_a_frame_above_8_mb_is_a_view_with_the_bytes_a_join_would_give():
+    """Large frames are assembled in a numpy buffer (no GIL-held join); the bytes are the same
+    as the small-frame path's, they decode, and damage is still refused."""
+    import numpy as np
+    import pyarrow as pa
+
+    import slices.checkpoint as codec
+    from slices.checkpoint import frozen_table_part, read_table_part, verify
+
+    n = 1_200_000  # 2 int64 columns: about 19 MB
+    table = pa.table({"slot": pa.array(np.arange(n)), "v": pa.array(np.arange(n) * 3)})
+    ckpt = SliceCheckpoint(1, 2, 9, "full", -1, {0: [7]}, {0: 3}, {"t": frozen_table_part(table)})
+    big = encode(ckpt)
+    assert isinstance(big, memoryview) and big.nbytes > codec._BIG_FRAME
+    small_limit, codec._BIG_FRAME = codec._BIG_FRAME, 1 << 40
+    try:
+        joined = encode(ckpt)
+    finally:
+        codec._BIG_FRAME = small_limit
+    assert isinstance(joined, bytes) and bytes(big) == joined
+    assert verify(big)["epoch"] == 9
+    assert read_table_part(decode(big).state["t"]).equals(table)
+    damaged = bytearray(big)
+    damaged[len(damaged) // 2] ^= 1
+    with pytest.raises(CheckpointCorrupt, match="checksum"):
+        decode(memoryview(np.frombuffer(bytes(damaged), np.uint8)))
+
+
 def test_verify_checks_a_frame_and_returns_its_header():
     """verify() is the cheap check a backup holder runs: header back, damage refused, no payload parse."""
     from slices.checkpoint import verify
