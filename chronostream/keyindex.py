@@ -193,6 +193,11 @@ class KeyIndexGroup:
         return (len(members) == len(self.members)
                 and all(a is b and len(a) == n for a, b, n in zip(members, self.members, self._sizes)))
 
+    def _by_member(self, member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows grouped by member, stably; where each member's rows start in that order)."""
+        order = stable_argsort(member)
+        return order, np.searchsorted(member[order], np.arange(len(self.members) + 1))
+
     def slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         """Slot of each row of ``keys`` in the index of member ``member_of[row]``; rows must be
         distinct keys. New keys get new slots in their member. Raises ``KeyCollision`` (changing
@@ -215,9 +220,7 @@ class KeyIndexGroup:
             slots = self._slot[pos[rows]]
             out[rows] = slots
             # Verify the hits key by key: one take per member holding some, one comparison.
-            mem = member_of[rows]
-            by_member = stable_argsort(mem)
-            cut = np.searchsorted(mem[by_member], np.arange(len(self.members) + 1))
+            by_member, cut = self._by_member(member_of[rows])
             for c, col in enumerate(keys):
                 stored = [self.members[i]._stored(c).take(pa.array(slots[by_member[cut[i]:cut[i + 1]]]))
                           for i in range(len(self.members)) if cut[i + 1] > cut[i]]
@@ -226,9 +229,7 @@ class KeyIndexGroup:
                     raise KeyCollision("a new key shares its 64-bit hash with a stored key")
         new = np.flatnonzero(~found)
         if len(new):
-            mem = member_of[new]
-            by_member = stable_argsort(mem)
-            cut = np.searchsorted(mem[by_member], np.arange(len(self.members) + 1))
+            by_member, cut = self._by_member(member_of[new])
             taken = [col.take(pa.array(new[by_member])) for col in keys]
             for i in range(len(self.members)):
                 lo, hi = int(cut[i]), int(cut[i + 1])

@@ -22,17 +22,20 @@ isolation and dead letters live. Knows no Ray and no container.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import StagePlan
+from chronostream.dag import JobPlan, StagePlan
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.slice import SliceRuntime
 
+log = logging.getLogger("chronostream.slices")
 
-def fuses(stage: StagePlan, plan) -> bool:
+
+def fuses(stage: StagePlan, plan: JobPlan) -> bool:
     """Whether a stage's slices can run as one group: a fusing operator with one input,
     and produced streams without stateless chains (those run per slice)."""
     if stage.kind != "operator" or len(stage.inputs) != 1:
@@ -107,7 +110,9 @@ def process_group(runtimes: list[SliceRuntime], epoch: int,
     runtimes_by_id = {rt.slice_id: rt for rt in runtimes}
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
-    except Exception:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
+    except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
+        log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
+                 stage.name, epoch, type(exc).__name__, exc, sorted(admitted))
         rerun = {s: runtimes_by_id[s]._emit(runtimes_by_id[s]._run(adm)) for s, adm in admitted.items()}
         return {s: out for s, out in rerun.items() if out}
     results: dict[int, dict[int, pa.Table]] = {}
