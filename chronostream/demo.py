@@ -128,14 +128,14 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
     t0 = time.perf_counter()
     query = build_query(log_dir, out_dir, epoch_events=4096)
     stats_containers = max(3, containers) if kill else containers
+    # Paced from the first epoch, so the fault and the rescaling land mid-stream (a delay
+    # injected after the start let the sources run ahead of the schedule).
     job = cs.run(query, containers={"flights": containers, "route_delays": stats_containers},
-                 checkpoint_every=4 if kill or scale else 0)
+                 checkpoint_every=4 if kill or scale else 0, source_pace_s=pace_s if kill or scale else 0.0)
     applied: list = []
     try:
         epochs = job.plan.num_epochs or 1
         schedule = []
-        if kill or scale:  # paced, so the fault and the rescaling land mid-stream
-            schedule.append(Fault("delay", 0, stage="flights", seconds=pace_s))
         if kill:
             schedule.append(Fault("kill", at_epoch=max(1, epochs // 3), stage="route_delays"))
         if scale:

@@ -267,8 +267,9 @@ class ResourceContainer:
                     messages = core.step()
                     core.busy_s += time.perf_counter() - t0
                     cond.notify_all()  # next_epoch moved: blocked pushes may proceed
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
+                pause = self.delay_s or (self.opts.source_pace_s if core.reader is not None else 0.0)
+                if pause:
+                    await asyncio.sleep(pause)
                 for dst, msg in messages.items():
                     if dst not in self.unreachable:
                         inflight[dst].append((dst, self.peers[dst].push.remote(dst, epoch, cid, msg)))
