@@ -394,10 +394,13 @@ class ContainerCore:
                             inputs.setdefault(stream_id, []).append(rows)
                 if inputs:
                     todo[s] = inputs
-            if self.group_slices and self.threads.table_at(epoch).threads == 1:
-                # One vectorized pass for every slice (slices/group.py); threads split
-                # the work per slice instead.
-                results = process_group(list(self.slices.values()), epoch, todo)
+            if self.group_slices:
+                # One vectorized pass per thread for the slices the thread-control table
+                # gives it (slices/group.py); one group when the container has one thread.
+                def run_group(group: list[int]) -> dict[int, dict[int, pa.Table]]:
+                    return process_group([self.slices[s] for s in group], epoch,
+                                         {s: todo[s] for s in group if s in todo})
+                results = self.threads.run_groups(epoch, list(self.slices), run_group)
                 self.grouped_epochs += 1
             else:
                 results = self.threads.run_epoch(epoch, list(todo),

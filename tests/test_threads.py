@@ -80,6 +80,27 @@ def test_an_error_on_one_thread_fails_the_epoch_after_every_thread_finished():
     runner.close()
 
 
+def test_slice_groups_run_one_per_thread_with_the_slices_the_table_gives_it():
+    """run_groups: one call per thread with that thread's slices (on that thread); one call with
+    every slice when the container has one thread; results merged in slice order."""
+    import threading
+
+    runner = SliceThreads([0, 1, 2, 3, 4], threads=1)
+    calls = []
+
+    def work(group):
+        calls.append((tuple(group), threading.current_thread().name))
+        return {s: s * 10 for s in reversed(group)}
+
+    assert list(runner.run_groups(0, [0, 1, 2, 3, 4], work).items()) == [(s, s * 10) for s in range(5)]
+    assert [g for g, _ in calls] == [(0, 1, 2, 3, 4)]
+    calls.clear()
+    runner.resize([0, 1, 2, 3, 4], 2)
+    assert list(runner.run_groups(1, [0, 1, 2, 3, 4], work)) == [0, 1, 2, 3, 4]
+    assert sorted(calls) == [((0, 2, 4), "slice-thread-0_0"), ((1, 3), "slice-thread-1_0")]
+    runner.close()
+
+
 @pytest.mark.parametrize("name", ["word_count", "running_sum", "rekey"])
 def test_scaling_threads_up_and_down_mid_stream_gives_the_serial_output(name):
     cl = cluster(name, containers=1)
