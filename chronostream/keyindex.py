@@ -34,6 +34,33 @@ def _same(a: pa.Array, b: pa.Array) -> np.ndarray:
     return np.asarray(out, dtype=bool)
 
 
+def _in_hash_order(hashes: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the permutation sorting ``hashes``, the sorted hashes); equal hashes are refused.
+
+    Lookups work in hash order: searchsorted with sorted queries walks the stored
+    hashes once (random queries into millions of hashes miss the cache on every
+    probe). Any sort will do: equal hashes are refused, so their order never matters
+    (and introsort is ~1.5x a stable sort here).
+    """
+    by_hash = np.argsort(hashes)
+    hs = hashes[by_hash]
+    if len(hs) > 1 and bool(np.any(hs[1:] == hs[:-1])):
+        raise KeyCollision(what)
+    return by_hash, hs
+
+
+def _find(stored: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
+          hs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each query hash is (or would go) in the sorted ``stored`` hashes:
+    (position per sorted query, position per query, found per query)."""
+    pos_sorted = np.searchsorted(stored, hs)
+    pos = np.empty(len(hashes), dtype=np.int64)
+    pos[by_hash] = pos_sorted
+    found = pos < len(stored)
+    found[found] = stored[pos[found]] == hashes[found]
+    return pos_sorted, pos, found
+
+
 class KeyIndex:
     """Distinct keys seen so far, each with a dense slot number (0, 1, 2...).
 
@@ -104,15 +131,7 @@ class KeyIndex:
         self._settle()
         n = len(unique_keys[0])
         h = hash_columns(unique_keys) if hashes is None else hashes
-        # Work in hash order: searchsorted with sorted queries walks the stored
-        # hashes once (random queries into millions of hashes miss the cache on
-        # every probe), and duplicates are neighbours.
-        # Any sort will do: equal hashes within a batch are refused below, so
-        # their order never matters (and introsort is ~1.5x a stable sort here).
-        by_hash = np.argsort(h)
-        hs = h[by_hash]
-        if n > 1 and bool(np.any(hs[1:] == hs[:-1])):
-            raise KeyCollision("two distinct keys of one batch share a 64-bit hash")
+        by_hash, hs = _in_hash_order(h, "two distinct keys of one batch share a 64-bit hash")
         if not self._size:
             # First load (a restore, or a first batch): every key is new, in slot order.
             # Own compact copies: a restored column is a view into a whole checkpoint's bytes.
@@ -121,11 +140,7 @@ class KeyIndex:
             self._size = n
             self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
             return slots
-        pos_sorted = np.searchsorted(self._hashes, hs)
-        pos = np.empty(n, dtype=np.int64)
-        pos[by_hash] = pos_sorted
-        found = pos < len(self._hashes)
-        found[found] = self._hashes[pos[found]] == h[found]
+        pos_sorted, pos, found = _find(self._hashes, h, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         if found.any():
             slots = self._slot_of_sorted[pos[found]]
@@ -203,15 +218,8 @@ class KeyIndexGroup:
         distinct keys. New keys get new slots in their member. Raises ``KeyCollision`` (changing
         nothing) when a key's hash is held by another member or by a different stored key."""
         n = len(hashes)
-        by_hash = np.argsort(hashes)
-        hs = hashes[by_hash]
-        if n > 1 and bool(np.any(hs[1:] == hs[:-1])):
-            raise KeyCollision("two keys of one group batch share a 64-bit hash")
-        pos_sorted = np.searchsorted(self._hashes, hs)
-        pos = np.empty(n, dtype=np.int64)
-        pos[by_hash] = pos_sorted
-        found = pos < len(self._hashes)
-        found[found] = self._hashes[pos[found]] == hashes[found]
+        by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
+        pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         rows = np.flatnonzero(found)
         if len(rows):

@@ -134,22 +134,7 @@ class SliceThreads:
 
     def run_epoch(self, epoch: int, slices: list[int], work: Callable[[int], T]) -> dict[int, T]:
         """``work(slice)`` for every slice, each on its thread; results by slice, in slice order."""
-        table = self._barrier(epoch)
-        groups = table.groups(slices)
-        if not self._pool or sum(1 for g in groups if g) <= 1:
-            return {s: work(s) for s in sorted(slices)}
-        futures: list[Future] = [self._pool[i].submit(lambda g=g: [(s, work(s)) for s in g])
-                                 for i, g in enumerate(groups) if g]
-        results: dict[int, T] = {}
-        errors = []
-        for f in futures:  # wait for every thread, even after an error (no thread outlives the epoch)
-            try:
-                results.update(f.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, the first one wins
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        return {s: results[s] for s in sorted(results)}
+        return self.run_groups(epoch, slices, lambda group: {s: work(s) for s in sorted(group)})
 
     def run_groups(self, epoch: int, slices: list[int], work: Callable[[list[int]], dict[int, T]]) -> dict[int, T]:
         """``work(group)`` once per thread, on that thread, for the group of ``slices`` the table

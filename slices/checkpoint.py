@@ -248,8 +248,8 @@ def _pack_parts(obj: Any, out: list) -> None:
         for k, v in obj.items():
             out.append(_pack(k))
             _pack_parts(v, out)
-    elif isinstance(obj, (bytes, bytearray, memoryview, pa.Buffer)) and memoryview(obj).nbytes > _BIG:
-        out.append(b"\xc6" + _LEN.pack(memoryview(obj).nbytes))
+    elif isinstance(obj, (bytes, bytearray, memoryview, pa.Buffer)) and (size := memoryview(obj).nbytes) > _BIG:
+        out.append(b"\xc6" + _LEN.pack(size))
         out.append(obj)
     else:
         out.append(_pack(memoryview(obj) if isinstance(obj, pa.Buffer) else obj))
