@@ -161,11 +161,11 @@ class ResourceContainer:
             t1 = time.time()
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).
-            await asyncio.to_thread(core.restore_slices, {s: c for s, (c, _, _, _) in ckpts.items()},
-                                    {s: out for s, (_, out, _, _) in ckpts.items()})
+            await asyncio.to_thread(core.restore_slices, {s: c[0] for s, c in ckpts.items()},
+                                    {s: c[1] for s, c in ckpts.items()}, {s: c[4] for s, c in ckpts.items()})
             info.update(restore_start=t0, restore_end=time.time(), fetch_s=t1 - t0,
-                        bytes=sum(n for *_, n in ckpts.values()),
-                        rejected=[r for _, _, rej, _ in ckpts.values() for r in rej],
+                        bytes=sum(c[3] for c in ckpts.values()),
+                        rejected=[r for c in ckpts.values() for r in c[2]],
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
@@ -175,7 +175,12 @@ class ResourceContainer:
         return info
 
     async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]):
-        """The newest verified checkpoint of a slice among ``holders`` (own store first, no transfer)."""
+        """The newest verified checkpoint of a slice among ``holders`` (own store first, no transfer).
+
+        Returns (checkpoint, carried outputs, rejected holders, bytes, seed
+        frames); the seed is what was restored from, encoded (see
+        ``SliceCheckpointer.seed``).
+        """
         from chronostream.errors import RecoveryError
         from slices.checkpoint import CheckpointCorrupt, decode, decode_outputs
 
@@ -186,20 +191,20 @@ class ResourceContainer:
                     store = self.backup_store
 
                     def local():
-                        carried = [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)]
-                        return store.latest(stage_id, slice_id), carried, store.size(stage_id, slice_id)
-                    ckpt, carried, size = await self._in_store_thread(local)
-                    return ckpt, carried, rejected, size
+                        ckpt, outs, seed = store.restore_point(stage_id, slice_id)
+                        return ckpt, [decode_outputs(b) for b in outs], store.size(stage_id, slice_id), seed
+                    ckpt, carried, size, seed = await self._in_store_thread(local)
+                    return ckpt, carried, rejected, size, seed
                 data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
                 data, outs = from_wire(data), [from_wire(b) for b in outs]
                 decoded = await asyncio.to_thread(lambda: (decode(data, "backup"), [decode_outputs(b) for b in outs]))
-                return decoded[0], decoded[1], rejected, len(data) + sum(len(b) for b in outs)
+                return decoded[0], decoded[1], rejected, len(data) + sum(len(b) for b in outs), [data, *outs]
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
                 rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
         if holders:
             name = self.plan.stages[stage_id].name if self.plan else stage_id
             raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
-        return None, [], rejected, 0
+        return None, [], rejected, 0, []
 
     async def start(self, container_ids: list[int] | None = None) -> None:
         """Start processing the given containers (default: all not started)."""

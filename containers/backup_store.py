@@ -109,6 +109,10 @@ class BackupStore:
             self.chains[key] = [data]
             self._rewrite.add(key)
             self.damaged.discard(key)
+            if key in self.outputs:
+                # A new chain starts: the outputs carried with the old one go too. The
+                # full checkpoint's own carried outputs follow it (a seed's follow its chain).
+                self.outputs[key] = []
         else:
             chain = self.chains.get(key)
             if not chain or key in self.damaged or self.chain_end.get(key) != header["prev"]:
@@ -172,6 +176,18 @@ class BackupStore:
     def total_bytes(self) -> int:
         """Bytes held in the replication buffer (every chain and carried output)."""
         return sum(self.size(st, sl) for st, sl in set(self.chains) | set(self.outputs))
+
+    def restore_point(self, stage_id: int, slice_id: int) -> tuple[SliceCheckpoint, list[bytes], list[bytes]]:
+        """What a slice restored from this store needs: (the merged full checkpoint, its carried-outputs
+        frames, the seed: the frames of its chain and then those carried outputs, as they arrived).
+
+        Received in that order by an empty peer, the seed rebuilds this
+        backup there, so the restored slice's first checkpoint can be a delta
+        (``SliceCheckpointer.seed``).
+        """
+        key = (stage_id, slice_id)
+        ckpt, outs = self.latest(stage_id, slice_id), self.carried_outputs(stage_id, slice_id)
+        return ckpt, outs, list(self.chains[key]) + outs
 
     def carried_outputs(self, stage_id: int, slice_id: int) -> list[bytes]:
         """The carried-outputs frames held for a slice, oldest first."""

@@ -510,7 +510,8 @@ class ContainerCore:
 
     # -- recovery ----------------------------------------------------------------
 
-    def restore_slices(self, checkpoints: dict[int, Any], carried: dict[int, list[Any]] | None = None) -> int:
+    def restore_slices(self, checkpoints: dict[int, Any], carried: dict[int, list[Any]] | None = None,
+                       seeds: dict[int, list[bytes]] | None = None) -> int:
         """Load the slices' checkpoints (``SliceCheckpoint`` or None: rebuild from the start).
 
         The core resumes at the epoch after the oldest checkpoint; a slice
@@ -518,8 +519,10 @@ class ContainerCore:
         upstream rows for them are below its progress vector anyway).
         ``carried[s]`` (``CarriedOutputs``, oldest first) rebuilds the slice's
         output log up to its checkpoint, so consumers restored from older
-        checkpoints can still be replayed to. Returns the first epoch this
-        core processes.
+        checkpoints can still be replayed to. ``seeds[s]``: the encoded frames
+        the checkpoint came from; the slice's first checkpoint here is then a
+        delta shipped after them (``SliceCheckpointer.seed``), not a full one.
+        Returns the first epoch this core processes.
         """
         from slices.checkpoint import restore
 
@@ -536,6 +539,8 @@ class ContainerCore:
             for sid in self._logged_streams():
                 self.carried_seq[(s, sid)] = self.slices[s].next_seq.get(sid, 0)
             self.restored_at[s] = now
+            if ckpt is not None and seeds and seeds.get(s) and self.checkpointer is not None:
+                self.checkpointer.seed(s, ckpt.epoch, seeds[s])
         self.next_epoch = min(rt.last_epoch + 1 for rt in self.slices.values())
         return self.next_epoch
 

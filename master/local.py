@@ -359,7 +359,8 @@ class LocalCluster:
                         self.cores[c].add_senders({t.new_id: cov})
             core = self._core(t.new_id, t.slices, None)
             loaded = {s: self._load_backup(t.stage_id, s, [t.host]) for s in t.slices}
-            core.restore_slices({s: ck for s, (ck, _) in loaded.items()}, {s: out for s, (_, out) in loaded.items()})
+            core.restore_slices({s: ld[0] for s, ld in loaded.items()}, {s: ld[1] for s, ld in loaded.items()},
+                               {s: ld[2] for s, ld in loaded.items()})
             self.cores[t.new_id] = core
             t.resume = {s: core.slices[s].last_epoch + 1 for s in t.slices}
             for c, producer in self._producers(t.stage_id):
@@ -492,7 +493,8 @@ class LocalCluster:
         for a in plan:
             core = self._core(a.new_id, a.slices, None)
             loaded = {s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host)) for s in a.slices}
-            core.restore_slices({s: ck for s, (ck, _) in loaded.items()}, {s: out for s, (_, out) in loaded.items()})
+            core.restore_slices({s: ld[0] for s, ld in loaded.items()}, {s: ld[1] for s, ld in loaded.items()},
+                               {s: ld[2] for s, ld in loaded.items()})
             self.cores[a.new_id] = core
         for a in plan:  # after every new core exists: a lost producer's replacement reroutes too
             core = self.cores[a.new_id]
@@ -520,13 +522,14 @@ class LocalCluster:
         return out
 
     def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]):
-        """The newest verified checkpoint among ``holders`` and its carried outputs (None: rebuild from the start)."""
+        """The newest verified checkpoint among ``holders``, its carried outputs and the seed frames
+        (``BackupStore.restore_point``; None: rebuild from the start)."""
         errors = []
         for h in holders:
             try:
                 store = self.stores[h]
-                return (store.latest(stage_id, slice_id),
-                        [decode_outputs(b) for b in store.carried_outputs(stage_id, slice_id)])
+                ckpt, outs, seed = store.restore_point(stage_id, slice_id)
+                return ckpt, [decode_outputs(b) for b in outs], seed
             except (CheckpointCorrupt, KeyError) as exc:
                 errors.append(f"host {h}: {exc}")
                 self._event("backup_rejected", stage=stage_id, slice=slice_id, host=h, error=str(exc))
@@ -535,7 +538,7 @@ class LocalCluster:
 
             raise RecoveryError(f"no usable backup of stage {self.plan.stages[stage_id].name!r} slice {slice_id}: "
                                 + "; ".join(errors))
-        return None, []
+        return None, [], []
 
     # -- reading -------------------------------------------------------------
 

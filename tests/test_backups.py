@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from containers.backup_store import BackupStore
 from containers.routing import place_slices_evenly
 from master.backups import backup_plan, chained_backup_peers
-from slices.checkpoint import CheckpointCorrupt, SliceCheckpoint, encode
+from slices.checkpoint import (CarriedOutputs, CheckpointCorrupt, SliceCheckpoint, decode_outputs, encode,
+                               encode_outputs)
 
 
 def stage_layout(n_containers: int, n_slices: int):
@@ -73,6 +75,44 @@ def test_store_merges_long_delta_chains(tmp_path):
     assert len(store.chains[(1, 4)]) <= 3
     latest = store.latest(1, 4)
     assert (latest.epoch, latest.next_seq, latest.progress) == (5, {0: 50}, {0: [5]})
+
+
+def outputs(from_epoch: int, epoch: int, replace: bool) -> bytes:
+    rows = pa.table({"x": pa.array(range(from_epoch, epoch + 1), pa.int64())})
+    return encode_outputs(CarriedOutputs(1, 4, from_epoch, epoch, replace, {0: rows}))
+
+
+def test_a_full_checkpoint_replaces_the_carried_outputs_held_for_its_slice(tmp_path):
+    """A full checkpoint starts a new chain; the outputs carried with the old one go with it, and the
+    frames that follow it (its own carried outputs, or a restored chain's) are what is held."""
+    store = BackupStore(tmp_path)
+    store.put(ckpt(3, "full", -1, 30))
+    store.put(outputs(0, 3, True))
+    store.put(ckpt(5, "delta", 3, 50))
+    store.put(outputs(4, 5, False))
+    assert len(store.carried_outputs(1, 4)) == 2
+    store.put(ckpt(8, "full", -1, 80))
+    assert store.carried_outputs(1, 4) == []
+    store.put(outputs(6, 8, False))
+    assert [decode_outputs(b).from_epoch for b in store.carried_outputs(1, 4)] == [6]
+
+
+def test_a_restore_point_is_the_merged_chain_its_outputs_and_the_frames_that_rebuild_both(tmp_path):
+    """The seed of a restored slice, put into an empty store, gives the same restore point."""
+    store = BackupStore(tmp_path / "a")
+    frames = [ckpt(3, "full", -1, 30), outputs(0, 3, True), ckpt(5, "delta", 3, 50), outputs(4, 5, False)]
+    for f in frames:
+        store.put(f)
+    latest, outs, seed = store.restore_point(1, 4)
+    assert (latest.epoch, latest.next_seq) == (5, {0: 50})
+    assert outs == [frames[1], frames[3]]
+    other = BackupStore(tmp_path / "b")
+    other.put(ckpt(9, "full", -1, 90))
+    other.put(outputs(0, 9, True))
+    for f in seed:
+        assert other.put(f) is None
+    again, outs_again, _ = other.restore_point(1, 4)
+    assert (again.epoch, again.next_seq, outs_again) == (5, {0: 50}, outs)
 
 
 def test_store_persists_lazily_and_survives_a_reopen(tmp_path):

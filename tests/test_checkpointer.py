@@ -20,7 +20,8 @@ import pytest
 from chronostream.operators import KeyedAggregate, OperatorContext
 from containers import checkpointing
 from containers.checkpointing import SliceCheckpointer
-from slices.checkpoint import decode, read_table_part
+from containers.backup_store import BackupStore
+from slices.checkpoint import capture, decode, is_outputs, read_table_part, restore
 from test_recovery_local import BUILDERS, assert_equals_serial, cluster, operator_hosts
 
 
@@ -31,7 +32,7 @@ class _Slice:
         self.op = KeyedAggregate(["k"], [("count", None), ("sum", "v")])
         self.op.bind(OperatorContext("agg", 0, ["out"]))
         self.op.setup()
-        self.ctx = type("Ctx", (), {"states": {}})()
+        self.ctx = type("Ctx", (), {"states": {}, "handles": {}})()
         self.progress = type("Progress", (), {"consumed": {}})()
         self.stage = type("Stage", (), {"stage_id": 0})()
         self.slice_id = 0
@@ -180,3 +181,72 @@ def test_a_round_is_skipped_while_backups_are_behind_and_the_next_delta_covers_b
     first, second = decode(shipped[0]), decode(shipped[1])
     assert (first.kind, second.kind, second.prev_epoch, second.epoch) == ("full", "delta", 0, 2)
     ck.close()
+
+
+def _restored_copy(tmp_path, epochs: int = 4):
+    """A slice checkpointed to a backup store for ``epochs`` epochs, and a copy of it restored from
+    that store (``restore_point``), with one random stream to feed both the same batches."""
+    import copy
+
+    rt, rng = _Slice(), np.random.default_rng(3)
+    primary = BackupStore(tmp_path / "primary")
+    ck = SliceCheckpointer({0: rt}, {0: [7]}, every_epochs=1, async_encode=False)
+    for e in range(epochs):
+        rt.feed(e, rng)
+        for b in ck.after_epoch(e).get(7, []):
+            assert primary.put(b) is None
+    ck.close()
+    ckpt, _outs, seed = primary.restore_point(0, 0)
+    moved = _Slice()
+    restore(moved, ckpt)
+    return rt, moved, rng, copy.deepcopy(rng), ckpt, seed
+
+
+def test_a_restored_slice_ships_the_frames_it_came_from_and_then_a_delta_instead_of_a_full_checkpoint(tmp_path):
+    """After a migration or recovery the new host's first checkpoint is a delta since the restore
+    point, preceded by the restored chain's own frames (no capture or encoding of the whole state);
+    a peer that held nothing then holds exactly the live state, and later rounds are plain deltas."""
+    rt, moved, rng, rng_copy, ckpt, seed = _restored_copy(tmp_path)
+    kinds = [decode(b).kind for b in seed]
+    assert kinds[0] == "full" and set(kinds[1:]) <= {"delta"} and decode(seed[-1]).epoch == 3
+    ck = SliceCheckpointer({0: moved}, {}, every_epochs=1, async_encode=False)
+    ck.seed(0, ckpt.epoch, seed)
+    assert ck.retarget({0: [8]}) == [0], "the peers changed; the seed goes to the new ones"
+    peer = BackupStore(tmp_path / "peer")
+    rounds = []
+    for e in range(4, 7):
+        rt.feed(e, rng)
+        moved.feed(e, rng_copy)
+        blobs = ck.after_epoch(e).get(8, [])
+        rounds.append(blobs)
+        for b in blobs:
+            assert peer.put(b) is None, "every frame extends the peer's chain"
+    ck.close()
+    first = [decode(b) for b in rounds[0]]
+    assert [bytes(b) for b in rounds[0][:len(seed)]] == [bytes(b) for b in seed]
+    assert (first[-1].kind, first[-1].prev_epoch, first[-1].epoch) == ("delta", 3, 4)
+    assert [decode(b).kind for r in rounds[1:] for b in r] == ["delta", "delta"]
+    assert (ck.seeded, ck.seed_bytes) == (1, sum(len(b) for b in seed))
+    held = peer.latest(0, 0)
+    live = capture(rt, delta=False, clear=False)
+    assert held.epoch == live.epoch == 6
+    assert read_table_part(held.state["__op__aggregate"]).equals(read_table_part(live.state["__op__aggregate"]))
+
+
+@pytest.mark.parametrize("undo", ["refused", "no_peers"])
+def test_a_seed_is_dropped_when_a_peer_refuses_a_delta_or_the_slice_loses_its_peers(tmp_path, undo):
+    """The seed only stands for a chain the next delta extends: after a refusal, or a time with no
+    peers (nothing captured, nothing shipped), the next checkpoint is a full one and ships alone."""
+    _rt, moved, _rng, rng_copy, ckpt, seed = _restored_copy(tmp_path)
+    ck = SliceCheckpointer({0: moved}, {0: [8]}, every_epochs=1, async_encode=False)
+    ck.seed(0, ckpt.epoch, seed)
+    if undo == "refused":
+        ck.force_full([0])
+    else:
+        ck.retarget({})
+        ck.retarget({0: [8]})
+    moved.feed(4, rng_copy)
+    blobs = [b for b in ck.after_epoch(4).get(8, []) if not is_outputs(b)]
+    ck.close()
+    assert [(decode(b).kind, decode(b).epoch) for b in blobs] == [("full", 4)]
+    assert ck.seeded == 0

@@ -147,6 +147,39 @@ def test_a_migration_with_checkpoints_rebuilds_from_the_destinations_own_backup(
     assert_equals_serial("running_sum", cl)
 
 
+def test_a_moved_slices_new_backup_chain_starts_from_its_restore_point_and_recovers_it_exactly():
+    """After the move the destination ships the chain it restored from, then deltas (no full
+    checkpoint of the moved slice); its new backup peer is the old source's host. Killing the
+    destination then forces a recovery from that seeded chain alone (two hosts: it is the only
+    live copy), and the output is still the serial one."""
+    cl = cluster("running_sum", containers=2, checkpoint_every=1, backup_factor=1)
+    stage = operator_stage(cl)
+    (h0, s0), (h1, _) = hosts_of(cl, stage).items()
+    sid = cl.stage_id(stage)
+    moved, seen = [], []
+
+    def move(cl):
+        local = [s for s in s0 if (sid, s) in cl.stores[h1].holds()]
+        moved.append(local[0])
+        cl.migrate(stage, local[:1], to_host=h1)
+
+    def kill_destination_once_seeded(cl):
+        if seen or not cl.migrated:
+            return
+        (t,) = cl.migrated
+        ck = cl.cores[t.new_id].checkpointer
+        if ck.seeded and cl.stores[h0].epochs().get((sid, moved[0]), -1) > t.resume[moved[0]]:
+            seen.append((ck.seeded, ck.seed_bytes, cl.stores[h0].latest(sid, moved[0]).epoch))
+            cl.kill([h1])
+
+    cl.run(faults={6: move, **{r: kill_destination_once_seeded for r in range(7, 10_000)}})
+    assert seen, "the destination shipped a seeded checkpoint to the old source's host before the end"
+    seeded, seed_bytes, _ = seen[0]
+    assert seeded >= 1 and seed_bytes > 0
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert_equals_serial("running_sum", cl)
+
+
 def test_the_source_keeps_running_the_slices_until_the_destination_caught_up():
     """Dual mode: the source container processes the moving slices through DUAL; it releases
     them at a later epoch than the destination's restore point."""
