@@ -100,6 +100,24 @@ def _temporal_as_int64(arr: pa.Array) -> np.ndarray:
     return np.asarray(arr.cast(pa.int64()).fill_null(0), dtype=np.int64)
 
 
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(hash of each distinct value, each row's index into them) for a string/binary column
+    whose values repeat; None when it is short or mostly distinct (hash the rows directly).
+
+    Keys repeat (that is why they are keys): each distinct value is hashed once.
+    """
+    if len(arr) <= 256:
+        return None
+    encoded = pc.dictionary_encode(arr)
+    if len(encoded.dictionary) * 2 >= len(arr):
+        return None
+    return _hash_binary(encoded.dictionary), np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
+
+
 def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Return a stable uint64 hash per value of an Arrow array.
 
@@ -112,16 +130,11 @@ def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if pa.types.is_dictionary(t):
         arr = arr.cast(t.value_type)
         t = arr.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        if len(arr) > 256:
-            # Keys repeat (that is why they are keys): hash each distinct value once.
-            encoded = pc.dictionary_encode(arr)
-            if len(encoded.dictionary) * 2 < len(arr):
-                dict_hash = _hash_binary(encoded.dictionary)
-                idx = np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
-                h = dict_hash[idx] if len(dict_hash) else np.zeros(len(arr), np.uint64)
-            else:
-                h = _hash_binary(arr)
+    if _is_binary(t):
+        distinct = _distinct_hashes(arr)
+        if distinct is not None:
+            dict_hash, idx = distinct
+            h = dict_hash[idx] if len(dict_hash) else np.zeros(len(arr), np.uint64)
         else:
             h = _hash_binary(arr)
     elif pa.types.is_null(t):
@@ -166,6 +179,15 @@ def slice_of(columns: Sequence[pa.Array | pa.ChunkedArray], num_slices: int) -> 
     """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    if len(columns) == 1:
+        arr = columns[0]
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+        if _is_binary(arr.type) and not arr.null_count:
+            distinct = _distinct_hashes(arr)
+            if distinct is not None:  # the slice of each distinct key, then of each row
+                dict_hash, idx = distinct
+                return (dict_hash % np.uint64(num_slices)).astype(np.int64)[idx]
     return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64)
 
 

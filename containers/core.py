@@ -422,15 +422,16 @@ class ContainerCore:
             # and sinks are idempotent per (slice, epoch).
             self.output_log.append_epoch({(sid, s): t for s, per in outputs.items() for sid, t in per.items()
                                           if self.plan.streams[sid].consumers})
-        now = time.time()
+        sunk = 0  # rows written to sinks this epoch: they share one latency (one histogram add)
         for s, per in outputs.items():
             for sid, t in per.items():
                 for k in self.plan.streams[sid].sinks:
                     writer = self.sink_writers.get(k)
                     if writer is not None:
                         writer.write(epoch, s, t)
-                        if self.epoch_ingest is not None:
-                            self.latency.add((now - self.epoch_ingest) * 1000, t.num_rows)
+                        sunk += t.num_rows
+        if sunk and self.epoch_ingest is not None:
+            self.latency.add((time.time() - self.epoch_ingest) * 1000, sunk)
         if self.dead_letter_writer is not None:
             for s, rt in self.slices.items():
                 dead = rt.take_dead_letters()

@@ -113,7 +113,12 @@ def process_group(runtimes: list[SliceRuntime], epoch: int,
     except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
         log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
                  stage.name, epoch, type(exc).__name__, exc, sorted(admitted))
-        rerun = {s: runtimes_by_id[s]._emit(runtimes_by_id[s]._run(adm)) for s, adm in admitted.items()}
+        failed_s = time.perf_counter() - t0  # the failed call's time, shared among the slices
+        rerun = {}
+        for s, adm in admitted.items():
+            t1 = time.perf_counter()
+            rerun[s] = runtimes_by_id[s]._emit(runtimes_by_id[s]._run(adm))
+            runtimes_by_id[s].busy_s += time.perf_counter() - t1 + failed_s / len(admitted)
         return {s: out for s, out in rerun.items() if out}
     results: dict[int, dict[int, pa.Table]] = {}
     for sid in stage.produced:

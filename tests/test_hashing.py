@@ -364,3 +364,15 @@ def test_slice_of_spreads_many_keys_over_all_slices():
     s = slice_of([pa.array([f"key{i}" for i in range(10_000)])], 16)
     counts = np.bincount(s, minlength=16)
     assert (counts > 0).all() and counts.max() < 2 * 10_000 / 16
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from(["", "a", "b", "ab", "ba", "w0", "wörd", "x" * 40]), min_size=257, max_size=600),
+       st.sampled_from([2, 3, 7, 64]), st.booleans())
+def test_slices_of_a_repeating_string_column_equal_the_hash_of_each_row_modulo_the_slices(values, n, chunked):
+    """Routing takes the slice of each distinct key and gathers it per row; same answer as per row."""
+    arr = pa.array(values)
+    col = pa.chunked_array([arr[:100], arr[100:]]) if chunked else arr
+    expected = [int(h) % n for h in hash_array(arr)]
+    assert slice_of([col], n).tolist() == expected
+    assert slice_of([col], n).tolist()[:5] == [slice_of_scalar([v], n) for v in values[:5]]
