@@ -95,6 +95,7 @@ class ContainerStatistics:
     source_lag: int = 0  # a source container: events readable in its source and not read yet (approx.)
     gc_full_collections: int = 0  # the host's own paced full garbage collections (containers/gc_pacing.py)
     gc_full_pause_s: float = 0.0  # their total pause
+    checkpoints_seeded: int = 0  # first checkpoints of restored slices sent as seed + delta, not full
 
 
 class ContainerCore:
@@ -822,7 +823,8 @@ class ContainerCore:
             self.output_log.entries() if self.output_log is not None else 0,
             self.backup_store.total_bytes() if self.backup_store is not None else 0,
             tuple(sorted(self.released)), self.threads.threads, self.latency.to_plain(), self.backlog_events(),
-            self.source_lag(), *self.host_gc_figures())
+            self.source_lag(), *self.host_gc_figures(),
+            self.checkpointer.seeded if self.checkpointer is not None else 0)
 
     def host_gc_figures(self) -> tuple[int, float]:
         """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""

@@ -13,6 +13,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial, run_with_faults
+from chronostream.dag import compile_query
 from master.migration import MigrationError
 from queries import running_sum
 
@@ -121,6 +122,43 @@ def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_
         (caught_up,) = t["catch_up"].values()
         assert caught_up["epochs"] < 20, caught_up  # not the 20+ epochs since the old backup
         job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
+def test_a_moved_slices_seeded_backup_chain_recovers_it_when_its_new_host_dies(ray_session):
+    """After the move, the destination backs the slice up as the chain it restored from plus
+    deltas (no full checkpoint) on the old source's host, the only other host of the stage;
+    killing the destination then restores the slice from that seeded chain, exactly."""
+    import time
+
+    import ray
+
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2)
+    try:
+        apply_schedule(job, [SLOW_SOURCE])
+        placement = job.placement()["stages"]["running_sum"]
+        src, dst = sorted(placement)
+        moved = placement[src][0]
+        apply_schedule(job, [Fault("delay", 20, "payments", seconds=0.05)])
+        (t,) = job.migrate("running_sum", moved, to_container=dst)["transfers"]
+        restored_at = t["resume"][moved] - 1
+        src_host = job.placement()["hosts"][src]
+        sid = next(st.stage_id for st in compile_query(query())[0].stages if st.name == "running_sum")
+        deadline = time.monotonic() + 60
+        while True:  # the seed and a delta reached the old host: its chain ends after the restore point
+            held = ray.get(job.master.backup_catalog.remote()).get(src_host, [])
+            epochs = [e for st, sl, e in held if (st, sl) == (sid, moved)]
+            if job.statistics()[t["to"]].checkpoints_seeded >= 1 and epochs and max(epochs) > restored_at:
+                break
+            assert time.monotonic() < deadline, (held, restored_at)
+            time.sleep(0.1)
+        handles = ray.get(job.master.container_handles.remote())
+        ray.kill(handles[t["to"]], no_restart=True)
+        job.wait(timeout_s=300)
+        assert "recovery_end" in [k for _, k, _ in job.timeline()]
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches
     finally:
