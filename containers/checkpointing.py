@@ -2,10 +2,11 @@
 
 Every ``every_epochs`` epochs (and after the last one) each local slice is
 checkpointed: a full checkpoint first (and after the backup peers change),
-deltas of what changed afterwards (a slice restored from a backup starts
-with a delta instead: see ``SliceCheckpointer.seed``) (the backup side merges them, so restore
+deltas of what changed afterwards (the backup side merges them, so restore
 cost stays bounded; ``full_every`` > 0 adds a periodic full one, the
-synchronous baseline of the benchmark). A checkpoint goes through three
+synchronous baseline of the benchmark). A slice restored from a backup
+starts with a delta instead, shipped after the frames it was restored
+from (``SliceCheckpointer.seed``). A checkpoint goes through three
 explicit phases, logged with its slice and epoch:
 
 1. ``CAPTURE`` (in the epoch, synchronous): a frozen copy of what changed
@@ -125,7 +126,8 @@ class SliceCheckpointer:
         whole container's state copied in one epoch, encoded and shipped)
         stalled the job for hundreds of ms. A peer that kept the slice's
         peers but lost its chain refuses the next delta, which forces a
-        full one (``force_full``).
+        full one (``force_full``). A restored slice whose seed has not gone
+        out yet keeps it: the new peers get the seed, then the delta.
         """
         changed = sorted(s for s in set(backup_peers) | set(self.backup_peers)
                          if sorted(backup_peers.get(s, [])) != sorted(self.backup_peers.get(s, [])))
