@@ -118,14 +118,17 @@ def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
     return _hash_binary(encoded.dictionary), np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
 
 
+def _contiguous(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return (arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)) if isinstance(arr, pa.ChunkedArray) else arr
+
+
 def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Return a stable uint64 hash per value of an Arrow array.
 
     >>> int(hash_array(pa.array(["a"]))[0]) == int(hash_array(pa.array(["x", "a"]))[1])
     True
     """
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    arr = _contiguous(arr)
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.cast(t.value_type)
@@ -180,9 +183,7 @@ def slice_of(columns: Sequence[pa.Array | pa.ChunkedArray], num_slices: int) -> 
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}")
     if len(columns) == 1:
-        arr = columns[0]
-        if isinstance(arr, pa.ChunkedArray):
-            arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+        arr = _contiguous(columns[0])
         if _is_binary(arr.type) and not arr.null_count:
             distinct = _distinct_hashes(arr)
             if distinct is not None:  # the slice of each distinct key, then of each row

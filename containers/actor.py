@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +47,7 @@ from containers.spill import SpillStore
 from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
+from slices.checkpoint import RestorePoint
 
 log = logging.getLogger("chronostream.container")
 
@@ -60,6 +61,14 @@ def to_wire(frame: bytes | memoryview) -> bytes | np.ndarray:
 def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
     """A frame received from Ray: arrays (read-only, in the object store) viewed in place."""
     return memoryview(frame) if isinstance(frame, np.ndarray) else frame
+
+
+class _Fetched(NamedTuple):
+    """A slice's restore point as ``_fetch_backup`` found it."""
+
+    point: RestorePoint
+    rejected: list[str]  # holders whose copy was refused, with why
+    nbytes: int  # bytes read (checkpoint and carried outputs)
 
 
 def _warm_up() -> None:
@@ -157,15 +166,14 @@ class ResourceContainer:
         info: dict[str, Any] = {"container": container_id, "host": self.host_id}
         if restore_from is not None:
             t0 = time.time()
-            ckpts = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
+            fetched = {s: await self._fetch_backup(stage_id, s, restore_from.get(s, [])) for s in slices}
             t1 = time.time()
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).
-            await asyncio.to_thread(core.restore_slices, {s: c[0] for s, c in ckpts.items()},
-                                    {s: c[1] for s, c in ckpts.items()}, {s: c[4] for s, c in ckpts.items()})
+            await asyncio.to_thread(core.restore_slices, {s: f.point for s, f in fetched.items()})
             info.update(restore_start=t0, restore_end=time.time(), fetch_s=t1 - t0,
-                        bytes=sum(c[3] for c in ckpts.values()),
-                        rejected=[r for c in ckpts.values() for r in c[2]],
+                        bytes=sum(f.nbytes for f in fetched.values()),
+                        rejected=[r for f in fetched.values() for r in f.rejected],
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
@@ -174,13 +182,9 @@ class ResourceContainer:
         self.conds[container_id] = asyncio.Condition()
         return info
 
-    async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]):
-        """The newest verified checkpoint of a slice among ``holders`` (own store first, no transfer).
-
-        Returns (checkpoint, carried outputs, rejected holders, bytes, seed
-        frames); the seed is what was restored from, encoded (see
-        ``SliceCheckpointer.seed``).
-        """
+    async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]) -> "_Fetched":
+        """The ``RestorePoint`` of the newest verified checkpoint of a slice among ``holders``
+        (own store first, no transfer), with the holders refused and the bytes read."""
         from chronostream.errors import RecoveryError
         from slices.checkpoint import CheckpointCorrupt, decode, decode_outputs
 
@@ -194,17 +198,18 @@ class ResourceContainer:
                         ckpt, outs, seed = store.restore_point(stage_id, slice_id)
                         return ckpt, [decode_outputs(b) for b in outs], store.size(stage_id, slice_id), seed
                     ckpt, carried, size, seed = await self._in_store_thread(local)
-                    return ckpt, carried, rejected, size, seed
+                    return _Fetched(RestorePoint(ckpt, carried, seed), rejected, size)
                 data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
                 data, outs = from_wire(data), [from_wire(b) for b in outs]
                 decoded = await asyncio.to_thread(lambda: (decode(data, "backup"), [decode_outputs(b) for b in outs]))
-                return decoded[0], decoded[1], rejected, len(data) + sum(len(b) for b in outs), [data, *outs]
+                return _Fetched(RestorePoint(decoded[0], decoded[1], [data, *outs]), rejected,
+                                len(data) + sum(len(b) for b in outs))
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
                 rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
         if holders:
             name = self.plan.stages[stage_id].name if self.plan else stage_id
             raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
-        return None, [], rejected, 0, []
+        return _Fetched(RestorePoint(None, [], []), rejected, 0)
 
     async def start(self, container_ids: list[int] | None = None) -> None:
         """Start processing the given containers (default: all not started)."""

@@ -512,37 +512,37 @@ class ContainerCore:
 
     # -- recovery ----------------------------------------------------------------
 
-    def restore_slices(self, checkpoints: dict[int, Any], carried: dict[int, list[Any]] | None = None,
-                       seeds: dict[int, list[bytes]] | None = None) -> int:
-        """Load the slices' checkpoints (``SliceCheckpoint`` or None: rebuild from the start).
+    def restore_slices(self, points: dict[int, Any]) -> int:
+        """Load each slice's ``RestorePoint`` (its checkpoint: a ``SliceCheckpoint``, or None to
+        rebuild it from the start; its carried outputs; its seed frames).
 
         The core resumes at the epoch after the oldest checkpoint; a slice
         whose checkpoint is newer skips the epochs it already holds (its
         upstream rows for them are below its progress vector anyway).
-        ``carried[s]`` (``CarriedOutputs``, oldest first) rebuilds the slice's
-        output log up to its checkpoint, so consumers restored from older
-        checkpoints can still be replayed to. ``seeds[s]``: the encoded frames
-        the checkpoint came from; the slice's first checkpoint here is then a
-        delta shipped after them (``SliceCheckpointer.seed``), not a full one.
+        The carried outputs (oldest first) rebuild the slice's output log up
+        to its checkpoint, so consumers restored from older checkpoints can
+        still be replayed to. The seed is the encoded frames the checkpoint
+        came from; the slice's first checkpoint here is then a delta shipped
+        after them (``SliceCheckpointer.seed``), not a full one.
         Returns the first epoch this core processes.
         """
         from slices.checkpoint import restore
 
-        if set(checkpoints) != set(self.slices):
-            raise ValueError(f"container {self.container_id}: checkpoints for {sorted(checkpoints)}, "
+        if set(points) != set(self.slices):
+            raise ValueError(f"container {self.container_id}: checkpoints for {sorted(points)}, "
                              f"slices {sorted(self.slices)}")
         now = time.time()
-        for s, ckpt in checkpoints.items():
+        for s, (ckpt, carried, seed) in points.items():
             if ckpt is not None:
                 restore(self.slices[s], ckpt)
             self.log_start[s] = self.slices[s].last_epoch + 1
-            if ckpt is not None and carried and carried.get(s):
-                self.log_start[s] = self._relog(s, carried[s], ckpt.epoch)
+            if ckpt is not None and carried:
+                self.log_start[s] = self._relog(s, carried, ckpt.epoch)
             for sid in self._logged_streams():
                 self.carried_seq[(s, sid)] = self.slices[s].next_seq.get(sid, 0)
             self.restored_at[s] = now
-            if ckpt is not None and seeds and seeds.get(s) and self.checkpointer is not None:
-                self.checkpointer.seed(s, ckpt.epoch, seeds[s])
+            if ckpt is not None and seed and self.checkpointer is not None:
+                self.checkpointer.seed(s, ckpt.epoch, seed)
         self.next_epoch = min(rt.last_epoch + 1 for rt in self.slices.values())
         return self.next_epoch
 

@@ -35,7 +35,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, balanced
 from master.placement import Placement
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              restore_floor, restore_order)
-from slices.checkpoint import CheckpointCorrupt, decode_outputs
+from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
 
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
@@ -358,9 +358,7 @@ class LocalCluster:
                     if c in self.cores:
                         self.cores[c].add_senders({t.new_id: cov})
             core = self._core(t.new_id, t.slices, None)
-            loaded = {s: self._load_backup(t.stage_id, s, [t.host]) for s in t.slices}
-            core.restore_slices({s: ld[0] for s, ld in loaded.items()}, {s: ld[1] for s, ld in loaded.items()},
-                               {s: ld[2] for s, ld in loaded.items()})
+            core.restore_slices({s: self._load_backup(t.stage_id, s, [t.host]) for s in t.slices})
             self.cores[t.new_id] = core
             t.resume = {s: core.slices[s].last_epoch + 1 for s in t.slices}
             for c, producer in self._producers(t.stage_id):
@@ -492,9 +490,8 @@ class LocalCluster:
             self.placement.rehost(a.replaces, a.new_id, a.slices)
         for a in plan:
             core = self._core(a.new_id, a.slices, None)
-            loaded = {s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host)) for s in a.slices}
-            core.restore_slices({s: ld[0] for s, ld in loaded.items()}, {s: ld[1] for s, ld in loaded.items()},
-                               {s: ld[2] for s, ld in loaded.items()})
+            core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
+                                 for s in a.slices})
             self.cores[a.new_id] = core
         for a in plan:  # after every new core exists: a lost producer's replacement reroutes too
             core = self.cores[a.new_id]
@@ -521,15 +518,15 @@ class LocalCluster:
                 out.update({(st, s): hs for s, hs in peers.items()})
         return out
 
-    def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]):
-        """The newest verified checkpoint among ``holders``, its carried outputs and the seed frames
-        (``BackupStore.restore_point``; None: rebuild from the start)."""
+    def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]) -> RestorePoint:
+        """The ``RestorePoint`` of the newest verified checkpoint among ``holders``
+        (no holder: rebuild from the start)."""
         errors = []
         for h in holders:
             try:
                 store = self.stores[h]
                 ckpt, outs, seed = store.restore_point(stage_id, slice_id)
-                return ckpt, [decode_outputs(b) for b in outs], seed
+                return RestorePoint(ckpt, [decode_outputs(b) for b in outs], seed)
             except (CheckpointCorrupt, KeyError) as exc:
                 errors.append(f"host {h}: {exc}")
                 self._event("backup_rejected", stage=stage_id, slice=slice_id, host=h, error=str(exc))
@@ -538,7 +535,7 @@ class LocalCluster:
 
             raise RecoveryError(f"no usable backup of stage {self.plan.stages[stage_id].name!r} slice {slice_id}: "
                                 + "; ".join(errors))
-        return None, [], []
+        return RestorePoint(None, [], [])
 
     # -- reading -------------------------------------------------------------
 

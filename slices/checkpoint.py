@@ -29,7 +29,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -349,6 +349,16 @@ def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
 # -- carried outputs ---------------------------------------------------------------------
 
 OUTPUTS_MAGIC = b"CSOL"
+
+
+class RestorePoint(NamedTuple):
+    """What rebuilds one slice: its full checkpoint (None: from the start), its carried
+    outputs (oldest first), and the encoded frames both came from (``seed``: shipped before
+    the slice's first delta at its new place, ``SliceCheckpointer.seed``)."""
+
+    checkpoint: "SliceCheckpoint | None"
+    carried: "list[CarriedOutputs]"
+    seed: list
 
 
 @dataclass
