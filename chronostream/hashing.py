@@ -104,8 +104,8 @@ def _is_binary(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
-    """(hash of each distinct value, each row's index into them) for a string/binary column
+def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, pa.DictionaryArray] | None:
+    """(hash of each distinct value, the column dictionary-encoded) for a string/binary column
     whose values repeat; None when it is short or mostly distinct (hash the rows directly).
 
     Keys repeat (that is why they are keys): each distinct value is hashed once.
@@ -115,15 +115,18 @@ def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
     encoded = pc.dictionary_encode(arr)
     if len(encoded.dictionary) * 2 >= len(arr):
         return None
-    return _hash_binary(encoded.dictionary), np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
+    return _hash_binary(encoded.dictionary), encoded
 
 
 def _contiguous(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     return (arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)) if isinstance(arr, pa.ChunkedArray) else arr
 
 
-def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def hash_array(arr: pa.Array | pa.ChunkedArray, distinct: bool = False) -> np.ndarray:
     """Return a stable uint64 hash per value of an Arrow array.
+
+    ``distinct``: the caller knows the values are distinct (a key dictionary),
+    so there are no repeats worth finding first.
 
     >>> int(hash_array(pa.array(["a"]))[0]) == int(hash_array(pa.array(["x", "a"]))[1])
     True
@@ -134,9 +137,10 @@ def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         arr = arr.cast(t.value_type)
         t = arr.type
     if _is_binary(t):
-        distinct = _distinct_hashes(arr)
-        if distinct is not None:
-            dict_hash, idx = distinct
+        repeats = None if distinct else _distinct_hashes(arr)
+        if repeats is not None:
+            dict_hash, encoded = repeats
+            idx = np.asarray(encoded.indices.fill_null(0), dtype=np.int64)
             h = dict_hash[idx] if len(dict_hash) else np.zeros(len(arr), np.uint64)
         else:
             h = _hash_binary(arr)
@@ -163,14 +167,17 @@ def hash_array(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return h
 
 
-def hash_columns(columns: Sequence[pa.Array | pa.ChunkedArray]) -> np.ndarray:
-    """Combine the stable hashes of several key columns (order matters)."""
+def hash_columns(columns: Sequence[pa.Array | pa.ChunkedArray], distinct: bool = False) -> np.ndarray:
+    """Combine the stable hashes of several key columns (order matters).
+
+    ``distinct``: each column's values are distinct (see ``hash_array``).
+    """
     if not columns:
         raise ValueError("hash_columns needs at least one key column")
-    h = hash_array(columns[0])
+    h = hash_array(columns[0], distinct)
     with np.errstate(over="ignore"):
         for col in columns[1:]:
-            h = _splitmix64(h * np.uint64(31) ^ hash_array(col))
+            h = _splitmix64(h * np.uint64(31) ^ hash_array(col, distinct))
     return h
 
 
@@ -180,16 +187,32 @@ def slice_of(columns: Sequence[pa.Array | pa.ChunkedArray], num_slices: int) -> 
     >>> slice_of([pa.array([1, 2, 3])], 1).tolist()
     [0, 0, 0]
     """
+    return slice_and_codes(columns, num_slices)[0]
+
+
+def slice_and_codes(columns: Sequence[pa.Array | pa.ChunkedArray],
+                    num_slices: int) -> tuple[np.ndarray, pa.DictionaryArray | None]:
+    """``slice_of``, with the key column dictionary-encoded when that encoding was the
+    way there (one string key column without nulls, whose values repeat); else None.
+
+    A consumer that groups rows by the key can reuse the codes instead of
+    encoding the column again (``containers.routing``, ``KEY_CODES``).
+
+    >>> s, codes = slice_and_codes([pa.array(["a", "b"] * 200)], 4)
+    >>> codes.dictionary.to_pylist(), bool((s == slice_of([pa.array(["a", "b"] * 200)], 4)).all())
+    (['a', 'b'], True)
+    """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}")
     if len(columns) == 1:
         arr = _contiguous(columns[0])
         if _is_binary(arr.type) and not arr.null_count:
-            distinct = _distinct_hashes(arr)
-            if distinct is not None:  # the slice of each distinct key, then of each row
-                dict_hash, idx = distinct
-                return (dict_hash % np.uint64(num_slices)).astype(np.int64)[idx]
-    return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64)
+            repeats = _distinct_hashes(arr)
+            if repeats is not None:  # the slice of each distinct key, then of each row
+                dict_hash, encoded = repeats
+                idx = np.asarray(encoded.indices, dtype=np.int64)
+                return (dict_hash % np.uint64(num_slices)).astype(np.int64)[idx], encoded
+    return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64), None
 
 
 def slice_of_scalar(values: Sequence[object], num_slices: int) -> int:

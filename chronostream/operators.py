@@ -20,7 +20,7 @@ from chronostream.keyindex import KeyIndex, KeyIndexGroup
 from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
-from chronostream.types import ORDER, SUB, extend_sub_order
+from chronostream.types import ORDER, SUB, extend_sub_order, key_codes_column
 
 
 class OperatorContext:
@@ -241,6 +241,12 @@ class Operator:
         return False
 
     @classmethod
+    def reads_key_codes(cls) -> bool:
+        """True when the class groups rows by the stream's one key column and can take routing's
+        dictionary codes of it (column ``key_codes_column(key)``) instead of encoding it again."""
+        return False
+
+    @classmethod
     def is_per_event(cls) -> bool:
         """True when the class overrides ``consume``."""
         return cls.consume is not Operator.consume
@@ -253,6 +259,32 @@ def _segmented_cumsum_f(values: np.ndarray, start_pos: np.ndarray, seg: np.ndarr
     cs = np.cumsum(values.astype(np.float64))
     base = np.where(start_pos > 0, cs[start_pos - 1], 0.0)
     return cs - base[seg]
+
+
+def _routed_key_codes(batch: pa.Table, key_columns: Sequence[str]) -> tuple[np.ndarray, list[pa.Array]] | None:
+    """Routing's dictionary codes of a batch's one key column, as dense group ids:
+    (each row's id, [the distinct keys, one per id]); None when the batch has none.
+
+    Routing encoded the producer's whole epoch, so a slice's rows use a part of
+    the dictionary: ids are renumbered over the keys present. Rows from a
+    sender that shipped no codes (null after the merge) void them.
+    """
+    if len(key_columns) != 1:
+        return None
+    name = key_codes_column(key_columns[0])
+    if name not in batch.schema.names:
+        return None
+    col = batch.column(name)
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if col.null_count or not pa.types.is_dictionary(col.type):
+        return None
+    codes = np.asarray(col.indices, dtype=np.int64)
+    present = np.zeros(len(col.dictionary), dtype=bool)
+    present[codes] = True
+    if present.all():
+        return codes, [col.dictionary]
+    dense = np.cumsum(present) - 1
+    return dense[codes], [col.dictionary.filter(pa.array(present))]
 
 
 def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) -> np.ndarray:
@@ -310,6 +342,10 @@ class KeyedAggregate(Operator):
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
 
+    @classmethod
+    def reads_key_codes(cls) -> bool:
+        return cls.fuses_slices()  # a subclass with its own consume_batch gets plain rows
+
     def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
         if batch.num_rows:
             out, _bounds = type(self).consume_slices([self], stream_id, batch,
@@ -336,7 +372,10 @@ class KeyedAggregate(Operator):
         # Float keys: -0.0 + 0.0 == 0.0, and every NaN one value, as in canonical_key().
         keys = [pc.if_else(pc.is_nan(k), float("nan"), pc.add(k, 0.0)) if pa.types.is_floating(k.type) else k
                 for k in keys]
-        if len(keys) == 1:
+        routed = _routed_key_codes(batch, agg.key_columns)
+        if routed is not None:
+            inverse, unique_keys = routed
+        elif len(keys) == 1:
             # One key column: dictionary codes are dense group ids, and the
             # dictionary holds each distinct key once.
             enc = pc.dictionary_encode(keys[0], null_encoding="encode")
@@ -365,7 +404,7 @@ class KeyedAggregate(Operator):
         last_rows = np.append(start_pos[1:] - 1, n - 1)
         seg_key = g_sorted[start_pos]
         # Each op's slots for its segments; then its prior values, gathered per segment.
-        hashes = hash_columns(unique_keys)
+        hashes = hash_columns(unique_keys, distinct=True)
         if owner_sorted is None:  # one op: its segments are the distinct keys, in order
             op_segments = [np.arange(len(start_pos))]
             seg_slots = agg.key_index.slots(unique_keys, hashes=hashes)

@@ -31,6 +31,20 @@ STREAM = "_stream"
 
 SYSTEM_COLUMNS = (ORDER, SUB, SLICE, SEQ)
 
+#: Prefix of the column routing adds beside a stream's one string key column
+#: for consumers that group by it: the key dictionary-encoded, as routing's
+#: hash computed it, so the consumer does not encode the key again.
+KEY_CODES_PREFIX = "_codes."
+
+
+def key_codes_column(key: str) -> str:
+    """Name of the routed dictionary codes of key column ``key``.
+
+    >>> key_codes_column("word")
+    '_codes.word'
+    """
+    return KEY_CODES_PREFIX + key
+
 #: Bits reserved per fan-out level in the sub-order. An operator may produce
 #: at most 2**SUB_FANOUT_BITS rows from one input row, and a row may pass
 #: through at most MAX_FANOUT_LEVELS fan-out operators (flat_map, user

@@ -41,7 +41,7 @@ from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
 from containers.threads import SliceThreads
-from slices.group import fuses, process_group
+from slices.group import fuses, process_group, reads_key_codes
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -124,6 +124,8 @@ class ContainerCore:
             s: SliceRuntime(plan, stage_id, s, dead, cold_tiers=spill.tiers_for(stage_id, s) if cold else None)
             for s in sorted(local_slices)}
         self.routes = routes
+        # Consumer stages that take routing's key codes (one string key's dictionary encoding).
+        self.key_codes = {d: reads_key_codes(plan.stages[d]) for d in routes}
         self.gc_pacing: Any = None  # the host's CollectorPacing (set by the Ray host; figures in statistics)
         # Sender -> the upstream (stage, slice) pairs its messages cover. A
         # recovered container's slices are re-hosted by new senders whose
@@ -457,7 +459,7 @@ class ContainerCore:
             combined = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
             for consumer, _name in sp.consumers:
                 try:
-                    parts = route(combined, sp.key, self.routes[consumer])
+                    parts = route(combined, sp.key, self.routes[consumer], self.key_codes.get(consumer, False))
                 except KeyError as exc:
                     raise KeyError(f"stage {self.stage.name!r}, stream {sp.name!r} -> stage "
                                    f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
@@ -757,7 +759,8 @@ class ContainerCore:
             ends = np.append(starts[1:], len(epochs))
             for e, lo, hi in zip(uniq.tolist(), starts.tolist(), ends.tolist()):
                 if e in replay:
-                    part = route(t.slice(lo, hi - lo), self.plan.streams[sid].key, keep_route)
+                    part = route(t.slice(lo, hi - lo), self.plan.streams[sid].key, keep_route,
+                                 self.key_codes.get(stage_id, False))
                     if target in part:
                         replay[e][sid] = part[target]
         return replay

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from chronostream.hashing import slice_of
+from chronostream.hashing import slice_and_codes
 from chronostream.sorting import stable_argsort
-from chronostream.types import ORDER
+from chronostream.types import ORDER, key_codes_column
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
 RoutedPart = tuple[pa.Table, np.ndarray]
@@ -46,24 +46,36 @@ class OutputRoute:
 
 def consumer_slices(table: pa.Table, key: tuple[str, ...] | None, num_slices: int) -> np.ndarray:
     """Consumer slice of every row: hash of the key columns, or of ``_order`` when unkeyed."""
+    return _slices_and_codes(table, key, num_slices)[0]
+
+
+def _slices_and_codes(table: pa.Table, key: tuple[str, ...] | None,
+                      num_slices: int) -> tuple[np.ndarray, pa.DictionaryArray | None]:
     if num_slices == 1:
-        return np.zeros(table.num_rows, dtype=np.int64)
+        return np.zeros(table.num_rows, dtype=np.int64), None
     if key is None:
-        return slice_of([table.column(ORDER)], num_slices)
+        return slice_and_codes([table.column(ORDER)], num_slices)
     missing = [k for k in key if k not in table.schema.names]
     if missing:
         raise KeyError(f"key column(s) {missing} not in the stream's columns {table.schema.names}")
-    return slice_of([table.column(k) for k in key], num_slices)
+    return slice_and_codes([table.column(k) for k in key], num_slices)
 
 
-def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute) -> dict[int, RoutedPart]:
+def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
+          key_codes: bool = False) -> dict[int, RoutedPart]:
     """Split ``table`` into per-container parts for one downstream stage.
 
     Within a part, rows are ordered by consumer slice and keep their
     original relative order (producer slice, then out_seq) inside a slice.
     Rows of a slice in dual mode go to its owner and to its dual container.
+    ``key_codes``: the consumer groups by the stream's key; when hashing
+    dictionary-encoded it (one string key whose values repeat), the parts
+    carry those codes as column ``key_codes_column(key)`` (a dictionary
+    column: its indices cost 4 bytes a row, the dictionary once a part).
     """
-    dst = consumer_slices(table, key, out.num_slices)
+    dst, codes = _slices_and_codes(table, key, out.num_slices)
+    if key_codes and codes is not None and key is not None:
+        table = table.append_column(key_codes_column(key[0]), codes)
     cont = out.slice_to_container[dst]
     rows = None  # row index per routed row (None: every row once, in order)
     if out.dual:

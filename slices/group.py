@@ -46,6 +46,14 @@ def fuses(stage: StagePlan, plan: JobPlan) -> bool:
     return all(not plan.streams[sid].chain for sid in stage.produced)
 
 
+def reads_key_codes(stage: StagePlan) -> bool:
+    """Whether a stage's operator groups its one input by the stream key and reuses routing's
+    dictionary codes of it (``Operator.reads_key_codes``; see ``containers.routing.route``)."""
+    if stage.kind != "operator" or len(stage.inputs) != 1:
+        return False
+    return bool(stage.factory[0].reads_key_codes())  # type: ignore[index]
+
+
 def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
                         producer: np.ndarray, seq: np.ndarray) -> np.ndarray:
     """Permutation sorting rows by owning slice, then each slice's merge order (one input).

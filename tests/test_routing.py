@@ -185,3 +185,31 @@ def test_a_slice_in_dual_mode_reaches_its_owner_and_its_dual_container_in_produc
     assert set(parts) - set(plain) <= {dual[s] for s in set(want.tolist()) & set(dual)}
     assert OutputRoute(1, out.slice_to_container, dual).containers() == sorted(
         set(out.slice_to_container.tolist()) | set(dual.values()))
+
+
+def test_key_codes_ride_with_a_repeating_string_key_and_decode_to_it_row_for_row():
+    """With ``key_codes``, every part of a repeating string key carries the key dictionary-encoded
+    (routing's hash computed it) beside the plain key, aligned row for row."""
+    words = [f"w{i % 37}" for i in range(1000)]
+    table = pa.table({"word": words, "_order": list(range(1000))})
+    parts = route(table, ("word",), OutputRoute(0, np.array([3, 4, 3, 4, 4])), key_codes=True)
+    assert sorted(parts) == [3, 4]
+    for t, _dst in parts.values():
+        codes = t.column("_codes.word")
+        assert pa.types.is_dictionary(codes.type)
+        assert codes.cast(pa.string()).to_pylist() == t.column("word").to_pylist()
+
+
+def test_no_key_codes_unless_asked_or_when_the_key_is_not_one_repeating_string():
+    """Codes only for a consumer that reads them, and only where hashing encoded the key anyway."""
+    words = [f"w{i % 37}" for i in range(1000)]
+    table = pa.table({"word": words, "num": list(range(1000)), "_order": list(range(1000))})
+    s2c = OutputRoute(0, np.array([3, 4]))
+    cases = [(("word",), False), (("num",), True), (("word", "num"), True),
+             (("word",), True)]  # last: a 1-slice consumer is not hashed at all
+    for (key, ask), out in zip(cases, [s2c, s2c, s2c, OutputRoute(0, np.array([3]))]):
+        for t, _dst in route(table, key, out, key_codes=ask).values():
+            assert not [c for c in t.column_names if c.startswith("_codes.")], (key, ask)
+    distinct = pa.table({"word": [f"u{i}" for i in range(1000)], "_order": list(range(1000))})
+    for t, _dst in route(distinct, ("word",), s2c, key_codes=True).values():
+        assert "_codes.word" not in t.column_names  # mostly distinct: hashed row by row, no encoding
