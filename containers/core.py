@@ -41,7 +41,7 @@ from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
 from containers.threads import SliceThreads
-from slices.group import fuses, process_group, reads_key_codes
+from slices.group import fuses, process_parts, reads_key_codes
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -383,34 +383,40 @@ class ContainerCore:
             self.inbox.pop(epoch, None)
             stamps = [m[INGEST_KEY] for m in messages.values() if INGEST_KEY in m]
             self.epoch_ingest = min(stamps) if stamps else None  # type: ignore[type-var]
-            todo: dict[int, dict[int, list[pa.Table]]] = {}
-            for s, rt in self.slices.items():
-                if epoch <= rt.last_epoch:
-                    continue  # restored from a checkpoint taken after this epoch
-                inputs: dict[int, list[pa.Table]] = {}
-                for sender in sorted(messages):
-                    for stream_id, part in messages[sender].items():
-                        if stream_id < 0:
-                            continue  # END_KEY, COVER_KEY, RELEASE_KEY
-                        rows = rows_of_slice(part, s)
-                        if rows is not None:
-                            inputs.setdefault(stream_id, []).append(rows)
-                if inputs:
-                    todo[s] = inputs
             if self.group_slices:
                 # One vectorized pass per thread for the slices the thread-control table
-                # gives it (slices/group.py); one group when the container has one thread.
-                def run_group(group: list[int]) -> dict[int, dict[int, pa.Table]]:
-                    return process_group([self.slices[s] for s in group], epoch,
-                                         {s: todo[s] for s in group if s in todo})
-                results = self.threads.run_groups(epoch, list(self.slices), run_group)
+                # gives it (slices/group.py), over the senders' parts as they came; one
+                # group when the container has one thread.
+                parts = [part for sender in sorted(messages) for stream_id, part in messages[sender].items()
+                         if stream_id >= 0]  # not END_KEY, COVER_KEY, RELEASE_KEY
+                results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_parts(
+                    [self.slices[s] for s in group], epoch, parts))
                 self.grouped_epochs += 1
             else:
-                results = self.threads.run_epoch(epoch, list(todo),
-                                                 lambda s: self.slices[s].process(epoch, todo[s]))
+                todo = self._inputs_by_slice(epoch, messages)
+                results = self.threads.run_epoch(epoch, list(todo), lambda s: self.slices[s].process(epoch, todo[s]))
         if self.restored_at:
             self._note_first_outputs(results)
         return results
+
+    def _inputs_by_slice(self, epoch: int, messages: dict[int, Message]) -> dict[int, dict[int, list[pa.Table]]]:
+        """Each local slice's rows of the epoch by input stream, in sender order (slices restored
+        from a checkpoint taken after the epoch and slices without rows are left out)."""
+        todo: dict[int, dict[int, list[pa.Table]]] = {}
+        for s, rt in self.slices.items():
+            if epoch <= rt.last_epoch:
+                continue
+            inputs: dict[int, list[pa.Table]] = {}
+            for sender in sorted(messages):
+                for stream_id, part in messages[sender].items():
+                    if stream_id < 0:
+                        continue  # END_KEY, COVER_KEY, RELEASE_KEY
+                    rows = rows_of_slice(part, s)
+                    if rows is not None:
+                        inputs.setdefault(stream_id, []).append(rows)
+            if inputs:
+                todo[s] = inputs
+        return todo
 
     def _note_first_outputs(self, results: dict[int, dict[int, pa.Table]]) -> None:
         now = time.time()

@@ -88,15 +88,21 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
             cont = np.concatenate((cont, alt[dst[copies]]))
             dst = dst[rows]
     # One stable sort on (container, slice): keeps producer order within a slice.
-    order = stable_argsort(cont * out.num_slices + dst)
-    cont_sorted = cont[order]
+    # With one destination container the slice alone is the key; rows already
+    # in slice order (one consumer slice) are not sorted nor copied at all.
+    one_container = rows is None and (len(cont) == 0 or bool(np.all(cont == cont[0])))
+    sort_key = dst if one_container else cont * out.num_slices + dst
+    if rows is None and (len(sort_key) < 2 or bool(np.all(sort_key[1:] >= sort_key[:-1]))):
+        cont_sorted, dst_sorted, taken = cont, dst, table
+    else:
+        order = stable_argsort(sort_key)
+        cont_sorted, dst_sorted = cont[order], dst[order]
+        take = order if rows is None else rows[order]
+        taken = table.take(pa.array(take))
     bounds = np.flatnonzero(np.diff(cont_sorted)) + 1
     starts = np.concatenate(([0], bounds))
-    ends = np.concatenate((bounds, [len(order)]))
+    ends = np.concatenate((bounds, [len(cont_sorted)]))
     parts: dict[int, RoutedPart] = {}
-    take = order if rows is None else rows[order]
-    taken = table.take(pa.array(take)) if len(take) else table
-    dst_sorted = dst[order]
     for s, e in zip(starts.tolist(), ends.tolist()):
         if e > s:
             parts[int(cont_sorted[s])] = (taken.slice(s, e - s), dst_sorted[s:e])

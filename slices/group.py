@@ -7,7 +7,9 @@ rows (paper Fig. 21; ``benchmarks.slices``). When the stage's operator can
 take many slices' batches in one call (``Operator.fuses_slices``), the group
 does those steps once for the container:
 
-1. admit, per slice (each slice's progress vector drops what it consumed);
+1. admit, once per sender's part: the slices' progress vectors as the rows
+   of one matrix, each row's (slice, producer slice) channel looked up in it
+   (a part stays whole: no cutting it by slice and joining it again);
 2. merge, once: the admitted rows of every slice sorted by (slice, merge
    key) -- per slice exactly the order ``SliceRuntime`` gives it alone;
 3. one ``consume_slices`` call, each slice's operator owning its rows;
@@ -29,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import JobPlan, StagePlan
+from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.slice import SliceRuntime
 
@@ -64,70 +67,67 @@ def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
     """
     # Same fast path as merge_order: stable sorts keep arrival order among equal
     # (slice, order), which is the full order unless a run mixes producers or
-    # goes back in sub-order. Rows usually arrive grouped by slice, each slice's
-    # in source order (one producer): then there is nothing to sort.
-    if len(owner) > 1 and bool(np.all((owner[1:] > owner[:-1])
-                                      | ((owner[1:] == owner[:-1]) & (order[1:] >= order[:-1])))):
-        perm = np.arange(len(owner))
+    # goes back in sub-order. Rows usually arrive grouped by slice (one sender's
+    # part), each slice's in source order (one producer): nothing to sort. With
+    # several senders, one radix sort by slice (stable_argsort) groups them.
+    n = len(owner)
+    if n > 1 and bool(np.all(owner[1:] >= owner[:-1])):
+        perm = np.arange(n)
     else:
-        perm = np.lexsort((order, owner))
-    if len(perm) > 1:
-        w, o, p, s = owner[perm], order[perm], producer[perm], sub[perm]
-        same = (w[1:] == w[:-1]) & (o[1:] == o[:-1])
+        perm = stable_argsort(owner)
+    if n > 1:
+        w, o = owner[perm], order[perm]
+        same_owner = w[1:] == w[:-1]
+        if not bool(np.all(~same_owner | (o[1:] >= o[:-1]))):
+            perm = np.lexsort((order, owner))
+            w, o = owner[perm], order[perm]
+            same_owner = w[1:] == w[:-1]
+        p, s = producer[perm], sub[perm]
+        same = same_owner & (o[1:] == o[:-1])
         if not np.any(same & ((p[1:] != p[:-1]) | (s[1:] < s[:-1]))):
             return perm
-    return np.lexsort((seq, producer, sub, order, owner))
+        return np.lexsort((seq, producer, sub, order, owner))
+    return perm
 
 
-def process_group(runtimes: list[SliceRuntime], epoch: int,
-                  inputs: dict[int, dict[int, list[pa.Table]]]) -> dict[int, dict[int, pa.Table]]:
-    """One epoch of the slices in ``inputs``, in one pass over the group ``runtimes``.
+#: One sender's rows for a stage, sorted by consumer slice, and that slice per row
+#: (``containers.routing.RoutedPart``; slices do not import containers).
+Part = tuple[pa.Table, np.ndarray]
 
-    ``runtimes``: every local slice of the stage, in slice order (the same list
-    epoch after epoch, so an operator can keep group-wide lookups between calls);
-    ``inputs`` maps the slices to run to their input tables by stream id (as for
-    ``SliceRuntime.process``); the others sit the epoch out. Returns numbered
-    outputs by slice, then stream id.
+
+def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -> dict[int, dict[int, pa.Table]]:
+    """One epoch of the group ``runtimes`` in one pass, from the parts its senders routed to it.
+
+    ``runtimes``: every local slice of the stage in a thread's group, in slice
+    order (the same list epoch after epoch, so an operator can keep group-wide
+    lookups between calls); ``parts``: the epoch's rows of the stage's one input
+    stream, one per sender in sender order (rows of other slices, and of slices
+    restored past ``epoch``, are skipped). Slices without rows sit the epoch
+    out. Returns numbered outputs by slice, then stream id.
     """
     t0 = time.perf_counter()
-    admitted: dict[int, dict[int, list[pa.Table]]] = {}
-    for rt in runtimes:
-        if rt.slice_id in inputs:
-            rt._begin(epoch)
-            admitted[rt.slice_id] = rt._admit(inputs[rt.slice_id])
-    tables: list[pa.Table] = []
-    owners: list[int] = []
-    rows_of: list[int] = []
+    stage = runtimes[0].stage
+    stream_id = stage.inputs[0].stream_id
+    position = np.full(stage.num_slices, -1, dtype=np.int64)  # slice id -> index in runtimes
     for i, rt in enumerate(runtimes):
-        for ts in admitted.get(rt.slice_id, {}).values():  # one input stream
-            for t in ts:
-                tables.append(t)
-                owners.append(i)
-                rows_of.append(t.num_rows)
-    if not tables:
+        if epoch > rt.last_epoch:
+            position[rt.slice_id] = i
+    admitted, owners = _admit_parts(runtimes, epoch, stream_id, parts, position)
+    if not admitted:
         return {}
-    combined = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-    owner = np.repeat(np.asarray(owners, dtype=np.int64), rows_of)
+    combined = pa.concat_tables(admitted, promote_options="permissive") if len(admitted) > 1 else admitted[0]
+    owner = np.concatenate(owners) if len(owners) > 1 else owners[0]
     cols = {k: np.asarray(combined.column(k)) for k in (ORDER, SUB, SLICE, SEQ)}
     perm = grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE], cols[SEQ])
     identity = bool(np.all(perm == np.arange(len(perm))))
-    batch = (combined if identity else combined.take(pa.array(perm))).drop_columns([SLICE, SEQ])
+    merged = combined if identity else combined.take(pa.array(perm))
+    batch = merged.drop_columns([SLICE, SEQ])
     bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
-    stage = runtimes[0].stage
     name = stage.inputs[0].name
-    runtimes_by_id = {rt.slice_id: rt for rt in runtimes}
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
     except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
-        log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
-                 stage.name, epoch, type(exc).__name__, exc, sorted(admitted))
-        failed_s = time.perf_counter() - t0  # the failed call's time, shared among the slices
-        rerun = {}
-        for s, adm in admitted.items():
-            t1 = time.perf_counter()
-            rerun[s] = runtimes_by_id[s]._emit(runtimes_by_id[s]._run(adm))
-            runtimes_by_id[s].busy_s += time.perf_counter() - t1 + failed_s / len(admitted)
-        return {s: out for s, out in rerun.items() if out}
+        return _rerun_alone(runtimes, epoch, stream_id, merged, bounds, exc, time.perf_counter() - t0)
     results: dict[int, dict[int, pa.Table]] = {}
     for sid in stage.produced:
         produced = outputs.get(runtimes[0].plan.streams[sid].output)
@@ -143,6 +143,77 @@ def process_group(runtimes: list[SliceRuntime], epoch: int,
             rt.events_in += n_in
             rt.busy_s += elapsed * n_in / total
     return results
+
+
+def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts: list[Part],
+                 position: np.ndarray) -> tuple[list[pa.Table], list[np.ndarray]]:
+    """Every slice's progress-vector admission of the parts, in one pass per part: the kept
+    rows and their owners (index in ``runtimes``), per part. Each slice with rows begins the
+    epoch; its vector then holds what it consumed, and ``duplicates_dropped`` counts the rest.
+
+    Per channel (owner, producer slice) this is ``ProgressVector.admit`` applied part after
+    part: a part's rows of one channel come in increasing out_seq, and a copy of them in a
+    later part (dual mode, a replay) is dropped: first write wins.
+    """
+    live = [(t, position[dst], np.asarray(t.column(SLICE), dtype=np.int64), np.asarray(t.column(SEQ), dtype=np.int64))
+            for t, dst in parts if t.num_rows]
+    begun = np.zeros(len(runtimes), dtype=bool)
+    for _t, pos, _p, _s in live:
+        begun[pos[pos >= 0]] = True
+    users = np.flatnonzero(begun).tolist()
+    if not users:
+        return [], []
+    for i in users:
+        runtimes[i]._begin(epoch)
+    # The users' vectors of this stream as the rows of one matrix, all of one width.
+    width = max(int(prod.max()) + 1 for _t, _pos, prod, _s in live)
+    width = max([width] + [len(runtimes[i].progress.consumed.get(stream_id, ())) for i in users])
+    vectors = [runtimes[i].progress._array(stream_id, width) for i in users]
+    consumed = np.full((len(runtimes), width), -1, dtype=np.int64)
+    consumed[users] = np.stack(vectors)
+    flat = consumed.reshape(-1)
+    kept_tables: list[pa.Table] = []
+    owners: list[np.ndarray] = []
+    dropped = np.zeros(len(runtimes), dtype=np.int64)
+    for table, pos, prod, seq in live:
+        every = bool(pos.min() >= 0)  # usually: a part holds only this container's slices
+        mine = None if every else pos >= 0
+        # Flat index of each row's channel in ``consumed`` (1-D ufunc.at is fast).
+        owner = pos if every else np.maximum(pos, 0)
+        channel = owner * width + prod if width > 1 else owner
+        keep = seq > flat[channel] if every else mine & (seq > flat[channel])
+        if keep.all():
+            np.maximum.at(flat, channel, seq)
+            kept_tables.append(table)
+            owners.append(pos)
+            continue
+        np.maximum.at(flat, channel[keep], seq[keep])
+        dropped += np.bincount(pos[~keep & (pos >= 0)], minlength=len(runtimes))
+        if keep.any():
+            kept_tables.append(table.filter(pa.array(keep)))
+            owners.append(pos[keep])
+    for i, v in zip(users, vectors):
+        v[:] = consumed[i]
+        runtimes[i].duplicates_dropped += int(dropped[i])
+    return kept_tables, owners
+
+
+def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merged: pa.Table,
+                 bounds: np.ndarray, exc: Exception, failed_s: float) -> dict[int, dict[int, pa.Table]]:
+    """After a failed group call: each slice runs its admitted rows alone (``SliceRuntime._run``,
+    where row-by-row isolation and dead letters live); the failed call's time is shared."""
+    stage = runtimes[0].stage
+    ran = [i for i in range(len(runtimes)) if bounds[i + 1] > bounds[i]]
+    log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
+             stage.name, epoch, type(exc).__name__, exc, [runtimes[i].slice_id for i in ran])
+    rerun = {}
+    for i in ran:
+        rt = runtimes[i]
+        t1 = time.perf_counter()
+        rows = merged.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
+        rerun[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
+        rt.busy_s += time.perf_counter() - t1 + failed_s / len(ran)
+    return {s: out for s, out in rerun.items() if out}
 
 
 def _number(runtimes: list[SliceRuntime], sid: int, table: pa.Table, out_bounds: np.ndarray,

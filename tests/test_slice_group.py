@@ -26,7 +26,7 @@ from chronostream.types import ORDER, SEQ, SLICE, SUB
 from containers.core import ContainerCore
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
-from slices.group import fuses, grouped_merge_order, process_group
+from slices.group import fuses, grouped_merge_order, process_parts
 from slices.slice import SliceRuntime
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -184,6 +184,22 @@ def test_group_refuses_a_key_held_by_another_member_and_changes_nothing():
     assert group.matches([a, b])
 
 
+def test_group_checks_every_hit_against_the_stored_key_old_or_added_through_it():
+    """A key whose (forged) hash a different stored key holds is a KeyCollision, whether that key
+    was stored before the group was built or added through the group, in any member."""
+    a, b = KeyIndex(), KeyIndex()
+    a.slots([pa.array(["p", "q"])], hashes=np.array([10, 20], np.uint64))
+    group = KeyIndexGroup([a, b])
+    added = pa.array(["r", "s"])
+    assert group.slots(np.array([1, 0]), [added], np.array([30, 40], np.uint64)).tolist() == [0, 2]
+    both = pa.array(["q", "r", "s"])
+    assert group.slots(np.array([0, 1, 0]), [both], np.array([20, 30, 40], np.uint64)).tolist() == [1, 0, 2]
+    for member, key, forged in [(0, "x", 20), (1, "y", 30), (0, "z", 40)]:
+        with pytest.raises(KeyCollision):
+            group.slots(np.array([member]), [pa.array([key])], np.array([forged], np.uint64))
+    assert (len(a), len(b)) == (3, 1)
+
+
 def test_group_no_longer_matches_a_member_replaced_or_grown_alone():
     a, b = KeyIndex(), KeyIndex()
     group = KeyIndexGroup([a, b])
@@ -224,15 +240,18 @@ def count_plan(dead_letters: bool = False, value_sum: bool = False):
     return plan, stage
 
 
-def routed_inputs(words: list[str], values: list, first: int, stream_id: int) -> dict[int, dict]:
-    """One epoch from a one-slice producer (out_seq = source order), cut by consumer slice."""
+def routed_inputs(words: list[str], values: list, first: int, stream_id: int) -> tuple[dict[int, dict], tuple]:
+    """One epoch from a one-slice producer (out_seq = source order): cut by consumer slice (the
+    input of slices run alone), and as the one part routing sends (sorted by slice, slice per row)."""
     t = pa.table({"w": words, "v": pa.array(values, pa.int64()),
                   ORDER: pa.array(np.arange(first, first + len(words), dtype=np.int64)),
                   SUB: pa.array(np.zeros(len(words), np.int64)),
                   SLICE: pa.array(np.zeros(len(words), np.int64)),
                   SEQ: pa.array(np.arange(first, first + len(words), dtype=np.int64))})
     dst = slice_of([t.column("w")], SLICES)
-    return {s: {stream_id: [t.filter(pa.array(dst == s))]} for s in range(SLICES) if (dst == s).any()}
+    by_slice = np.argsort(dst, kind="stable")
+    part = (t.take(pa.array(by_slice)), dst[by_slice])
+    return {s: {stream_id: [t.filter(pa.array(dst == s))]} for s in range(SLICES) if (dst == s).any()}, part
 
 
 def run_both(plan, stage, epochs: list[tuple[list[str], list]], dead: bool = False):
@@ -242,11 +261,11 @@ def run_both(plan, stage, epochs: list[tuple[list[str], list]], dead: bool = Fal
     first = 0
     outs_alone, outs_grouped = [], []
     for e, (words, values) in enumerate(epochs):
-        inputs = routed_inputs(words, values, first, sid)
+        inputs, part = routed_inputs(words, values, first, sid)
         first += len(words)
         outs_alone.append({s: alone[s].process(e, inputs[s]) for s in sorted(inputs)})
         outs_alone[-1] = {s: o for s, o in outs_alone[-1].items() if o}
-        outs_grouped.append(process_group(grouped, e, inputs))
+        outs_grouped.append(process_parts(grouped, e, [part]))
     return alone, grouped, outs_alone, outs_grouped
 
 
@@ -270,16 +289,44 @@ def test_a_group_epoch_equals_each_slice_alone_row_for_row():
         assert a.progress.as_dict() == g.progress.as_dict()
 
 
+def rows_out(outs) -> int:
+    return sum(t.num_rows for per in outs.values() for t in per.values())
+
+
 def test_rows_delivered_twice_are_dropped_by_each_slices_progress_vector():
     plan, stage = count_plan()
     grouped = [SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)]
-    sid = stage.inputs[0].stream_id
-    inputs = routed_inputs(["a", "b", "c", "a"], [1, 1, 1, 1], 0, sid)
-    first = process_group(grouped, 0, inputs)
-    again = process_group(grouped, 1, inputs)
-    assert sum(t.num_rows for per in first.values() for t in per.values()) == 4
-    assert again == {}
+    _, part = routed_inputs(["a", "b", "c", "a"], [1, 1, 1, 1], 0, stage.inputs[0].stream_id)
+    assert rows_out(process_parts(grouped, 0, [part])) == 4
+    assert process_parts(grouped, 1, [part]) == {}
     assert sum(rt.duplicates_dropped for rt in grouped) == 4
+
+
+def test_a_copy_of_a_part_from_a_second_sender_in_the_same_epoch_is_dropped():
+    """Dual mode: two senders run one producer slice and both send its rows. The first copy
+    counts, the second is dropped per slice, and the outputs equal those of one copy."""
+    plan, stage = count_plan()
+    once = [SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)]
+    twice = [SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)]
+    _, part = routed_inputs(["a", "b", "c", "a", "d"], [1] * 5, 0, stage.inputs[0].stream_id)
+    early = (part[0].slice(0, 3), part[1][:3])  # the second sender is behind: a prefix of the part
+    assert as_rows([process_parts(twice, 0, [part, early])]) == as_rows([process_parts(once, 0, [part])])
+    assert sum(rt.duplicates_dropped for rt in twice) == 3
+    assert [rt.progress.as_dict() for rt in twice] == [rt.progress.as_dict() for rt in once]
+
+
+def test_rows_of_slices_outside_the_group_or_restored_past_the_epoch_are_skipped():
+    """A thread's group gets every part: it runs only its own slices, and not those whose state
+    a checkpoint after this epoch restored."""
+    plan, stage = count_plan()
+    words = [f"w{i}" for i in range(60)]
+    _, part = routed_inputs(words, [1] * 60, 0, stage.inputs[0].stream_id)
+    group = [SliceRuntime(plan, stage.stage_id, s) for s in (1, 2, 4)]
+    group[1].last_epoch = 5  # slice 2: restored from epoch 5's checkpoint
+    out = process_parts(group, 3, [part])
+    assert sorted(out) == [1, 4]
+    assert rows_out(out) == int(np.isin(part[1], [1, 4]).sum())
+    assert (group[0].last_epoch, group[1].last_epoch, group[2].last_epoch) == (3, 5, 3)
 
 
 def test_a_poison_epoch_reruns_slice_by_slice_with_the_same_dead_letters():
