@@ -79,6 +79,7 @@ class KeyIndex:
         # Keys a KeyIndexGroup added (hashes, slots), not yet merged into the sorted arrays:
         # the group does the lookups meanwhile, so the merge waits for this index's own.
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._group: KeyIndexGroup | None = None  # the group that added them
 
     def __len__(self) -> int:
         return self._size
@@ -99,6 +100,11 @@ class KeyIndex:
         return chunks[0]
 
     def _settle(self) -> None:
+        if self._pending and self._group is not None:
+            # The group's sorted arrays hold this index's keys: filtered out, they are
+            # in hash order already (O(keys)), where a sort of millions of keys would
+            # stall the slice for a second when its group breaks up (a migration).
+            self._group.hand_back()
         if self._pending:
             hs = np.concatenate([self._hashes] + [h for h, _ in self._pending])
             sl = np.concatenate([self._slot_of_sorted] + [s for _, s in self._pending])
@@ -202,6 +208,26 @@ class KeyIndexGroup:
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
         self._sizes = [len(m) for m in self.members]
+        for m in self.members:
+            m._group = self
+
+    def hand_back(self) -> None:
+        """Give every member that holds keys this group added its sorted arrays, cut out of the
+        group's (one stable radix sort by member keeps each member's entries in hash order).
+
+        Only members the group left at their size get them (the group's entries are then
+        exactly their keys); the others merge their pending keys by sorting, as before.
+        """
+        order = stable_argsort(self._member.astype(np.int64))
+        cut = np.searchsorted(self._member[order], np.arange(len(self.members) + 1))
+        for i, m in enumerate(self.members):
+            if m._group is not self:
+                continue
+            m._group = None
+            if m._pending and len(m) == self._sizes[i]:
+                rows = order[cut[i]:cut[i + 1]]
+                m._hashes, m._slot_of_sorted = self._hashes[rows], self._slot[rows]
+                m._pending = []
 
     def matches(self, members: Sequence[KeyIndex]) -> bool:
         """True when ``members`` are this group's members, unchanged since its last call."""

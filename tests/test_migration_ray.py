@@ -83,7 +83,7 @@ def test_slices_that_are_not_moving_keep_producing_output_during_a_migration(ray
 
 
 def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live_route(ray_session):
-    """The destination restores a backup ~20 epochs old: the producer replays it up in rounds (reading
+    """The destination restores a backup ~10 epochs old: the producer replays it up in rounds (reading
     its output log off its event loop) and routes live epochs to it only once it is within a window."""
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20,
                  migration_warm_up_s=0)  # no warm-up: start from the old backup
@@ -91,7 +91,9 @@ def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live
         apply_schedule(job, [SLOW_SOURCE])
         placement = job.placement()["stages"]["running_sum"]
         src, dst = sorted(placement)
-        apply_schedule(job, [Fault("delay", 38, "payments", seconds=0.05)])  # checkpoints at ~19 and ~39
+        # Checkpoints at ~19 and ~39: move at ~28, well clear of the next one (at 38 a loaded
+        # machine could let the epoch-39 checkpoint land first, leaving nothing to catch up).
+        apply_schedule(job, [Fault("delay", 28, "payments", seconds=0.05)])
         summary = job.migrate("running_sum", placement[src][0], to_container=dst)
         (t,) = summary["transfers"]
         assert t["phase"] == "done"

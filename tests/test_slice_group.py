@@ -173,6 +173,30 @@ def test_group_slots_equal_each_members_own_numbering(batches, members):
             assert ix.slots([pa.array([f"k{k}" for k in keys])]).tolist() == [ref[m][k] for k in keys]
 
 
+def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not_re_sorted():
+    """After keys added through a group, a member's own sorted (hash, slot) arrays (needed for its
+    own lookups, e.g. once a migration breaks the group up) are the ones a full sort gives; they
+    come from the group's arrays, and the member forgets the group."""
+    rng = np.random.default_rng(8)
+    members = [KeyIndex() for _ in range(3)]
+    members[1].slots([pa.array(["pre0", "pre1"])])  # keys of its own before the group
+    group = KeyIndexGroup(members)
+    for _ in range(4):
+        keys = pa.array(sorted({f"k{int(i)}" for i in rng.integers(0, 400, 60)}))
+        owner = slice_of([keys], 3)
+        group.slots(owner, [keys], hash_columns([keys]))
+    want = []
+    for m in members:  # what a sort of each member's keys gives
+        assert m._pending and m._group is group
+        hs = np.concatenate([m._hashes] + [h for h, _ in m._pending])
+        sl = np.concatenate([m._slot_of_sorted] + [x for _, x in m._pending])
+        want.append((hs[np.argsort(hs)].tolist(), sl[np.argsort(hs)].tolist()))
+    for m, (want_h, want_s) in zip(members, want):
+        hashes, slots = m.sorted_hashes()  # the first call hands every member its arrays
+        assert (hashes.tolist(), slots.tolist()) == (want_h, want_s)
+        assert m._group is None and not m._pending
+
+
 def test_group_refuses_a_key_held_by_another_member_and_changes_nothing():
     a, b = KeyIndex(), KeyIndex()
     a.slots([pa.array(["x"])])
