@@ -30,36 +30,31 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import StagePlan
+from chronostream.dag import JobPlan, StagePlan
 from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
-from slices.chain import apply_chain
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.slices")
 
-#: Hidden column that carries a group output row's owner (index in the group) through a chain.
-GROUP_OWNER = "_group_owner"
 
-
-def _single_input_operator(stage: StagePlan) -> type | None:
+def fuses(stage: StagePlan, plan: JobPlan) -> bool:
+    """Whether a stage's slices can run as one group: a fusing operator with one input,
+    and produced streams without stateless chains (those run per slice)."""
     if stage.kind != "operator" or len(stage.inputs) != 1:
-        return None
-    return stage.factory[0]  # type: ignore[index]
-
-
-def fuses(stage: StagePlan) -> bool:
-    """Whether a stage's slices can run as one group: a fusing operator with one input.
-    (Stateless chains on its produced streams run once over the group's output.)"""
-    cls = _single_input_operator(stage)
-    return cls is not None and bool(cls.fuses_slices())
+        return False
+    cls = stage.factory[0]  # type: ignore[index]
+    if not cls.fuses_slices():
+        return False
+    return all(not plan.streams[sid].chain for sid in stage.produced)
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
     """Whether a stage's operator groups its one input by the stream key and reuses routing's
     dictionary codes of it (``Operator.reads_key_codes``; see ``containers.routing.route``)."""
-    cls = _single_input_operator(stage)
-    return cls is not None and bool(cls.reads_key_codes())
+    if stage.kind != "operator" or len(stage.inputs) != 1:
+        return False
+    return bool(stage.factory[0].reads_key_codes())  # type: ignore[index]
 
 
 def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
@@ -138,10 +133,7 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         produced = outputs.get(runtimes[0].plan.streams[sid].output)
         if produced is None or produced[0].num_rows == 0:
             continue
-        table, out_bounds = _chained(runtimes, runtimes[0].plan.streams[sid].chain, produced[0],
-                                     np.asarray(produced[1]))
-        if table.num_rows:
-            _number(runtimes, sid, table, out_bounds, results)
+        _number(runtimes, sid, produced[0], np.asarray(produced[1]), results)
     # Busy time and counts per slice: its share of the group's rows.
     elapsed = time.perf_counter() - t0
     total = max(int(bounds[-1]), 1)
@@ -222,30 +214,6 @@ def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merge
         rerun[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
         rt.busy_s += time.perf_counter() - t1 + failed_s / len(ran)
     return {s: out for s, out in rerun.items() if out}
-
-
-def _chained(runtimes: list[SliceRuntime], chain: tuple, table: pa.Table,
-             bounds: np.ndarray) -> tuple[pa.Table, np.ndarray]:
-    """A produced stream's stateless chain, run once over every slice's output (``bounds``
-    per slice), with each row's owner carried through; returns the rows and new bounds.
-
-    Transforms are row-wise, so this is each slice's chain run alone, rows in the same
-    order; a failing row is that slice's error or dead letter (``SliceRuntime._chain_error``).
-    """
-    if not chain:
-        return table, bounds
-    owner = np.repeat(np.arange(len(runtimes), dtype=np.int64), np.diff(bounds))
-
-    def owners_error(t: pa.Table, i: int, exc: BaseException) -> None:
-        runtimes[int(t.column(GROUP_OWNER)[i].as_py())]._chain_error(t, i, exc)
-
-    out = apply_chain(table.append_column(GROUP_OWNER, pa.array(owner)), chain, owners_error, carry=(GROUP_OWNER,))
-    owner = np.asarray(out.column(GROUP_OWNER)) if GROUP_OWNER in out.schema.names else np.zeros(0, np.int64)
-    if len(owner) > 1 and bool(np.any(owner[1:] < owner[:-1])):  # row-wise steps keep the order; be safe
-        by_owner = stable_argsort(owner)
-        out, owner = out.take(pa.array(by_owner)), owner[by_owner]
-    out = out.drop_columns([GROUP_OWNER]) if GROUP_OWNER in out.schema.names else out
-    return out, np.searchsorted(owner, np.arange(len(runtimes) + 1))
 
 
 def _number(runtimes: list[SliceRuntime], sid: int, table: pa.Table, out_bounds: np.ndarray,
