@@ -98,6 +98,13 @@ class ContainerStatistics:
     checkpoints_seeded: int = 0  # first checkpoints of restored slices sent as seed + delta, not full
 
 
+def _stream_parts(messages: dict[int, Message]) -> list[tuple[int, RoutedPart]]:
+    """The routed parts of an epoch's messages as (stream id, part), senders in id order
+    (without the control entries: END_KEY, COVER_KEY, RELEASE_KEY...)."""
+    return [(stream_id, part) for sender in sorted(messages) for stream_id, part in messages[sender].items()
+            if stream_id >= 0]
+
+
 class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
@@ -387,8 +394,7 @@ class ContainerCore:
                 # One vectorized pass per thread for the slices the thread-control table
                 # gives it (slices/group.py), over the senders' parts as they came; one
                 # group when the container has one thread.
-                parts = [part for sender in sorted(messages) for stream_id, part in messages[sender].items()
-                         if stream_id >= 0]  # not END_KEY, COVER_KEY, RELEASE_KEY
+                parts = [part for _stream_id, part in _stream_parts(messages)]
                 results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_parts(
                     [self.slices[s] for s in group], epoch, parts))
                 self.grouped_epochs += 1
@@ -403,17 +409,15 @@ class ContainerCore:
         """Each local slice's rows of the epoch by input stream, in sender order (slices restored
         from a checkpoint taken after the epoch and slices without rows are left out)."""
         todo: dict[int, dict[int, list[pa.Table]]] = {}
+        parts = _stream_parts(messages)
         for s, rt in self.slices.items():
             if epoch <= rt.last_epoch:
                 continue
             inputs: dict[int, list[pa.Table]] = {}
-            for sender in sorted(messages):
-                for stream_id, part in messages[sender].items():
-                    if stream_id < 0:
-                        continue  # END_KEY, COVER_KEY, RELEASE_KEY
-                    rows = rows_of_slice(part, s)
-                    if rows is not None:
-                        inputs.setdefault(stream_id, []).append(rows)
+            for stream_id, part in parts:
+                rows = rows_of_slice(part, s)
+                if rows is not None:
+                    inputs.setdefault(stream_id, []).append(rows)
             if inputs:
                 todo[s] = inputs
         return todo

@@ -38,23 +38,25 @@ from slices.slice import SliceRuntime
 log = logging.getLogger("chronostream.slices")
 
 
+def _single_input_operator(stage: StagePlan) -> type | None:
+    if stage.kind != "operator" or len(stage.inputs) != 1:
+        return None
+    return stage.factory[0]  # type: ignore[index]
+
+
 def fuses(stage: StagePlan, plan: JobPlan) -> bool:
     """Whether a stage's slices can run as one group: a fusing operator with one input,
     and produced streams without stateless chains (those run per slice)."""
-    if stage.kind != "operator" or len(stage.inputs) != 1:
-        return False
-    cls = stage.factory[0]  # type: ignore[index]
-    if not cls.fuses_slices():
-        return False
-    return all(not plan.streams[sid].chain for sid in stage.produced)
+    cls = _single_input_operator(stage)
+    return cls is not None and bool(cls.fuses_slices()) and \
+        all(not plan.streams[sid].chain for sid in stage.produced)
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
     """Whether a stage's operator groups its one input by the stream key and reuses routing's
     dictionary codes of it (``Operator.reads_key_codes``; see ``containers.routing.route``)."""
-    if stage.kind != "operator" or len(stage.inputs) != 1:
-        return False
-    return bool(stage.factory[0].reads_key_codes())  # type: ignore[index]
+    cls = _single_input_operator(stage)
+    return cls is not None and bool(cls.reads_key_codes())
 
 
 def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
@@ -166,9 +168,9 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     for i in users:
         runtimes[i]._begin(epoch)
     # The users' vectors of this stream as the rows of one matrix, all of one width.
-    width = max(int(prod.max()) + 1 for _t, _pos, prod, _s in live)
-    width = max([width] + [len(runtimes[i].progress.consumed.get(stream_id, ())) for i in users])
-    vectors = [runtimes[i].progress._array(stream_id, width) for i in users]
+    need = max(int(prod.max()) + 1 for _t, _pos, prod, _s in live)
+    width = max(len(runtimes[i].progress.array(stream_id, need)) for i in users)
+    vectors = [runtimes[i].progress.array(stream_id, width) for i in users]
     consumed = np.full((len(runtimes), width), -1, dtype=np.int64)
     consumed[users] = np.stack(vectors)
     flat = consumed.reshape(-1)
@@ -176,19 +178,18 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     owners: list[np.ndarray] = []
     dropped = np.zeros(len(runtimes), dtype=np.int64)
     for table, pos, prod, seq in live:
-        every = bool(pos.min() >= 0)  # usually: a part holds only this container's slices
-        mine = None if every else pos >= 0
-        # Flat index of each row's channel in ``consumed`` (1-D ufunc.at is fast).
-        owner = pos if every else np.maximum(pos, 0)
-        channel = owner * width + prod if width > 1 else owner
-        keep = seq > flat[channel] if every else mine & (seq > flat[channel])
+        mine = pos >= 0  # usually all: a part holds only this container's slices
+        # Flat index of each row's channel in ``consumed`` (1-D ufunc.at is fast); rows of
+        # other slices point at row 0 and are masked out.
+        channel = np.maximum(pos, 0) * width + prod
+        keep = mine & (seq > flat[channel])
         if keep.all():
             np.maximum.at(flat, channel, seq)
             kept_tables.append(table)
             owners.append(pos)
             continue
         np.maximum.at(flat, channel[keep], seq[keep])
-        dropped += np.bincount(pos[~keep & (pos >= 0)], minlength=len(runtimes))
+        dropped += np.bincount(pos[mine & ~keep], minlength=len(runtimes))
         if keep.any():
             kept_tables.append(table.filter(pa.array(keep)))
             owners.append(pos[keep])

@@ -44,7 +44,10 @@ class ProgressVector:
             return -1
         return int(arr[channel[1]])
 
-    def _array(self, stream_id: int, size: int) -> np.ndarray:
+    def array(self, stream_id: int, size: int) -> np.ndarray:
+        """The live array of ``stream_id`` (highest consumed out_seq per producer slice, -1 for
+        none), grown to at least ``size``: a slice group admits against many slices' arrays at
+        once (``slices.group``) and writes the result back into them."""
         arr = self.consumed.get(stream_id)
         if arr is None or len(arr) < size:
             grown = np.full(max(size, 1), -1, dtype=np.int64)
@@ -64,7 +67,7 @@ class ProgressVector:
             return table
         prod = np.asarray(table.column(SLICE), dtype=np.int64)
         seq = np.asarray(table.column(SEQ), dtype=np.int64)
-        arr = self._array(stream_id, int(prod.max()) + 1)
+        arr = self.array(stream_id, int(prod.max()) + 1)
         keep = seq > arr[prod]
         np.maximum.at(arr, prod, seq)
         if keep.all():

@@ -55,6 +55,16 @@ def epoch_batch(rows: list[dict], owner: np.ndarray, first_order: int) -> tuple[
     return t, bounds
 
 
+def hashed_epochs(epochs: list[list[dict]], n_ops: int):
+    """Per epoch: its rows, the batch grouped by the op their key hashes to, and bounds per op."""
+    order = 0
+    for rows in epochs:
+        owner = slice_of([pa.array([r["k"] for r in rows])], n_ops)
+        batch, bounds = epoch_batch(rows, owner, order)
+        order += len(rows)
+        yield rows, batch, np.concatenate((bounds, np.full(n_ops + 1 - len(bounds), bounds[-1])))
+
+
 def exact(table: pa.Table) -> list[dict]:
     return [{k: (v.hex() if isinstance(v, float) else v) for k, v in r.items()} for r in table.to_pylist()]
 
@@ -70,12 +80,7 @@ def test_one_group_call_equals_every_slice_consuming_alone(epochs, n_ops):
     """Rows routed by key hash, over several epochs: each op's output rows and full state after
     consume_slices equal those of the same op fed its rows alone with consume_batch."""
     grouped, alone = make_ops(n_ops), make_ops(n_ops)
-    order = 0
-    for rows in epochs:
-        owner = slice_of([pa.array([r["k"] for r in rows])], n_ops)
-        batch, bounds = epoch_batch(rows, owner, order)
-        order += len(rows)
-        bounds = np.concatenate((bounds, np.full(n_ops + 1 - len(bounds), bounds[-1])))
+    for _rows, batch, bounds in hashed_epochs(epochs, n_ops):
         out, out_bounds = KeyedAggregate.consume_slices(grouped, "in", batch, bounds)["out"]
         assert out_bounds.tolist() == bounds.tolist()
         for i, op in enumerate(alone):
@@ -117,12 +122,7 @@ def test_routed_key_codes_give_the_outputs_and_state_of_encoding_the_key(epochs,
     """Group ids from routing's codes (a part of their dictionary used; some rows without codes when
     ``partly``) give each op the outputs and state it gets when the key is encoded afresh."""
     coded_ops, plain_ops = make_ops(n_ops), make_ops(n_ops)
-    order = 0
-    for rows in epochs:
-        owner = slice_of([pa.array([r["k"] for r in rows])], n_ops)
-        batch, bounds = epoch_batch(rows, owner, order)
-        order += len(rows)
-        bounds = np.concatenate((bounds, np.full(n_ops + 1 - len(bounds), bounds[-1])))
+    for rows, batch, bounds in hashed_epochs(epochs, n_ops):
         coded = routed_codes(batch, void_from=len(rows) // 2 if partly else None)
         ids = operators._routed_key_codes(coded, ["k"])
         if partly:
