@@ -40,6 +40,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
+from chronostream.logs import configure_from_env
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
 from containers.gc_pacing import CollectorPacing
@@ -94,6 +95,7 @@ class ResourceContainer:
     REPLAY_BATCH = 16
 
     def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
+        configure_from_env()
         self.host_id = host_id
         self.container_id = host_id  # the container it starts with
         self.master = master

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
+from chronostream.logs import configure_from_env
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
@@ -52,6 +53,7 @@ class JobMaster:
     def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
                  options: JobOptions | None = None, source_refs: dict[int, list] | None = None,
                  job_key: str = "job", policy: Any = None) -> None:
+        configure_from_env()
         self.plan = plan
         self.job_key = job_key
         self.workdir = workdir

@@ -16,12 +16,17 @@ Operator state comes in two shapes:
 An operator may provide ``checkpoint_state(delta: bool) -> dict`` and
 ``restore_state(parts: dict)``; otherwise its registered key-value states
 are captured. Byte format: ``b"CSCK"``, header length, msgpack header
-(stage, slice, epoch, kind, previous epoch, payload length), the msgpack
-payload, and a CRC-32 over all of it. ``decode`` and ``verify`` refuse
+(stage, slice, epoch, kind, previous epoch, payload length), the payload,
+and a CRC-32 over all of it. The payload is a msgpack body in which every
+binary above 64 KiB is a reference (msgpack ext type 1: index, size) to
+an attachment: the binaries follow the body, raw (version 2; the header
+gives the body's length and the attachments' sizes). Decoding hands out
+the attachments as views of the frame: a 500 MB state read back through
+``msgpack.unpackb`` was copied into a bytes object holding the GIL for
+0.25 s, which stalled every slice of the host restoring it. Version 1
+frames (binaries inline) still decode. ``decode`` and ``verify`` refuse
 anything whose magic, length or checksum does not match, naming the slice
-and epoch. (Frames written before the one-pass codec also carry the
-payload's CRC in the header; the trailing CRC covers it, so it is not
-checked twice.)
+and epoch.
 """
 
 from __future__ import annotations
@@ -39,8 +44,11 @@ from chronostream.operators import canonical_key
 from chronostream.state import KeyValueState
 
 MAGIC = b"CSCK"
-VERSION = 1
+VERSION = 2
 _LEN = struct.Struct(">I")
+_ATTACHED = 1  # msgpack ext type of a reference to an attached binary (version 2)
+_REF = struct.Struct(">IQ")  # its data: attachment index, size
+_REF_HEAD = bytes([0xC7, _REF.size, _ATTACHED])  # msgpack "ext 8" with that data length and type
 
 
 class CheckpointCorrupt(Exception):
@@ -234,32 +242,54 @@ def merge_chain(base: SliceCheckpoint, deltas: list[SliceCheckpoint]) -> SliceCh
                            last.next_seq, state, {})
 
 
-_BIG = 1 << 16  # binaries above this are framed by hand (msgpack bin 32), never copied into a msgpack buffer
+_BIG = 1 << 16  # binaries above this are attached after the body, never copied into (or out of) msgpack
 
 
-def _pack_parts(obj: Any, out: list) -> None:
-    """Append the msgpack encoding of ``obj`` to ``out`` as pieces, large binaries by reference.
-
-    Gives the same bytes as ``msgpack.packb`` (a binary above 64 KiB is bin 32
-    there too), without copying a large state into msgpack's growing buffer.
+def _pack_parts(obj: Any, out: list, attached: list) -> None:
+    """Append the msgpack encoding of ``obj`` to ``out`` as pieces; each binary above 64 KiB is
+    appended to ``attached`` instead, and ``out`` gets a reference to it (ext type 1: index, size).
     """
     if isinstance(obj, dict):
         out.append(msgpack.Packer().pack_map_header(len(obj)))
         for k, v in obj.items():
             out.append(_pack(k))
-            _pack_parts(v, out)
+            _pack_parts(v, out, attached)
     elif isinstance(obj, (bytes, bytearray, memoryview, pa.Buffer)) and (size := memoryview(obj).nbytes) > _BIG:
-        out.append(b"\xc6" + _LEN.pack(size))
-        out.append(obj)
+        out.append(_REF_HEAD + _REF.pack(len(attached), size))
+        attached.append(obj)
     else:
         out.append(_pack(memoryview(obj) if isinstance(obj, pa.Buffer) else obj))
+
+
+def _unpack_payload(header: dict[str, Any], payload: memoryview, what: str, **options: Any) -> Any:
+    """The body of a frame's payload, its attachments as views of ``payload`` (no copy)."""
+    if "body" not in header:  # version 1: binaries inline
+        return msgpack.unpackb(payload, raw=False, **options)
+    body, sizes = header["body"], header["attached"]
+    starts = [body]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    if starts[-1] != len(payload):
+        raise CheckpointCorrupt(f"{what}: attachments of {starts[-1] - body} bytes in a payload of "
+                                f"{len(payload) - body} after the body")
+
+    def attachment(code: int, data: bytes) -> Any:
+        if code != _ATTACHED:
+            return msgpack.ExtType(code, data)
+        i, size = _REF.unpack(data)
+        if i >= len(sizes) or sizes[i] != size:
+            raise CheckpointCorrupt(f"{what}: reference to attachment {i} of {size} bytes does not match "
+                                    f"the header ({len(sizes)} attachments)")
+        return payload[starts[i]:starts[i] + size]
+    return msgpack.unpackb(payload[:body], raw=False, ext_hook=attachment, **options)
 
 
 _BIG_FRAME = 1 << 23  # frames above this are assembled in a numpy buffer (see _frame)
 
 
 def _frame(magic: bytes, header: dict[str, Any], body: dict[str, Any]) -> bytes | memoryview:
-    """magic, header length, msgpack header (with the payload's length), msgpack payload, trailing CRC-32.
+    """magic, header length, msgpack header (with the payload's length), payload (msgpack body, then
+    its attachments), trailing CRC-32.
 
     The trailing CRC covers header and payload, computed in one pass
     (chained over the pieces) and the frame is joined with one copy: for a
@@ -271,9 +301,13 @@ def _frame(magic: bytes, header: dict[str, Any], body: dict[str, Any]) -> bytes 
     releases it (and is faster).
     """
     parts: list = []
-    _pack_parts(body, parts)
-    hb = _pack({**header, "len": sum(memoryview(p).nbytes for p in parts)})
+    attached: list = []
+    _pack_parts(body, parts, attached)
+    body_len = sum(memoryview(p).nbytes for p in parts)
+    sizes = [memoryview(a).nbytes for a in attached]
+    hb = _pack({**header, "len": body_len + sum(sizes), "body": body_len, "attached": sizes})
     parts.insert(0, magic + _LEN.pack(len(hb)) + hb)
+    parts.extend(attached)
     crc = 0
     for p in parts:
         crc = zlib.crc32(p, crc)
@@ -339,7 +373,7 @@ def encode(ckpt: SliceCheckpoint) -> bytes | memoryview:
 def decode(data: bytes, what: str = "checkpoint") -> SliceCheckpoint:
     """Parse and verify checkpoint bytes; ``CheckpointCorrupt`` names what is wrong."""
     header, payload = _unframe(data, MAGIC, what)
-    body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    body = _unpack_payload(header, payload, what, strict_map_key=False)
     return SliceCheckpoint(header["stage"], header["slice"], header["epoch"], header["kind"], header["prev"],
                            {int(k): list(v) for k, v in body["progress"].items()},
                            {int(k): v for k, v in body["next_seq"].items()},
@@ -395,7 +429,7 @@ def encode_outputs(out: CarriedOutputs) -> bytes | memoryview:
 def decode_outputs(data: bytes, what: str = "carried outputs") -> CarriedOutputs:
     """Parse and verify carried outputs (``CheckpointCorrupt`` when damaged)."""
     header, payload = _unframe(data, OUTPUTS_MAGIC, what)
-    body = msgpack.unpackb(payload, raw=False)
+    body = _unpack_payload(header, payload, what)
     return CarriedOutputs(header["stage"], header["slice"], header["from"], header["epoch"], header["replace"],
                           {int(k): read_table_part({"ipc": v}) for k, v in body.items()})
 

@@ -87,18 +87,55 @@ bodies = st.recursive(st.one_of(st.none(), st.integers(-2**40, 2**40), st.text(m
                       lambda inner: st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=10)
 
 
+def _as_bytes(obj):
+    if isinstance(obj, dict):
+        return {k: _as_bytes(v) for k, v in obj.items()}
+    return bytes(obj) if isinstance(obj, memoryview) else obj
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        return [v for x in obj.values() for v in _leaves(x)]
+    return [obj]
+
+
 @settings(max_examples=60, deadline=None)
 @given(bodies)
-def test_a_payload_framed_in_pieces_is_byte_for_byte_msgpack(body):
-    """Large binaries are framed by reference (no copy into msgpack's buffer), yet the payload is
-    exactly what msgpack.packb writes: old and new readers agree."""
+def test_large_binaries_come_back_as_views_of_the_frame_and_the_rest_as_msgpack(body):
+    """Binaries above 64 KiB travel after the msgpack body and decode as views of the frame (no
+    copy held under the GIL); everything else decodes to what was framed."""
+    from slices.checkpoint import MAGIC, _BIG, _frame, _unframe, _unpack_payload
+
+    frame = _frame(MAGIC, {"v": 2}, body)
+    header, payload = _unframe(frame, MAGIC, "test")
+    got = _unpack_payload(header, payload, "test")
+    assert _as_bytes(got) == body
+    views = [v for v in _leaves(got) if isinstance(v, memoryview)]
+    assert all(v.obj is frame for v in views)
+    big = [b for b in _leaves(body) if isinstance(b, bytes) and len(b) > _BIG]
+    assert len(views) == len(header["attached"]) == len(big)
+
+
+def test_an_attachment_the_header_does_not_describe_is_refused():
+    """A frame whose checksum holds but whose attachment sizes disagree with its body is refused
+    (a writer bug, not transit damage), naming what it is."""
+    import struct
+    import zlib
+
     import msgpack
 
-    from slices.checkpoint import _pack_parts
+    from slices.checkpoint import MAGIC, _frame
 
-    parts: list = []
-    _pack_parts(body, parts)
-    assert b"".join(parts) == msgpack.packb(body, use_bin_type=True)
+    frame = bytes(_frame(MAGIC, {"v": 2, "stage": 1, "slice": 2, "epoch": 3, "kind": "full", "prev": -1},
+                         {"progress": {}, "next_seq": {}, "state": {"t": {"shape": "table", "ipc": b"x" * 70_000}},
+                          "outputs": {}}))
+    (hlen,) = struct.unpack(">I", frame[4:8])
+    header = msgpack.unpackb(frame[8:8 + hlen])
+    header["attached"] = [60_000, 10_000]
+    hb = msgpack.packb(header, use_bin_type=True)
+    body = frame[:4] + struct.pack(">I", len(hb)) + hb + frame[8 + hlen:-4]
+    with pytest.raises(CheckpointCorrupt, match="attachment 0 of 70000 bytes"):
+        decode(body + struct.pack(">I", zlib.crc32(body)))
 
 
 def test_a_frame_written_by_the_previous_codec_still_decodes():
