@@ -185,7 +185,13 @@ class KeyIndexGroup:
     catch up lazily, on its next own lookup). A group is valid while its
     members are the same objects with the sizes it left them at: a member
     restored, replaced or grown on its own makes ``matches`` false, and the
-    caller builds a new group.
+    caller builds a new group. A group also still serves a subset of its
+    members (``covering``: slices that stay when others migrate away or move
+    to another thread): the members that left are forgotten, their entries
+    stay (a hit on one is a ``KeyCollision``, as for any key whose hash
+    another slice holds). Breaking the group up instead would make each
+    member that stays merge the keys the group added for it, a pass over
+    millions of keys in the epoch that follows the move.
 
     >>> a, b = KeyIndex(), KeyIndex()
     >>> g = KeyIndexGroup([a, b])
@@ -197,8 +203,8 @@ class KeyIndexGroup:
     """
 
     def __init__(self, members: Sequence[KeyIndex]) -> None:
-        self.members = list(members)
-        parts = [m.sorted_hashes() for m in self.members]
+        self.members: list[KeyIndex | None] = list(members)  # None: a member that left (``covering``)
+        parts = [m.sorted_hashes() for m in members]
         hs = np.concatenate([h for h, _ in parts]) if parts else np.zeros(0, np.uint64)
         member = np.repeat(np.arange(len(parts), dtype=np.int32), [len(h) for h, _ in parts])
         slot = np.concatenate([s for _, s in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
@@ -209,8 +215,8 @@ class KeyIndexGroup:
         if len(hs) > 1 and bool(np.any(self._hashes[1:] == self._hashes[:-1])):
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
-        self._sizes = [len(m) for m in self.members]
-        for m in self.members:
+        self._sizes = [len(m) for m in members]
+        for m in members:
             m._group = self
 
     def hand_back(self) -> None:
@@ -223,7 +229,7 @@ class KeyIndexGroup:
         order = stable_argsort(self._member.astype(np.int64))
         cut = np.searchsorted(self._member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
-            if m._group is not self:
+            if m is None or m._group is not self:
                 continue
             m._group = None
             if m._pending and len(m) == self._sizes[i]:
@@ -235,6 +241,32 @@ class KeyIndexGroup:
         """True when ``members`` are this group's members, unchanged since its last call."""
         return (len(members) == len(self.members)
                 and all(a is b and len(a) == n for a, b, n in zip(members, self.members, self._sizes)))
+
+    @staticmethod
+    def covering(members: Sequence[KeyIndex]) -> "KeyIndexGroup | None":
+        """The group that added the pending keys of ``members`` if it holds every one of them,
+        unchanged since its last call, with its other members forgotten; else None.
+
+        >>> a, b = KeyIndex(), KeyIndex()
+        >>> g = KeyIndexGroup([a, b])
+        >>> KeyIndexGroup.covering([b]) is g, g.members[0] is None, g.positions([b]).tolist()
+        (True, True, [1])
+        """
+        group = members[0]._group if members else None
+        if group is None:
+            return None
+        where = {id(m): i for i, m in enumerate(group.members) if m is not None}
+        if not all(m._group is group and id(m) in where and len(m) == group._sizes[where[id(m)]]
+                   for m in members):
+            return None
+        keep = {id(m) for m in members}
+        group.members = [m if m is not None and id(m) in keep else None for m in group.members]
+        return group
+
+    def positions(self, members: Sequence[KeyIndex]) -> np.ndarray:
+        """Each of ``members``' index among this group's members (they must be members)."""
+        where = {id(m): i for i, m in enumerate(self.members) if m is not None}
+        return np.array([where[id(m)] for m in members], dtype=np.int64)
 
     def _by_member(self, member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows grouped by member, stably; where each member's rows start in that order)."""
@@ -258,7 +290,7 @@ class KeyIndexGroup:
             # Verify the hits key by key: one take per member holding some, one comparison.
             by_member, cut = self._by_member(member_of[rows])
             for c, col in enumerate(keys):
-                stored = [self.members[i]._stored(c).take(pa.array(slots[by_member[cut[i]:cut[i + 1]]]))
+                stored = [self.members[i]._stored(c).take(pa.array(slots[by_member[cut[i]:cut[i + 1]]]))  # type: ignore[union-attr]
                           for i in range(len(self.members)) if cut[i + 1] > cut[i]]
                 got = pa.concat_arrays(stored) if len(stored) > 1 else stored[0]
                 if not _same(got, col.take(pa.array(rows[by_member]))).all():
@@ -271,7 +303,7 @@ class KeyIndexGroup:
                 lo, hi = int(cut[i]), int(cut[i + 1])
                 if hi > lo:
                     rows_i = new[by_member[lo:hi]]
-                    out[rows_i] = self.members[i]._append_unsorted(
+                    out[rows_i] = self.members[i]._append_unsorted(  # type: ignore[union-attr]
                         [t.slice(lo, hi - lo) for t in taken], hashes[rows_i])
             # Merge the new keys into the group's sorted arrays (insertion points known).
             new_in_order = (~found)[by_hash]
@@ -280,5 +312,5 @@ class KeyIndexGroup:
             self._hashes = np.insert(self._hashes, at, hs[new_in_order])
             self._member = np.insert(self._member, at, member_of[new_rows].astype(np.int32))
             self._slot = np.insert(self._slot, at, out[new_rows])
-            self._sizes = [len(m) for m in self.members]
+            self._sizes = [len(m) if m is not None else 0 for m in self.members]
         return out

@@ -405,22 +405,28 @@ class KeyedAggregate(Operator):
         seg_key = g_sorted[start_pos]
         # Each op's slots for its segments; then its prior values, gathered per segment.
         hashes = hash_columns(unique_keys, distinct=True)
+        # One lookup for all ops' keys: a group over their key indexes, kept on the first op
+        # between calls; when the ops changed, the group that still holds theirs (slices
+        # left: a migration, a thread reschedule), else a new one. One op whose keys no
+        # group holds uses its own index.
+        indexes = [op.key_index for op in ops]
+        group = agg._key_group
+        if group is None or not group.matches(indexes):
+            group = agg._key_group = KeyIndexGroup.covering(indexes) or (
+                KeyIndexGroup(indexes) if len(ops) > 1 else None)
         if owner_sorted is None:  # one op: its segments are the distinct keys, in order
             op_segments = [np.arange(len(start_pos))]
-            seg_slots = agg.key_index.slots(unique_keys, hashes=hashes)
+            seg_slots = agg.key_index.slots(unique_keys, hashes=hashes) if group is None else group.slots(
+                np.full(len(start_pos), group.positions(indexes)[0]), unique_keys, hashes)
         else:
             seg_owner = owner_sorted[start_pos]
             by_owner = stable_argsort(seg_owner)
             cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
             op_segments = [by_owner[cut[i]:cut[i + 1]] for i in range(len(ops))]
-            # One lookup for all ops' keys: a group over their key indexes, kept on the
-            # first op between calls, rebuilt when the ops or their indexes changed.
-            indexes = [op.key_index for op in ops]
-            group = agg._key_group
-            if group is None or not group.matches(indexes):
-                group = agg._key_group = KeyIndexGroup(indexes)
+            assert group is not None
             take = pa.array(seg_key)
-            seg_slots = group.slots(seg_owner, [col.take(take) for col in unique_keys], hashes[seg_key])
+            seg_slots = group.slots(group.positions(indexes)[seg_owner], [col.take(take) for col in unique_keys],
+                                    hashes[seg_key])
         value_cols = agg._value_columns()
         kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
         needed = ["count"] + [f"{a}_{col}_{kinds[col]}" for col in value_cols for a in ("sum", "min", "max")]

@@ -42,7 +42,7 @@ from ray.exceptions import RayActorError
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
 from chronostream.options import JobOptions
-from containers.backup_store import BackupStore
+from containers.backup_store import LOG_FLUSH_BYTES, BackupStore
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
@@ -368,10 +368,17 @@ class ResourceContainer:
         uint8 arrays (zero-copy views of the bytes) are written out of band in 0.25 s,
         from a worker thread, and the receiver reads them in place.
         """
-        if sum(len(b) for b in blobs) > self.opts.ship_by_reference_bytes or not all(isinstance(b, bytes)
-                                                                                  for b in blobs):
+        size = sum(len(b) for b in blobs)
+        if size > self.opts.ship_by_reference_bytes or not all(isinstance(b, bytes) for b in blobs):
+            t0 = time.perf_counter()
             arrays = [np.frombuffer(b, np.uint8) for b in blobs]
-            return await actor.receive_backups.remote(await asyncio.to_thread(ray.put, arrays))
+            ref = await asyncio.to_thread(ray.put, arrays)
+            t1 = time.perf_counter()
+            refused = await actor.receive_backups.remote(ref)
+            if size > LOG_FLUSH_BYTES:
+                log.info("host %s: shipped %d backup frames, %.0f MB (object store put %.2f s, stored by the "
+                         "peer after %.2f s)", self.host_id, len(blobs), size / 1e6, t1 - t0, time.perf_counter() - t1)
+            return refused
         return await actor.receive_backups.remote(blobs)
 
     async def _heartbeats(self) -> None:

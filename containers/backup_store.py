@@ -19,7 +19,9 @@ sender's next checkpoint of it is a full one (the chain heals). Knows no Ray.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
 import lmdb
@@ -28,6 +30,10 @@ import msgpack
 from containers.lmdb_store import delete_prefix, put_all
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
                                merge_chain, verify)
+
+log = logging.getLogger("chronostream.backups")
+#: Flushes writing more than this are logged with their duration (a large state's full checkpoint).
+LOG_FLUSH_BYTES = 16 << 20
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -237,8 +243,13 @@ class BackupStore:
         items += [(f"out:{s}:{sl}".encode(), msgpack.packb([list(x) for x in self.outputs[(s, sl)]],
                                                            use_bin_type=True))
                   for s, sl in sorted(self._unflushed) if (s, sl) in self.outputs]
+        t0 = time.perf_counter()
         put_all(self.env, items)
         n = len(self._unflushed)
+        written = sum(len(v) for _, v in items)
+        if written > LOG_FLUSH_BYTES:
+            log.info("backup store %s: flushed %d slices, %.0f MB to lmdb in %.2f s", self.path, n, written / 1e6,
+                     time.perf_counter() - t0)
         self._unflushed.clear()
         return n
 

@@ -233,6 +233,67 @@ def test_group_no_longer_matches_a_member_replaced_or_grown_alone():
     assert not KeyIndexGroup([a, b]).matches([a, KeyIndex()])
 
 
+def test_a_group_serves_the_members_that_stay_when_others_leave_and_forgets_the_others():
+    """Slices 0 and 2 of a group of three leave (migrated away): the group still gives slice 1 the
+    slots its own index would, adds its new keys without the member re-sorting anything, and no
+    longer holds the members that left."""
+    rng = np.random.default_rng(3)
+    members = [KeyIndex() for _ in range(3)]
+    group = KeyIndexGroup(members)
+    ref: dict[str, int] = {}
+    for round_ in range(6):
+        keys = pa.array(sorted({f"k{int(i)}" for i in rng.integers(0, 300, 50)}))
+        owner = slice_of([keys], 3)
+        stays = members[1:2] if round_ >= 3 else members
+        if round_ >= 3:  # only slice 1's rows arrive now
+            keys = keys.filter(pa.array(owner == 1))
+            owner = np.zeros(len(keys), dtype=np.int64)
+            assert KeyIndexGroup.covering(stays) is group
+            member_of = group.positions(stays)[owner]
+        else:
+            member_of = owner
+        got = group.slots(member_of, [keys], hash_columns([keys])).tolist()
+        for k, m, slot in zip(keys.to_pylist(), member_of.tolist(), got):
+            if m == 1:
+                assert slot == ref.setdefault(k, len(ref))
+    assert group.members[0] is None and group.members[2] is None and group.members[1] is members[1]
+    assert members[1]._pending  # nothing was merged into its own arrays meanwhile
+    fresh = KeyIndex()
+    keys = sorted(ref, key=ref.get)
+    assert fresh.slots([pa.array(keys)]).tolist() == members[1].slots([pa.array(keys)]).tolist()
+
+
+def test_no_group_covers_members_grown_alone_or_not_its_own():
+    a, b, c = KeyIndex(), KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    assert KeyIndexGroup.covering([c]) is None and KeyIndexGroup.covering([a, c]) is None
+    b.slots([pa.array(["z"])])  # b settled and grew alone: the group's entries for it are stale
+    assert KeyIndexGroup.covering([b]) is None
+    assert KeyIndexGroup.covering([a]) is group
+
+
+def test_the_slices_left_after_a_migration_keep_their_results_without_a_re_sort():
+    """consume_slices over three slices, then over the one left (the others migrated away): its
+    outputs and state equal those of the same slice fed alone from the start, and its key index
+    never merged the keys the group added (no stall of the epoch after the move)."""
+    epochs = [[{"k": w, "i": i, "f": i / 3} for i, w in enumerate(words)]
+              for words in (["a", "b", "c", "dd", "eee"], ["b", "ü", "f", "a"], ["c", "c", "dd", "x", "y"])]
+    grouped, alone = make_ops(3), make_ops(3)
+    for e, (_rows, batch, bounds) in enumerate(hashed_epochs(epochs * 3, 3)):
+        ops = grouped if e < 3 else grouped[1:2]
+        part = batch.slice(int(bounds[1]), int(bounds[2] - bounds[1]))
+        if e < 3:
+            out, _ = KeyedAggregate.consume_slices(ops, "in", batch, bounds)["out"]
+            got = out.slice(int(bounds[1]), part.num_rows)
+        elif part.num_rows:  # (a slice without rows sits the epoch out)
+            got, _ = KeyedAggregate.consume_slices(ops, "in", part, np.array([0, part.num_rows]))["out"]
+        if part.num_rows:
+            alone[1].consume_batch("in", part)
+            assert exact(got) == exact(alone[1]._ctx.take_outputs({})["out"])
+    assert grouped[1].key_index._pending and grouped[1].key_index._group is not None
+    assert state_by_key(grouped[1]) == state_by_key(alone[1])
+
+
 def test_grouped_merge_order_is_each_slices_merge_order():
     """Rows arriving out of order within a slice, from two producers, are put in (slice, order,
     sub, producer, seq) order; rows already in order are left as they are."""
