@@ -61,6 +61,80 @@ def _find(stored: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
     return pos_sorted, pos, found
 
 
+class StoredKeys:
+    """The keys of a ``KeyIndex`` in slot order, per key column, in a few chunks.
+
+    Each chunk is kept more than twice the size of the next (the last
+    chunks merge, in one concatenation, when an append breaks that), so
+    there are at most log2(keys) + 1 chunks and a key is copied O(log keys)
+    times over the index's life. Concatenating every chunk
+    whenever keys had arrived (the previous layout) copied the whole key
+    column once per epoch that brought new keys: while a 7 M-key state was
+    loading, each delta checkpoint copied tens of MB of keys to look up a
+    few thousand. ``take`` costs O(len(slots)) plus a sort by chunk.
+
+    >>> k = StoredKeys()
+    >>> for part in (["a", "b"], ["c"], ["d", "e", "f"]):
+    ...     k.append([pa.array(part)])
+    >>> k.take(np.array([5, 0, 2]))[0].to_pylist(), len(k), len(k.chunks)
+    (['f', 'a', 'c'], 6, 1)
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[list[pa.Array]] = []  # each: one array per key column, in slot order
+        self.starts: list[int] = []  # first slot of each chunk
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, columns: Sequence[pa.Array]) -> None:
+        """Add the keys of the next ``len(columns[0])`` slots."""
+        k = len(columns[0])
+        if not k:
+            return
+        self.chunks.append(list(columns))
+        self.starts.append(self.size)
+        self.size += k
+        # Keep each chunk more than twice the size of the next (at most log2(keys) + 1 chunks):
+        # the chunks from ``first`` on are merged, with one concatenation.
+        first, tail = len(self.chunks) - 1, k
+        while first > 0 and len(self.chunks[first - 1][0]) <= 2 * tail:
+            first -= 1
+            tail += len(self.chunks[first][0])
+        if first < len(self.chunks) - 1:
+            merged = [pa.concat_arrays(list(col)) for col in zip(*self.chunks[first:])]
+            del self.chunks[first:], self.starts[first + 1:]
+            self.chunks.append(merged)
+
+    def take(self, slots: np.ndarray) -> list[pa.Array]:
+        """The keys of ``slots``, per key column."""
+        if len(self.chunks) == 1:
+            idx = pa.array(slots, pa.int64())
+            return [col.take(idx) for col in self.chunks[0]]
+        chunk = np.searchsorted(np.asarray(self.starts), slots, side="right") - 1
+        order = stable_argsort(chunk)
+        cut = np.searchsorted(chunk[order], np.arange(len(self.chunks) + 1))
+        pieces = [[] for _ in self.chunks[0]] if self.chunks else []
+        for j, cols in enumerate(self.chunks):
+            if cut[j + 1] > cut[j]:
+                idx = pa.array(slots[order[cut[j]:cut[j + 1]]] - self.starts[j], pa.int64())
+                for c, col in enumerate(cols):
+                    pieces[c].append(col.take(idx))
+        back = np.empty(len(order), dtype=np.int64)
+        back[order] = np.arange(len(order))
+        back_idx = pa.array(back)
+        return [(pa.concat_arrays(p) if len(p) > 1 else p[0]).take(back_idx) if p else self.chunks[0][c].slice(0, 0)
+                for c, p in enumerate(pieces)]
+
+    def columns(self) -> list[pa.Array]:
+        """Every key, per column (merged into one chunk)."""
+        if len(self.chunks) > 1:
+            self.chunks = [[pa.concat_arrays(list(col)) for col in zip(*self.chunks)]]
+            self.starts = [0]
+        return list(self.chunks[0]) if self.chunks else []
+
+
 class KeyIndex:
     """Distinct keys seen so far, each with a dense slot number (0, 1, 2...).
 
@@ -74,7 +148,7 @@ class KeyIndex:
     def __init__(self) -> None:
         self._hashes = np.zeros(0, dtype=np.uint64)  # sorted
         self._slot_of_sorted = np.zeros(0, dtype=np.int64)
-        self._columns: list[list[pa.Array]] = []  # per key column: chunks, in slot order
+        self._keys = StoredKeys()
         self._size = 0
         # Keys a KeyIndexGroup added (hashes, slots), not yet merged into the sorted arrays:
         # the group does the lookups meanwhile, so the merge waits for this index's own.
@@ -86,18 +160,11 @@ class KeyIndex:
 
     def keys(self) -> list[pa.Array]:
         """The stored keys per column, in slot order."""
-        return [pa.concat_arrays(chunks) if chunks else pa.array([]) for chunks in self._columns]
+        return self._keys.columns()
 
     def take(self, slots: np.ndarray) -> list[pa.Array]:
         """The keys of ``slots``, per key column (cost proportional to ``len(slots)``)."""
-        idx = pa.array(slots, pa.int64())
-        return [self._stored(c).take(idx) for c in range(len(self._columns))]
-
-    def _stored(self, col: int) -> pa.Array:
-        chunks = self._columns[col]
-        if len(chunks) > 1:
-            self._columns[col] = chunks = [pa.concat_arrays(chunks)]
-        return chunks[0]
+        return self._keys.take(slots) if self._size else []
 
     def _settle(self) -> None:
         if self._pending and self._group is not None:
@@ -121,10 +188,7 @@ class KeyIndex:
         """Give new keys (known absent) the next slots; their hashes merge in later."""
         k = len(hashes)
         slots = np.arange(self._size, self._size + k, dtype=np.int64)
-        if not self._columns:
-            self._columns = [[] for _ in keys]
-        for c, col in enumerate(keys):
-            self._columns[c].append(col)
+        self._keys.append(list(keys))
         self._size += k
         self._pending.append((hashes, slots))
         return slots
@@ -142,7 +206,8 @@ class KeyIndex:
             # First load (a restore, or a first batch): every key is new, in slot order.
             # Own compact copies: a restored column is a view into a whole checkpoint's bytes.
             slots = np.arange(n, dtype=np.int64)
-            self._columns = [[col.take(pa.array(slots))] for col in unique_keys]
+            self._keys = StoredKeys()
+            self._keys.append([col.take(pa.array(slots)) for col in unique_keys])
             self._size = n
             self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
             return slots
@@ -150,10 +215,9 @@ class KeyIndex:
         out = np.empty(n, dtype=np.int64)
         if found.any():
             slots = self._slot_of_sorted[pos[found]]
-            take = pa.array(slots)
             sel = pa.array(np.flatnonzero(found))
-            for c, col in enumerate(unique_keys):
-                if not _same(self._stored(c).take(take), col.take(sel)).all():
+            for stored, col in zip(self._keys.take(slots), unique_keys):
+                if not _same(stored, col.take(sel)).all():
                     raise KeyCollision("a new key shares its 64-bit hash with a stored key")
             out[found] = slots
         new = ~found
@@ -162,10 +226,7 @@ class KeyIndex:
             new_slots = np.arange(self._size, self._size + k, dtype=np.int64)
             out[new] = new_slots
             sel = pa.array(np.flatnonzero(new))
-            if not self._columns:
-                self._columns = [[] for _ in unique_keys]
-            for c, col in enumerate(unique_keys):
-                self._columns[c].append(col.take(sel))
+            self._keys.append([col.take(sel) for col in unique_keys])
             self._size += k
             # Merge the new hashes in (already in hash order, with their insertion
             # points): O(stored + new) per batch, not a sort of every stored hash.
@@ -289,10 +350,10 @@ class KeyIndexGroup:
             out[rows] = slots
             # Verify the hits key by key: one take per member holding some, one comparison.
             by_member, cut = self._by_member(member_of[rows])
+            stored = [self.members[i]._keys.take(slots[by_member[cut[i]:cut[i + 1]]])  # type: ignore[union-attr]
+                      for i in range(len(self.members)) if cut[i + 1] > cut[i]]
             for c, col in enumerate(keys):
-                stored = [self.members[i]._stored(c).take(pa.array(slots[by_member[cut[i]:cut[i + 1]]]))  # type: ignore[union-attr]
-                          for i in range(len(self.members)) if cut[i + 1] > cut[i]]
-                got = pa.concat_arrays(stored) if len(stored) > 1 else stored[0]
+                got = pa.concat_arrays([s[c] for s in stored]) if len(stored) > 1 else stored[0][c]
                 if not _same(got, col.take(pa.array(rows[by_member]))).all():
                     raise KeyCollision("a new key shares its 64-bit hash with a stored key")
         new = np.flatnonzero(~found)

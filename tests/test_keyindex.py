@@ -39,3 +39,27 @@ def test_a_batch_repeating_a_key_is_refused():
     rather than given two slots."""
     with pytest.raises(KeyCollision):
         KeyIndex().slots([pa.array([5, 5])])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=60), st.data())
+def test_stored_keys_take_what_was_appended_in_few_chunks(sizes, data):
+    """Keys appended in batches of any size come back by slot, in any order and with repeats,
+    per column; the chunks stay at most log2(keys) + 1 (each more than twice the next)."""
+    from chronostream.keyindex import StoredKeys
+
+    stored, ref = StoredKeys(), []
+    for size in sizes:
+        words = [f"w{len(ref) + i}" for i in range(size)]
+        stored.append([pa.array(words), pa.array(np.arange(len(ref), len(ref) + size), pa.int64())])
+        ref += words
+        assert len(stored.chunks) <= max(1, int(np.log2(max(len(ref), 1))) + 1)
+        assert all(len(a[0]) > 2 * len(b[0]) for a, b in zip(stored.chunks, stored.chunks[1:]))
+        if ref:
+            slots = np.array(data.draw(st.lists(st.integers(0, len(ref) - 1), max_size=20)), dtype=np.int64)
+            words_out, ints_out = stored.take(slots)
+            assert words_out.to_pylist() == [ref[i] for i in slots]
+            assert ints_out.to_pylist() == slots.tolist()
+    assert len(stored) == len(ref)
+    if ref:
+        assert stored.columns()[0].to_pylist() == ref and len(stored.chunks) == 1
