@@ -42,7 +42,7 @@ from ray.exceptions import RayActorError
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
 from chronostream.options import JobOptions
-from containers.backup_store import LOG_FLUSH_BYTES, BackupStore
+from containers.backup_store import BackupStore
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
@@ -122,6 +122,8 @@ class ResourceContainer:
         # in call order, so the event loop keeps serving pushes meanwhile (the store is not
         # thread-safe: one thread only).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="backup-store")
+        self._piece_seq = 0  # frames this host shipped in pieces (_send_in_pieces)
+        self._assembling: dict[tuple[int, int], np.ndarray] = {}  # (sender, frame) -> buffer being filled
         self.gc_pacing: CollectorPacing | None = None
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
@@ -361,7 +363,8 @@ class ResourceContainer:
                 core.checkpointer.force_full([s for _, s in refused])
 
     async def _send_backups(self, actor: Any, blobs: list[bytes]) -> list[tuple[int, int]]:
-        """``actor.receive_backups(blobs)``; large ones go through the object store as arrays.
+        """``actor.receive_backups(blobs)``; large ones go through the object store as arrays,
+        and shipments above ``ship_piece_bytes`` in pieces (``_send_in_pieces``).
 
         A list of bytes is pickled in band: putting a 500 MB checkpoint held the GIL for
         about 1 s (every slice of this host stalled) and the receiver copied it out again.
@@ -369,17 +372,49 @@ class ResourceContainer:
         from a worker thread, and the receiver reads them in place.
         """
         size = sum(len(b) for b in blobs)
-        if size > self.opts.ship_by_reference_bytes or not all(isinstance(b, bytes) for b in blobs):
-            t0 = time.perf_counter()
+        if size > self.opts.ship_piece_bytes:
+            return await self._send_in_pieces(actor, blobs, size)
+        return await self._send_frames(actor, blobs)
+
+    async def _send_frames(self, actor: Any, blobs: list) -> list[tuple[int, int]]:
+        if sum(len(b) for b in blobs) > self.opts.ship_by_reference_bytes or not all(isinstance(b, bytes)
+                                                                                  for b in blobs):
             arrays = [np.frombuffer(b, np.uint8) for b in blobs]
-            ref = await asyncio.to_thread(ray.put, arrays)
-            t1 = time.perf_counter()
-            refused = await actor.receive_backups.remote(ref)
-            if size > LOG_FLUSH_BYTES:
-                log.info("host %s: shipped %d backup frames, %.0f MB (object store put %.2f s, stored by the "
-                         "peer after %.2f s)", self.host_id, len(blobs), size / 1e6, t1 - t0, time.perf_counter() - t1)
-            return refused
+            return await actor.receive_backups.remote(await asyncio.to_thread(ray.put, arrays))
         return await actor.receive_backups.remote(blobs)
+
+    async def _send_in_pieces(self, actor: Any, blobs: list, size: int) -> list[tuple[int, int]]:
+        """Ship ``blobs`` in order, at most ``ship_piece_bytes`` at a time, each awaited: frames
+        together up to that size, a larger frame cut into pieces the peer assembles in its own
+        memory (``receive_backup_piece``).
+
+        A migrated slice's seed (the frames it was restored from, 1 GB for a 1 GB slice) put
+        whole into Ray's 1 GB object store spilled it to disk and stalled every container of
+        the job for about 2 s; the peer also kept the frame as a view, pinning it there.
+        """
+        limit = self.opts.ship_piece_bytes
+        t0 = time.perf_counter()
+        refused: set[tuple[int, int]] = set()
+        batch: list = []
+        pieces = 0
+        for frame in [*blobs, None]:
+            if batch and (frame is None or len(frame) > limit or sum(len(b) for b in batch) + len(frame) > limit):
+                refused.update(tuple(k) for k in await self._send_frames(actor, batch))
+                batch = []
+            if frame is None:
+                break
+            if len(frame) <= limit:
+                batch.append(frame)
+                continue
+            self._piece_seq += 1
+            token, view = (self.host_id, self._piece_seq), memoryview(frame).cast("B")
+            for at in range(0, len(view), limit):
+                ref = await asyncio.to_thread(ray.put, np.frombuffer(view[at:at + limit], np.uint8))
+                refused.update(tuple(k) for k in await actor.receive_backup_piece.remote(token, at, len(view), ref))
+                pieces += 1
+        log.info("host %s: shipped %d backup frames, %.0f MB, in %d pieces and shipments of at most %.0f MB "
+                 "(%.2f s)", self.host_id, len(blobs), size / 1e6, pieces, limit / 1e6, time.perf_counter() - t0)
+        return sorted(refused)
 
     async def _heartbeats(self) -> None:
         while not self.stopped:
@@ -600,6 +635,28 @@ class ResourceContainer:
         blobs = [from_wire(b) for b in blobs]
         refused = await self._in_store_thread(lambda: {store.put(b) for b in blobs})
         return sorted(k for k in refused if k is not None)
+
+    async def receive_backup_piece(self, token: tuple[int, int], offset: int, total: int,
+                                   piece: np.ndarray) -> list[tuple[int, int]]:
+        """One piece of a frame shipped in pieces (``_send_in_pieces``): copied into the frame's
+        buffer here; once the last piece is in, the frame is received like any other.
+
+        ``token`` is (sender host, frame number); a sender ships one frame at a time, so a
+        first piece of its next frame drops what is left of an abandoned one.
+        """
+        buf = self._assembling.get(token)
+        if buf is None:
+            if offset != 0:
+                raise ValueError(f"piece at {offset} of frame {token} whose first piece never came")
+            for old in [t for t in self._assembling if t[0] == token[0]]:
+                del self._assembling[old]
+            buf = self._assembling[token] = np.empty(total, np.uint8)
+        # A copy out of the object store (numpy copies without the GIL): the piece is freed there.
+        await asyncio.to_thread(np.copyto, buf[offset:offset + len(piece)], piece)
+        if offset + len(piece) < total:
+            return []
+        del self._assembling[token]
+        return await self.receive_backups([buf])
 
     async def _in_store_thread(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn)

@@ -22,13 +22,16 @@ from queries import running_sum
 from slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
 
 
-@pytest.mark.parametrize("ship_by_reference_bytes", [8 << 20, 0])
-def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by_reference_bytes):
+@pytest.mark.parametrize("ship_by_reference_bytes,ship_piece_bytes", [(8 << 20, 64 << 20), (0, 64 << 20),
+                                                                     (0, 700)])
+def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by_reference_bytes,
+                                                            ship_piece_bytes):
     """Backups land on the chained peers, at the final epoch, and equal the live slices' state; also
-    when every checkpoint travels through the object store as arrays (kept there as views). Frames
-    received that way are fetched back as arrays, with their carried outputs."""
+    when every checkpoint travels through the object store as arrays (kept there as views), and
+    when every shipment above 700 bytes travels in pieces the peer assembles. Frames received
+    those ways are fetched back as arrays, with their carried outputs."""
     job = cs.run(running_sum(7), containers=3, checkpoint_every=2, full_checkpoint_every=3, backup_factor=2,
-                 ship_by_reference_bytes=ship_by_reference_bytes)
+                 ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes)
     try:
         job.wait(timeout_s=120)
         expected = cs.run(running_sum(7), executor="serial")

@@ -124,11 +124,13 @@ def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
     assert all(n < 60 for n in logged.values()), logged
 
 
-def test_checkpoints_shipped_through_the_object_store_restore_exactly(ray_session):
+@pytest.mark.parametrize("ship_piece_bytes", [64 << 20, 700])
+def test_checkpoints_shipped_through_the_object_store_restore_exactly(ray_session, ship_piece_bytes):
     """With ship_by_reference_bytes=0 every checkpoint travels as object-store arrays, which the
-    backup holders keep as views: killed containers are still restored exactly from them."""
+    backup holders keep as views (or, above ship_piece_bytes, in pieces they assemble): killed
+    containers are still restored exactly from them."""
     faults = [SLOW_SOURCE, Fault("kill", at_epoch=15, stage="running_sum"), Fault("kill", at_epoch=30, stage="stats")]
     report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 3, "stats": 2},
-                             checkpoint_every=2, ship_by_reference_bytes=0)
+                             checkpoint_every=2, ship_by_reference_bytes=0, ship_piece_bytes=ship_piece_bytes)
     assert report.ok, report.mismatches
     assert len([k for k in kinds(report) if k == "recovery_end"]) == 2
