@@ -641,15 +641,13 @@ class ResourceContainer:
         """One piece of a frame shipped in pieces (``_send_in_pieces``): copied into the frame's
         buffer here; once the last piece is in, the frame is received like any other.
 
-        ``token`` is (sender host, frame number); a sender ships one frame at a time, so a
-        first piece of its next frame drops what is left of an abandoned one.
+        ``token`` is (sender host, frame number). Each of a sender's containers ships one
+        frame at a time; a frame whose sender died half-way stays here (not reclaimed).
         """
         buf = self._assembling.get(token)
         if buf is None:
             if offset != 0:
                 raise ValueError(f"piece at {offset} of frame {token} whose first piece never came")
-            for old in [t for t in self._assembling if t[0] == token[0]]:
-                del self._assembling[old]
             buf = self._assembling[token] = np.empty(total, np.uint8)
         # A copy out of the object store (numpy copies without the GIL): the piece is freed there.
         await asyncio.to_thread(np.copyto, buf[offset:offset + len(piece)], piece)
