@@ -13,18 +13,23 @@ from chronostream.keyindex import KeyCollision, KeyIndex
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 60), max_size=40, unique=True), max_size=12),
-       st.booleans())
-def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_strings):
+       st.booleans(), st.sampled_from([1 << 17, 1, 5]))
+def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_strings, recent_max):
     """Every batch (distinct keys, old and new mixed, any order) gets the slot a dict would give:
-    a key keeps the slot it first got; new keys are numbered in their order in the batch."""
+    a key keeps the slot it first got; new keys are numbered in their order in the batch. Also
+    when new keys' hashes wait in the recent run and merge into the main one every 1 or 5 keys."""
     ix, ref = KeyIndex(), {}
+    ix.RECENT_MAX = recent_max
     for batch in batches:
         keys = [f"k{k}" for k in batch] if as_strings else batch
         got = ix.slots([pa.array(keys)]).tolist() if keys else []
         want = [ref.setdefault(k, len(ref)) for k in keys]
         assert got == want
+        assert len(ix._recent_hashes) < recent_max
     assert len(ix) == len(ref)
-    assert np.all(np.diff(ix._hashes.astype(np.float64)) >= 0)  # stays sorted for the lookups
+    hashes, slots = ix.sorted_hashes()
+    assert np.all(np.diff(hashes.astype(np.float64)) >= 0)  # sorted for the lookups
+    assert len(ix._recent_hashes) == 0 and sorted(slots.tolist()) == list(range(len(ref)))
 
 
 def test_multi_column_keys_are_one_key_per_combination():
@@ -63,3 +68,16 @@ def test_stored_keys_take_what_was_appended_in_few_chunks(sizes, data):
     assert len(stored) == len(ref)
     if ref:
         assert stored.columns()[0].to_pylist() == ref and len(stored.chunks) == 1
+
+
+def test_a_hit_among_the_recent_keys_is_verified_like_any_other():
+    """A key whose (forged) hash is held by a different key still waiting in the recent run is a
+    KeyCollision; the real key is found there with its slot."""
+    ix = KeyIndex()
+    ix.slots([pa.array(["a", "b"])], hashes=np.array([10, 20], np.uint64))
+    assert ix.slots([pa.array(["c"])], hashes=np.array([30], np.uint64)).tolist() == [2]
+    assert ix._recent_hashes.tolist() == [30]
+    assert ix.slots([pa.array(["c", "a"])], hashes=np.array([30, 10], np.uint64)).tolist() == [2, 0]
+    with pytest.raises(KeyCollision):
+        ix.slots([pa.array(["z"])], hashes=np.array([30], np.uint64))
+    assert len(ix) == 3
