@@ -10,6 +10,7 @@ keys. Knows nothing of slices or executors.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -303,8 +304,16 @@ class KeyIndexGroup:
         self._sizes = [len(m) for m in members]
         for m in members:
             m._group = self
+        # Threads of one container (scale-up) can meet in one group: one keeps using it for
+        # the slices it kept (covering) while another's slices hand their keys back.
+        self._lock = threading.RLock()
 
     def hand_back(self) -> None:
+        """See ``_hand_back`` (under the group's lock)."""
+        with self._lock:
+            self._hand_back()
+
+    def _hand_back(self) -> None:
         """Give every member that holds keys this group added its sorted arrays, cut out of the
         group's (one stable radix sort by member keeps each member's entries in hash order).
 
@@ -340,13 +349,14 @@ class KeyIndexGroup:
         group = members[0]._group if members else None
         if group is None:
             return None
-        where = {id(m): i for i, m in enumerate(group.members) if m is not None}
-        if not all(m._group is group and id(m) in where and len(m) == group._sizes[where[id(m)]]
-                   for m in members):
-            return None
-        keep = {id(m) for m in members}
-        group.members = [m if m is not None and id(m) in keep else None for m in group.members]
-        return group
+        with group._lock:
+            where = {id(m): i for i, m in enumerate(group.members) if m is not None}
+            if not all(m._group is group and id(m) in where and len(m) == group._sizes[where[id(m)]]
+                       for m in members):
+                return None
+            keep = {id(m) for m in members}
+            group.members = [m if m is not None and id(m) in keep else None for m in group.members]
+            return group
 
     def positions(self, members: Sequence[KeyIndex]) -> np.ndarray:
         """Each of ``members``' index among this group's members (they must be members)."""
@@ -362,6 +372,10 @@ class KeyIndexGroup:
         """Slot of each row of ``keys`` in the index of member ``member_of[row]``; rows must be
         distinct keys. New keys get new slots in their member. Raises ``KeyCollision`` (changing
         nothing) when a key's hash is held by another member or by a different stored key."""
+        with self._lock:
+            return self._slots(member_of, keys, hashes)
+
+    def _slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         n = len(hashes)
         by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
         pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)

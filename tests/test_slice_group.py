@@ -477,3 +477,18 @@ def test_turning_groups_off_runs_slices_alone_with_the_same_output(monkeypatch):
     off, grouped_off = local_counts(word_count_job(16), 2)
     assert (grouped_on > 0, grouped_off) == (True, 0)
     assert on == off
+
+
+def test_a_slice_that_left_a_group_settling_its_keys_leaves_the_group_serving_the_others():
+    """Two threads' slices after a scale-up: the group covers the slices one thread kept while a
+    slice of the other thread settles its own keys (hand_back): the kept slices' lookups through
+    the group and the settled slice's own lookups both still give the first-seen numbering."""
+    a, b = KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    first = pa.array(["a0", "b0", "a1", "b1"])
+    assert group.slots(np.array([0, 1, 0, 1]), [first], hash_columns([first])).tolist() == [0, 0, 1, 1]
+    assert KeyIndexGroup.covering([a]) is group
+    assert b.slots([pa.array(["b1", "b2", "b0"])]).tolist() == [1, 2, 0]  # b settles alone
+    more = pa.array(["a2", "a0"])
+    assert group.slots(group.positions([a])[[0, 0]], [more], hash_columns([more])).tolist() == [2, 0]
+    assert a.slots([pa.array(["a1", "a2", "a3"])]).tolist() == [1, 2, 3]
