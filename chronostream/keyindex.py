@@ -288,6 +288,9 @@ class KeyIndexGroup:
     (2, 1, [1])
     """
 
+    #: New keys wait in a sorted recent run until there are this many (see ``KeyIndex``).
+    RECENT_MAX = KeyIndex.RECENT_MAX
+
     def __init__(self, members: Sequence[KeyIndex]) -> None:
         self.members: list[KeyIndex | None] = list(members)  # None: a member that left (``covering``)
         parts = [m.sorted_hashes() for m in members]
@@ -304,6 +307,10 @@ class KeyIndexGroup:
         self._sizes = [len(m) for m in members]
         for m in members:
             m._group = self
+        # New keys (sorted, not in the arrays above) until RECENT_MAX of them (see KeyIndex).
+        self._r_hashes = np.zeros(0, dtype=np.uint64)
+        self._r_member = np.zeros(0, dtype=np.int32)
+        self._r_slot = np.zeros(0, dtype=np.int64)
         # Threads of one container (scale-up) can meet in one group: one keeps using it for
         # the slices it kept (covering) while another's slices hand their keys back.
         self._lock = threading.RLock()
@@ -320,6 +327,7 @@ class KeyIndexGroup:
         Only members the group left at their size get them (the group's entries are then
         exactly their keys); the others merge their pending keys by sorting, as before.
         """
+        self._merge_recent()
         order = stable_argsort(self._member.astype(np.int64))
         cut = np.searchsorted(self._member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
@@ -378,14 +386,22 @@ class KeyIndexGroup:
     def _slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         n = len(hashes)
         by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
-        pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)
+        _pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
+        owner = np.empty(n, dtype=np.int64)
+        out[found], owner[found] = self._slot[pos[found]], self._member[pos[found]]
+        if len(self._r_hashes):
+            # Not in the main run: maybe among the recent keys (queries in hash order again).
+            rest = by_hash[~found[by_hash]]
+            at = np.minimum(np.searchsorted(self._r_hashes, hashes[rest]), len(self._r_hashes) - 1)
+            hit = self._r_hashes[at] == hashes[rest]
+            found[rest[hit]] = True
+            out[rest[hit]], owner[rest[hit]] = self._r_slot[at[hit]], self._r_member[at[hit]]
         rows = np.flatnonzero(found)
         if len(rows):
-            if bool(np.any(self._member[pos[rows]] != member_of[rows])):
+            if bool(np.any(owner[rows] != member_of[rows])):
                 raise KeyCollision("a key's hash is held by another slice of the group")
-            slots = self._slot[pos[rows]]
-            out[rows] = slots
+            slots = out[rows]
             # Verify the hits key by key: one take per member holding some, one comparison.
             by_member, cut = self._by_member(member_of[rows])
             stored = [self.members[i]._keys.take(slots[by_member[cut[i]:cut[i + 1]]])  # type: ignore[union-attr]
@@ -404,12 +420,24 @@ class KeyIndexGroup:
                     rows_i = new[by_member[lo:hi]]
                     out[rows_i] = self.members[i]._append_unsorted(  # type: ignore[union-attr]
                         [t.slice(lo, hi - lo) for t in taken], hashes[rows_i])
-            # Merge the new keys into the group's sorted arrays (insertion points known).
-            new_in_order = (~found)[by_hash]
-            at = pos_sorted[new_in_order]
-            new_rows = by_hash[new_in_order]
-            self._hashes = np.insert(self._hashes, at, hs[new_in_order])
-            self._member = np.insert(self._member, at, member_of[new_rows].astype(np.int32))
-            self._slot = np.insert(self._slot, at, out[new_rows])
+            # New keys go into the recent run (O(recent) per batch), merged into the main
+            # run at KeyIndex.RECENT_MAX, as in a single index.
+            new_order = by_hash[~found[by_hash]]
+            at = np.searchsorted(self._r_hashes, hashes[new_order])
+            self._r_hashes = np.insert(self._r_hashes, at, hashes[new_order])
+            self._r_member = np.insert(self._r_member, at, member_of[new_order].astype(np.int32))
+            self._r_slot = np.insert(self._r_slot, at, out[new_order])
+            if len(self._r_hashes) >= self.RECENT_MAX:
+                self._merge_recent()
             self._sizes = [len(m) if m is not None else 0 for m in self.members]
         return out
+
+    def _merge_recent(self) -> None:
+        if len(self._r_hashes):
+            at = np.searchsorted(self._hashes, self._r_hashes)
+            self._hashes = np.insert(self._hashes, at, self._r_hashes)
+            self._member = np.insert(self._member, at, self._r_member)
+            self._slot = np.insert(self._slot, at, self._r_slot)
+            self._r_hashes = np.zeros(0, dtype=np.uint64)
+            self._r_member = np.zeros(0, dtype=np.int32)
+            self._r_slot = np.zeros(0, dtype=np.int64)

@@ -151,12 +151,15 @@ def test_a_key_in_two_slices_rows_is_refused_and_changes_nothing():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 40), max_size=25, unique=True), max_size=8), st.integers(1, 4))
-def test_group_slots_equal_each_members_own_numbering(batches, members):
+@given(st.lists(st.lists(st.integers(0, 40), max_size=25, unique=True), max_size=8), st.integers(1, 4),
+       st.sampled_from([1 << 17, 1, 4]))
+def test_group_slots_equal_each_members_own_numbering(batches, members, recent_max):
     """Keys partitioned over members (key % members): the group gives each key the slot its member
-    would (first-seen order per member), and each member's own lookups agree afterwards."""
+    would (first-seen order per member), and each member's own lookups agree afterwards; also
+    when new keys wait in the group's recent run and merge into its main run every 1 or 4 keys."""
     indexes = [KeyIndex() for _ in range(members)]
     group = KeyIndexGroup(indexes)
+    group.RECENT_MAX = recent_max
     ref: list[dict] = [{} for _ in range(members)]
     for keys in batches:
         if not keys:
