@@ -330,7 +330,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
         spill_state: bool = True, source_poll_s: float = 0.01,
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
-        ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 64 << 20,
+        ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
         source_pace_s: float = 0.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
@@ -358,12 +358,12 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     checkpoints to a peer directly when they are small, and above
     ``ship_by_reference_bytes`` (8 MB) as arrays through Ray's object store,
     put from a worker thread, which the peer keeps without copying. A
-    shipment above ``ship_piece_bytes`` (64 MB: a large slice's full
+    shipment above ``ship_piece_bytes`` (768 MB: a large slice's full
     checkpoint, or the frames a migrated slice was restored from) travels
-    in pieces of at most that size, one at a time, and the peer assembles
-    each frame in its own memory: the object store never holds more than a
-    piece of it (a 1 GB frame through Ray's 1 GB store spilled to disk and
-    stalled every container for seconds).
+    in pieces of 64 MB (or ``ship_piece_bytes``, if smaller), one at a
+    time, and the peer assembles each frame in its own memory: the object
+    store never holds more than a piece of it (a 1 GB frame through Ray's
+    1 GB store spilled to disk and stalled every container for seconds).
     ``source_pace_s`` slows every source container by that long per epoch
     from its first epoch on (demos and tests that want faults or rescaling
     to land mid-stream; a ``chaos`` delay fault only starts once injected).

@@ -37,7 +37,7 @@ class JobOptions:
     full_gc_interval_s: float = 600.0  # a host's own full garbage collections (0: CPython's automatic ones)
     migration_warm_up_s: float = 30.0  # a migration waits this long at most for fresh backups (0: no wait)
     ship_by_reference_bytes: int = 8 << 20  # checkpoint shipments above this go through the object store
-    ship_piece_bytes: int = 64 << 20  # larger shipments travel in pieces of at most this (one in flight)
+    ship_piece_bytes: int = 768 << 20  # larger shipments travel in 64 MB pieces, one in flight
     source_pace_s: float = 0.0  # sources wait this long after each epoch, from the first (demos and tests)
 
     def __post_init__(self) -> None:
