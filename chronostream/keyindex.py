@@ -62,6 +62,24 @@ def _find(stored: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
     return pos_sorted, pos, found
 
 
+def _find_recent(recent: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
+                 found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Queries not ``found`` in the main run, looked up in the sorted ``recent`` run: (the rows
+    that are there, their positions in it). Queries go in hash order again."""
+    rest = by_hash[~found[by_hash]]
+    at = np.minimum(np.searchsorted(recent, hashes[rest]), len(recent) - 1)
+    hit = recent[at] == hashes[rest]
+    return rest[hit], at[hit]
+
+
+def _merge_runs(main: np.ndarray, recent: np.ndarray,
+                payloads: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The sorted ``recent`` run merged into the sorted ``main`` one, with each (main, recent)
+    payload array moved alike (O(main + recent))."""
+    at = np.searchsorted(main, recent)
+    return np.insert(main, at, recent), [np.insert(m, at, r) for m, r in payloads]
+
+
 class StoredKeys:
     """The keys of a ``KeyIndex`` in slot order, per key column, in a few chunks.
 
@@ -218,16 +236,13 @@ class KeyIndex:
             self._size = n
             self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
             return slots
-        pos_sorted, pos, found = _find(self._hashes, h, by_hash, hs)
+        _pos_sorted, pos, found = _find(self._hashes, h, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         out[found] = self._slot_of_sorted[pos[found]]
         if len(self._recent_hashes):
-            # Not in the main run: maybe among the recent keys (queries in hash order again).
-            rest = by_hash[~found[by_hash]]
-            at = np.minimum(np.searchsorted(self._recent_hashes, h[rest]), len(self._recent_hashes) - 1)
-            hit = self._recent_hashes[at] == h[rest]
-            found[rest[hit]] = True
-            out[rest[hit]] = self._recent_slots[at[hit]]
+            rows, at = _find_recent(self._recent_hashes, h, by_hash, found)
+            found[rows] = True
+            out[rows] = self._recent_slots[at]
         if found.any():
             slots = out[found]
             sel = pa.array(np.flatnonzero(found))
@@ -255,9 +270,8 @@ class KeyIndex:
 
     def _merge_recent(self) -> None:
         if len(self._recent_hashes):
-            at = np.searchsorted(self._hashes, self._recent_hashes)
-            self._hashes = np.insert(self._hashes, at, self._recent_hashes)
-            self._slot_of_sorted = np.insert(self._slot_of_sorted, at, self._recent_slots)
+            self._hashes, (self._slot_of_sorted,) = _merge_runs(
+                self._hashes, self._recent_hashes, [(self._slot_of_sorted, self._recent_slots)])
             self._recent_hashes = np.zeros(0, dtype=np.uint64)
             self._recent_slots = np.zeros(0, dtype=np.int64)
 
@@ -391,12 +405,9 @@ class KeyIndexGroup:
         owner = np.empty(n, dtype=np.int64)
         out[found], owner[found] = self._slot[pos[found]], self._member[pos[found]]
         if len(self._r_hashes):
-            # Not in the main run: maybe among the recent keys (queries in hash order again).
-            rest = by_hash[~found[by_hash]]
-            at = np.minimum(np.searchsorted(self._r_hashes, hashes[rest]), len(self._r_hashes) - 1)
-            hit = self._r_hashes[at] == hashes[rest]
-            found[rest[hit]] = True
-            out[rest[hit]], owner[rest[hit]] = self._r_slot[at[hit]], self._r_member[at[hit]]
+            hit, at = _find_recent(self._r_hashes, hashes, by_hash, found)
+            found[hit] = True
+            out[hit], owner[hit] = self._r_slot[at], self._r_member[at]
         rows = np.flatnonzero(found)
         if len(rows):
             if bool(np.any(owner[rows] != member_of[rows])):
@@ -434,10 +445,8 @@ class KeyIndexGroup:
 
     def _merge_recent(self) -> None:
         if len(self._r_hashes):
-            at = np.searchsorted(self._hashes, self._r_hashes)
-            self._hashes = np.insert(self._hashes, at, self._r_hashes)
-            self._member = np.insert(self._member, at, self._r_member)
-            self._slot = np.insert(self._slot, at, self._r_slot)
+            self._hashes, (self._member, self._slot) = _merge_runs(
+                self._hashes, self._r_hashes, [(self._member, self._r_member), (self._slot, self._r_slot)])
             self._r_hashes = np.zeros(0, dtype=np.uint64)
             self._r_member = np.zeros(0, dtype=np.int32)
             self._r_slot = np.zeros(0, dtype=np.int64)
