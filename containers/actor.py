@@ -41,6 +41,7 @@ from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
+from chronostream.stall_probe import start_from_env as start_stall_probe
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
 from containers.gc_pacing import CollectorPacing
@@ -100,6 +101,7 @@ class ResourceContainer:
 
     def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
         configure_from_env()
+        self._stall_probe = start_stall_probe(f"host {host_id}")  # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
         self.host_id = host_id
         self.container_id = host_id  # the container it starts with
         self.master = master

@@ -132,8 +132,13 @@ class BackupStore:
             # delta byte instead of a rewrite of the whole state every few deltas.
             if len(chain) - 1 > self.merge_every or sum(len(d) for d in chain[1:]) >= len(chain[0]):
                 try:
+                    t0 = time.perf_counter()
                     self.chains[key] = [encode(self._merged(key))]
                     self._rewrite.add(key)
+                    if len(self.chains[key][0]) > LOG_FLUSH_BYTES:
+                        log.info("backup store %s: merged stage %s slice %s, %d deltas into %.0f MB in %.2f s",
+                                 self.path, key[0], key[1], len(chain) - 1, len(self.chains[key][0]) / 1e6,
+                                 time.perf_counter() - t0)
                 except CheckpointCorrupt:
                     self.damaged.add(key)
                     self.refused += 1

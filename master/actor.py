@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
+from chronostream.stall_probe import start_from_env as start_stall_probe
 from chronostream.sinks import sort_output
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
@@ -54,6 +55,7 @@ class JobMaster:
                  options: JobOptions | None = None, source_refs: dict[int, list] | None = None,
                  job_key: str = "job", policy: Any = None) -> None:
         configure_from_env()
+        self._stall_probe = start_stall_probe("master")  # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
         self.plan = plan
         self.job_key = job_key
         self.workdir = workdir
