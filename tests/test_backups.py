@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from containers.backup_store import BackupStore
+from containers.backup_store import MERGE_COUNT_CAP, MERGE_SHARE, BackupStore, should_merge
 from containers.routing import place_slices_evenly
 from master.backups import backup_plan, chained_backup_peers
 from slices.checkpoint import (CarriedOutputs, CheckpointCorrupt, SliceCheckpoint, decode_outputs, encode,
-                               encode_outputs)
+                               encode_outputs, read_table_part, table_part)
 
 
 def stage_layout(n_containers: int, n_slices: int):
@@ -75,6 +75,42 @@ def test_store_merges_long_delta_chains(tmp_path):
     assert len(store.chains[(1, 4)]) <= 3
     latest = store.latest(1, 4)
     assert (latest.epoch, latest.next_seq, latest.progress) == (5, {0: 50}, {0: [5]})
+
+
+def big_full(epoch: int, n_slots: int) -> bytes:
+    table = pa.table({"slot": pa.array(range(n_slots), pa.int64()), "v": pa.array(range(n_slots), pa.int64())})
+    return encode(SliceCheckpoint(1, 4, epoch, "full", -1, {0: [epoch]}, {0: 0}, {"t": table_part(table)}))
+
+
+def small_delta(epoch: int) -> bytes:
+    table = pa.table({"slot": pa.array([epoch], pa.int64()), "v": pa.array([-epoch], pa.int64())})
+    return encode(SliceCheckpoint(1, 4, epoch, "delta", epoch - 1, {0: [epoch]}, {0: epoch}, {"t": table_part(table)}))
+
+
+def test_many_small_deltas_of_a_large_state_are_not_merged_until_they_weigh_a_quarter_of_it(tmp_path):
+    """A merge rewrites the whole state: past merge_every deltas it waits until they weigh
+    MERGE_SHARE of the full checkpoint (a count alone rewrote a 1 GB slice every 13 s)."""
+    store = BackupStore(tmp_path, merge_every=32)
+    store.put(big_full(0, 20_000))
+    full = len(store.chains[(1, 4)][0])
+    epoch = 0
+    while sum(len(d) for d in store.chains[(1, 4)][1:]) + 2_000 < MERGE_SHARE * full:
+        epoch += 1
+        store.put(small_delta(epoch))
+        assert len(store.chains[(1, 4)]) == epoch + 1, f"merged after {epoch} deltas"
+    assert epoch > 32  # past merge_every, below the count cap
+    while len(store.chains[(1, 4)]) > 1:
+        epoch += 1
+        store.put(small_delta(epoch))
+    latest = store.latest(1, 4)
+    assert latest.epoch == epoch and latest.next_seq == {0: epoch}
+    merged = read_table_part(latest.state["t"]).sort_by("slot")
+    assert merged["v"].to_pylist() == [0] + [-k for k in range(1, epoch + 1)] + list(range(epoch + 1, 20_000))
+
+
+def test_a_chain_is_merged_past_the_count_cap_whatever_its_deltas_weigh():
+    assert not should_merge(10**9, [100] * (MERGE_COUNT_CAP * 16), 16)
+    assert should_merge(10**9, [100] * (MERGE_COUNT_CAP * 16 + 1), 16)
 
 
 def outputs(from_epoch: int, epoch: int, replace: bool) -> bytes:
@@ -251,7 +287,7 @@ def test_a_growing_chain_is_persisted_entry_by_entry_and_reopens_whole(tmp_path)
 
     from slices.checkpoint import table_part
 
-    big = table_part(pa.table({"slot": pa.array(range(2000), pa.int64())}))  # deltas stay smaller
+    big = table_part(pa.table({"slot": pa.array(range(60), pa.int64())}))  # 3 deltas weigh less, 4 a quarter
     store = BackupStore(tmp_path, merge_every=3)
     store.put(encode(SliceCheckpoint(1, 4, 0, "full", -1, {0: [0]}, {0: 0}, {"t": big})))
     store.flush()
