@@ -315,6 +315,16 @@ class KeyIndexGroup:
         # quicksort took 1.3 s (a group rebuilt after a migration stalled its slices that long).
         order = np.argsort(hs, kind="stable")
         self._hashes, self._member, self._slot = hs[order], member[order], slot[order]
+        # The group's own copy of every key it knows, one chunk per member here, then one per
+        # batch of new keys; ``_at`` is each entry's position in it. Hits are verified with one
+        # take from it: one take per member (64 slices: 64 takes an epoch, each a few Arrow
+        # calls per chunk) cost the word count of benchmarks.slices 12-14% of its time.
+        self._keys = StoredKeys()
+        for m in members:
+            if len(m):
+                self._keys.append(m.keys())
+        offsets = np.cumsum([0] + [len(m) for m in members])[:-1].astype(np.int64)
+        self._at = offsets[self._member] + self._slot if len(members) else np.zeros(0, np.int64)
         if len(hs) > 1 and bool(np.any(self._hashes[1:] == self._hashes[:-1])):
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
@@ -325,6 +335,7 @@ class KeyIndexGroup:
         self._r_hashes = np.zeros(0, dtype=np.uint64)
         self._r_member = np.zeros(0, dtype=np.int32)
         self._r_slot = np.zeros(0, dtype=np.int64)
+        self._r_at = np.zeros(0, dtype=np.int64)
         # Threads of one container (scale-up) can meet in one group: one keeps using it for
         # the slices it kept (covering) while another's slices hand their keys back.
         self._lock = threading.RLock()
@@ -403,28 +414,29 @@ class KeyIndexGroup:
         _pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         owner = np.empty(n, dtype=np.int64)
-        out[found], owner[found] = self._slot[pos[found]], self._member[pos[found]]
+        at_keys = np.empty(n, dtype=np.int64)  # position in the group's key copy
+        hit_main = pos[found]
+        out[found], owner[found], at_keys[found] = self._slot[hit_main], self._member[hit_main], self._at[hit_main]
         if len(self._r_hashes):
             hit, at = _find_recent(self._r_hashes, hashes, by_hash, found)
             found[hit] = True
-            out[hit], owner[hit] = self._r_slot[at], self._r_member[at]
+            out[hit], owner[hit], at_keys[hit] = self._r_slot[at], self._r_member[at], self._r_at[at]
         rows = np.flatnonzero(found)
         if len(rows):
             if bool(np.any(owner[rows] != member_of[rows])):
                 raise KeyCollision("a key's hash is held by another slice of the group")
-            slots = out[rows]
-            # Verify the hits key by key: one take per member holding some, one comparison.
-            by_member, cut = self._by_member(member_of[rows])
-            stored = [self.members[i]._keys.take(slots[by_member[cut[i]:cut[i + 1]]])  # type: ignore[union-attr]
-                      for i in range(len(self.members)) if cut[i + 1] > cut[i]]
-            for c, col in enumerate(keys):
-                got = pa.concat_arrays([s[c] for s in stored]) if len(stored) > 1 else stored[0][c]
-                if not _same(got, col.take(pa.array(rows[by_member]))).all():
+            # Verify the hits key by key: one take from the group's copy, one comparison.
+            stored = self._keys.take(at_keys[rows])
+            sel = pa.array(rows)
+            for got, col in zip(stored, keys):
+                if not _same(got, col.take(sel)).all():
                     raise KeyCollision("a new key shares its 64-bit hash with a stored key")
         new = np.flatnonzero(~found)
         if len(new):
             by_member, cut = self._by_member(member_of[new])
             taken = [col.take(pa.array(new[by_member])) for col in keys]
+            at_keys[new[by_member]] = np.arange(len(self._keys), len(self._keys) + len(new), dtype=np.int64)
+            self._keys.append(taken)
             for i in range(len(self.members)):
                 lo, hi = int(cut[i]), int(cut[i + 1])
                 if hi > lo:
@@ -438,6 +450,7 @@ class KeyIndexGroup:
             self._r_hashes = np.insert(self._r_hashes, at, hashes[new_order])
             self._r_member = np.insert(self._r_member, at, member_of[new_order].astype(np.int32))
             self._r_slot = np.insert(self._r_slot, at, out[new_order])
+            self._r_at = np.insert(self._r_at, at, at_keys[new_order])
             if len(self._r_hashes) >= self.RECENT_MAX:
                 self._merge_recent()
             self._sizes = [len(m) if m is not None else 0 for m in self.members]
@@ -445,8 +458,10 @@ class KeyIndexGroup:
 
     def _merge_recent(self) -> None:
         if len(self._r_hashes):
-            self._hashes, (self._member, self._slot) = _merge_runs(
-                self._hashes, self._r_hashes, [(self._member, self._r_member), (self._slot, self._r_slot)])
+            self._hashes, (self._member, self._slot, self._at) = _merge_runs(
+                self._hashes, self._r_hashes,
+                [(self._member, self._r_member), (self._slot, self._r_slot), (self._at, self._r_at)])
             self._r_hashes = np.zeros(0, dtype=np.uint64)
             self._r_member = np.zeros(0, dtype=np.int32)
             self._r_slot = np.zeros(0, dtype=np.int64)
+            self._r_at = np.zeros(0, dtype=np.int64)

@@ -152,15 +152,24 @@ def test_a_key_in_two_slices_rows_is_refused_and_changes_nothing():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 40), max_size=25, unique=True), max_size=8), st.integers(1, 4),
-       st.sampled_from([1 << 17, 1, 4]))
-def test_group_slots_equal_each_members_own_numbering(batches, members, recent_max):
+       st.sampled_from([1 << 17, 1, 4]), st.booleans())
+def test_group_slots_equal_each_members_own_numbering(batches, members, recent_max, preloaded):
     """Keys partitioned over members (key % members): the group gives each key the slot its member
     would (first-seen order per member), and each member's own lookups agree afterwards; also
-    when new keys wait in the group's recent run and merge into its main run every 1 or 4 keys."""
+    when new keys wait in the group's recent run and merge into its main run every 1 or 4 keys,
+    and when the members held keys of their own before the group was built (``preloaded``: the
+    first batch goes to each member alone; the group verifies hits on them in its own copy)."""
     indexes = [KeyIndex() for _ in range(members)]
+    ref: list[dict] = [{} for _ in range(members)]
+    if preloaded and batches:
+        for m, ix in enumerate(indexes):
+            own = [k for k in batches[0] if k % members == m]
+            if own:
+                assert ix.slots([pa.array([f"k{k}" for k in own])]).tolist() == \
+                    [ref[m].setdefault(k, len(ref[m])) for k in own]
+        batches = batches[1:]
     group = KeyIndexGroup(indexes)
     group.RECENT_MAX = recent_max
-    ref: list[dict] = [{} for _ in range(members)]
     for keys in batches:
         if not keys:
             continue
