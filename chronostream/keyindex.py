@@ -51,15 +51,14 @@ def _in_hash_order(hashes: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarra
 
 
 def _find(stored: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
-          hs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          hs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where each query hash is (or would go) in the sorted ``stored`` hashes:
-    (position per sorted query, position per query, found per query)."""
-    pos_sorted = np.searchsorted(stored, hs)
+    (position per query, found per query). ``hs``: the queries in hash order (``by_hash``)."""
     pos = np.empty(len(hashes), dtype=np.int64)
-    pos[by_hash] = pos_sorted
+    pos[by_hash] = np.searchsorted(stored, hs)
     found = pos < len(stored)
     found[found] = stored[pos[found]] == hashes[found]
-    return pos_sorted, pos, found
+    return pos, found
 
 
 def _find_recent(recent: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
@@ -236,7 +235,7 @@ class KeyIndex:
             self._size = n
             self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
             return slots
-        _pos_sorted, pos, found = _find(self._hashes, h, by_hash, hs)
+        pos, found = _find(self._hashes, h, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         out[found] = self._slot_of_sorted[pos[found]]
         if len(self._recent_hashes):
@@ -411,7 +410,7 @@ class KeyIndexGroup:
     def _slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         n = len(hashes)
         by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
-        _pos_sorted, pos, found = _find(self._hashes, hashes, by_hash, hs)
+        pos, found = _find(self._hashes, hashes, by_hash, hs)
         out = np.empty(n, dtype=np.int64)
         owner = np.empty(n, dtype=np.int64)
         at_keys = np.empty(n, dtype=np.int64)  # position in the group's key copy

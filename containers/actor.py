@@ -405,15 +405,16 @@ class ResourceContainer:
         t0 = time.perf_counter()
         refused: set[tuple[int, int]] = set()
         batch: list = []
-        pieces = 0
+        batch_bytes = pieces = 0
         for frame in [*blobs, None]:
-            if batch and (frame is None or len(frame) > limit or sum(len(b) for b in batch) + len(frame) > limit):
+            if batch and (frame is None or batch_bytes + len(frame) > limit):
                 refused.update(tuple(k) for k in await self._send_frames(actor, batch))
-                batch = []
+                batch, batch_bytes = [], 0
             if frame is None:
                 break
             if len(frame) <= limit:
                 batch.append(frame)
+                batch_bytes += len(frame)
                 continue
             self._piece_seq += 1
             token, view = (self.host_id, self._piece_seq), memoryview(frame).cast("B")
