@@ -16,6 +16,7 @@ and with every slice run alone (``alone_*``, groups turned off).
 
     python -m benchmarks.slices --json
     python -m benchmarks.slices --json --words 2000000 --epoch 65536
+    python -m benchmarks.slices --json --counts 1,64 --repeat 9   # one ratio, more runs
 """
 
 from __future__ import annotations
@@ -49,12 +50,17 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--words", type=int, default=1_000_000, help="words of text (default 1,000,000)")
     p.add_argument("--epoch", type=int, default=4096, help="lines per epoch (default 4096)")
+    p.add_argument("--counts", default=",".join(map(str, COUNTS)),
+                   help="slice counts, comma-separated; 1 is always run (the baseline)")
     args = p.parse_args()
+    counts = sorted({1} | {int(x) for x in args.counts.split(",")})
+    if counts[0] < 1:
+        raise SystemExit(f"--counts: a slice count must be at least 1, got {counts[0]}")
     words = 100_000 if args.quick else args.words
     table = zipf_text(words // 10, seed=1)  # 10 words per line
     n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
-    times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in COUNTS for g in (True, False)}
-    configs = [(n, g) for n in COUNTS for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
+    times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
+    configs = [(n, g) for n in counts for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g))
@@ -65,7 +71,7 @@ def main() -> None:
              "alone_events_per_s": round(n_words / median(times[(n, False)])),
              "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1),
              "runs_s": [round(t, 3) for t in times[(n, True)]],
-             "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in COUNTS]
+             "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "rows": rows}, args.json)
 
 
