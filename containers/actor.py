@@ -44,6 +44,7 @@ from chronostream.logs import configure_from_env
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from chronostream.options import JobOptions
 from containers.backup_store import BackupStore
+from containers.frame_assembly import FrameAssembly
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
@@ -129,7 +130,7 @@ class ResourceContainer:
         # thread-safe: one thread only).
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="backup-store")
         self._piece_seq = 0  # frames this host shipped in pieces (_send_in_pieces)
-        self._assembling: dict[tuple[int, int], np.ndarray] = {}  # (sender, frame) -> buffer being filled
+        self._assembling = FrameAssembly()  # frames arriving in pieces (receive_backup_piece)
         self.gc_pacing: CollectorPacing | None = None
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
@@ -652,19 +653,15 @@ class ResourceContainer:
         buffer here; once the last piece is in, the frame is received like any other.
 
         ``token`` is (sender host, frame number). Each of a sender's containers ships one
-        frame at a time; a frame whose sender died half-way stays here (not reclaimed).
+        frame at a time; a frame whose sender died half-way is dropped once it got no piece
+        for ``FrameAssembly.IDLE_S`` (``containers/frame_assembly.py``).
         """
-        buf = self._assembling.get(token)
-        if buf is None:
-            if offset != 0:
-                raise ValueError(f"piece at {offset} of frame {token} whose first piece never came")
-            buf = self._assembling[token] = np.empty(total, np.uint8)
+        token = (int(token[0]), int(token[1]))
+        buf = self._assembling.buffer_for(token, offset, total, time.monotonic())
         # A copy out of the object store (numpy copies without the GIL): the piece is freed there.
         await asyncio.to_thread(np.copyto, buf[offset:offset + len(piece)], piece)
-        if offset + len(piece) < total:
-            return []
-        del self._assembling[token]
-        return await self.receive_backups([buf])
+        whole = self._assembling.filled(token, offset + len(piece), time.monotonic())
+        return [] if whole is None else await self.receive_backups([whole])
 
     async def _in_store_thread(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn)
