@@ -25,8 +25,14 @@ saw; ``reconstruct_gap_at_s`` says when the largest gap ended. Also reported:
 the call's duration (``migrate_s``) and the restore time at the
 destination. Sizes are the slice's numpy state (``state_mb``).
 
+By default the call comes 30 epochs after the state load, while the
+backup holders still merge and persist the load's checkpoints;
+``--steady-s S`` waits S seconds of steady updates more, to measure a
+migration in steady state.
+
     python -m benchmarks.migration --json                    # 10 and 100 MB per slice
     python -m benchmarks.migration --json --sizes 10,100,500,1000
+    python -m benchmarks.migration --json --sizes 1000 --steady-s 40
 """
 
 from __future__ import annotations
@@ -78,13 +84,14 @@ def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
     return float(during.max()), normal, float(ends[int(np.argmax(during))] - t0)
 
 
-def one_run(state_mb: int, mode: str) -> dict:
+def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
     n_keys = state_mb * 1_000_000 * SLICES // BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
     try:
         apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=PACE_S)])
         apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=PACE_S)])
+        time.sleep(steady_s)
         placement = job.placement()["stages"]["agg"]
         src = next(c for c, sl in placement.items() if 0 in sl)
         dst = next(c for c in placement if c != src)
@@ -111,12 +118,15 @@ def one_run(state_mb: int, mode: str) -> dict:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default="10,100", help="slice state sizes in MB, comma-separated")
+    p.add_argument("--steady-s", type=float, default=0.0,
+                   help="seconds of steady updates between the state load and the call (default 0)")
     args = p.parse_args()
     sizes = [5] if args.quick else [int(x) for x in args.sizes.split(",")]
     cs.ensure_ray(num_cpus=2)
     rows = []
     for mb in sizes:
-        runs = {m: [one_run(mb, m) for _ in range(1 if args.quick else args.repeat)] for m in ("reconstruct", "stop_copy")}
+        runs = {m: [one_run(mb, m, args.steady_s) for _ in range(1 if args.quick else args.repeat)]
+                for m in ("reconstruct", "stop_copy")}
         rows.append({
             "state_mb": mb,
             "reconstruct_delay_ms": round(median([r["delay_ms"] for r in runs["reconstruct"]]), 1),
@@ -131,7 +141,7 @@ def main() -> None:
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
         })
-    emit({"slices": SLICES, "epoch_events": EPOCH, "rows": rows}, args.json)
+    emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":
