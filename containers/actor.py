@@ -41,8 +41,8 @@ from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
-from chronostream.stall_probe import start_from_env as start_stall_probe
 from chronostream.options import JobOptions
+from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.backup_store import BackupStore
 from containers.frame_assembly import FrameAssembly
 from containers.gc_pacing import CollectorPacing

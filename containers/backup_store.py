@@ -149,9 +149,9 @@ class BackupStore:
                 self.refused += 1
                 return key
             chain.append(data)
-            # Merge once the deltas cost as much to restore as the full checkpoint (or there
-            # are many): restore stays within twice a full one, and merging costs O(1) per
-            # delta byte instead of a rewrite of the whole state every few deltas.
+            # Merge once the deltas cost as much to restore as the full checkpoint, or once
+            # they are many and weigh enough that rewriting the whole state is worth it
+            # (should_merge): restore stays within about twice a full one.
             if should_merge(len(chain[0]), [len(d) for d in chain[1:]], self.merge_every):
                 try:
                     t0 = time.perf_counter()

@@ -23,8 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
-from chronostream.stall_probe import start_from_env as start_stall_probe
 from chronostream.sinks import sort_output
+from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
 from chronostream.autoscale import Decision, ScalingAction
