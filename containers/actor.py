@@ -344,6 +344,9 @@ class ResourceContainer:
                                backups: dict[int, list[bytes]]) -> None:
         try:
             await self._ship_in_order(cid, previous, pushes, parts, backups)
+        except Exception as exc:  # noqa: BLE001 - the container's next ship awaits this one: it must not fail too
+            log.error("host %s: container %s: a checkpoint round's shipment failed (%s: %s)", self.host_id, cid,
+                      type(exc).__name__, exc)
         finally:
             core = self.cores.get(cid)
             if backups and core is not None and core.checkpointer is not None:
@@ -365,6 +368,12 @@ class ResourceContainer:
                 refused = await self._send_backups(actor, blobs)
             except RayActorError:
                 continue  # the peer died: recovery re-plans the chain, a full checkpoint follows
+            except Exception as exc:  # noqa: BLE001 - one peer's failure must not stop the others' or later rounds
+                # The peer misses these frames: it refuses the next delta (a gap in its chain),
+                # which makes the next checkpoint of the slice a full one, and the chain heals.
+                log.error("host %s: container %s: %d backup frames to host %s failed (%s: %s)", self.host_id, cid,
+                          len(blobs), peer, type(exc).__name__, exc)
+                continue
             core = self.cores.get(cid)
             if refused and core is not None and core.checkpointer is not None:
                 core.checkpointer.force_full([s for _, s in refused])
