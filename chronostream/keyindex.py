@@ -74,7 +74,8 @@ def _find_recent(recent: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray,
 def _merge_runs(main: np.ndarray, recent: np.ndarray,
                 payloads: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[np.ndarray]]:
     """The sorted ``recent`` run merged into the sorted ``main`` one, with each (main, recent)
-    payload array moved alike (O(main + recent))."""
+    payload array moved alike (O(main + recent)). Also how a batch of new keys (sorted)
+    joins a recent run."""
     at = np.searchsorted(main, recent)
     return np.insert(main, at, recent), [np.insert(m, at, r) for m, r in payloads]
 
@@ -260,9 +261,8 @@ class KeyIndex:
             # the main run once it holds RECENT_MAX. Inserting into the main run every batch
             # cost O(keys) per batch: loading 4 M keys spent half its time in np.insert.
             new_order = by_hash[new[by_hash]]
-            at = np.searchsorted(self._recent_hashes, h[new_order])
-            self._recent_hashes = np.insert(self._recent_hashes, at, h[new_order])
-            self._recent_slots = np.insert(self._recent_slots, at, out[new_order])
+            self._recent_hashes, (self._recent_slots,) = _merge_runs(
+                self._recent_hashes, h[new_order], [(self._recent_slots, out[new_order])])
             if len(self._recent_hashes) >= self.RECENT_MAX:
                 self._merge_recent()
         return out
@@ -445,11 +445,10 @@ class KeyIndexGroup:
             # New keys go into the recent run (O(recent) per batch), merged into the main
             # run at KeyIndex.RECENT_MAX, as in a single index.
             new_order = by_hash[~found[by_hash]]
-            at = np.searchsorted(self._r_hashes, hashes[new_order])
-            self._r_hashes = np.insert(self._r_hashes, at, hashes[new_order])
-            self._r_member = np.insert(self._r_member, at, member_of[new_order].astype(np.int32))
-            self._r_slot = np.insert(self._r_slot, at, out[new_order])
-            self._r_at = np.insert(self._r_at, at, at_keys[new_order])
+            self._r_hashes, (self._r_member, self._r_slot, self._r_at) = _merge_runs(
+                self._r_hashes, hashes[new_order],
+                [(self._r_member, member_of[new_order].astype(np.int32)), (self._r_slot, out[new_order]),
+                 (self._r_at, at_keys[new_order])])
             if len(self._r_hashes) >= self.RECENT_MAX:
                 self._merge_recent()
             self._sizes = [len(m) if m is not None else 0 for m in self.members]
