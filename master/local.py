@@ -96,7 +96,11 @@ class LocalCluster:
         self.merge_every = merge_every
         # Output logs feed replay (recovery and migration): kept when checkpointing or asked for.
         self.logged = self.fault_tolerant or output_logs
-        self.root = Path(workdir or tempfile.mkdtemp(prefix="chronostream-local-")) if self.logged else None
+        # A directory made here is removed with the cluster (garbage collection or exit): a
+        # test session runs hundreds of fault-tolerant local jobs. A caller's ``workdir`` stays.
+        self._made_dir = tempfile.TemporaryDirectory(prefix="chronostream-local-") \
+            if self.logged and workdir is None else None
+        self.root = Path(workdir or self._made_dir.name) if self.logged else None  # type: ignore[union-attr]
         ids = [c for cs_ in placement.containers.values() for c in cs_]
         self.hosts: dict[int, int] = {c: c for c in ids}  # container -> host
         self.alive: set[int] = set(ids)

@@ -141,6 +141,25 @@ def test_local_run_without_output_log_leaves_no_temporary_directory(tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpointing_local_cluster_removes_its_temporary_directory_when_dropped(tmp_path, monkeypatch):
+    """Backup stores and output logs live in a directory the cluster made; dropping the cluster
+    removes it (a test session runs hundreds of them: they filled /tmp)."""
+    import gc
+    import tempfile
+
+    from master.local import LocalCluster
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan, sources = compile_query(build("word_count"))
+    placement = initial_placement(plan, containers_per_stage(plan, 2))
+    cluster = LocalCluster(plan, placement, sources, checkpoint_every=1).run()
+    assert cluster.results("counts").num_rows > 0
+    assert [p.name.startswith("chronostream-local-") for p in tmp_path.iterdir()] == [True]
+    del cluster
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cs_run_local_executor_equals_serial_executor():
     """The public cs.run(executor="local") gives the serial executor's sinks."""
     job = cs.run(build("running_sum"), executor="local", containers=2, seed=9)
