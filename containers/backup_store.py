@@ -31,13 +31,16 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from containers.lmdb_store import delete_prefix, put_all
+from containers.lmdb_store import delete_prefix, put_all, release_written_pages
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
                                merge_chain, verify)
 
 log = logging.getLogger("chronostream.backups")
 #: Flushes writing more than this are logged with their duration (a large state's full checkpoint).
 LOG_FLUSH_BYTES = 16 << 20
+#: Once flushes wrote this much, the store's written pages are synced and dropped from the page cache
+#: (``release_written_pages``): the replication buffer already holds them in memory.
+RELEASE_PAGES_BYTES = 64 << 20
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -91,6 +94,7 @@ class BackupStore:
         # state's full checkpoint to lmdb twice a second.
         self._persisted: dict[SliceKey, int] = {}  # leading chain entries already in lmdb
         self._rewrite: set[SliceKey] = set()  # chains replaced since (a full, a merge): rewrite them
+        self._written_unreleased = 0  # bytes flushed since the page cache last released them
         with self.env.begin() as txn:
             entries: dict[SliceKey, list[tuple[int, bytes]]] = {}
             for k, v in txn.cursor():
@@ -278,7 +282,19 @@ class BackupStore:
             log.info("backup store %s: flushed %d slices, %.0f MB to lmdb in %.2f s", self.path, n, written / 1e6,
                      time.perf_counter() - t0)
         self._unflushed.clear()
+        self._written_unreleased += written
+        if self._written_unreleased >= RELEASE_PAGES_BYTES:
+            self.release_pages()
         return n
+
+    def release_pages(self) -> None:
+        """Sync the lmdb file and drop its pages from the OS page cache (the chains are in memory)."""
+        t0 = time.perf_counter()
+        release_written_pages(self.env, self.path)
+        if self._written_unreleased > LOG_FLUSH_BYTES:
+            log.info("backup store %s: %.0f MB synced and dropped from the page cache in %.2f s", self.path,
+                     self._written_unreleased / 1e6, time.perf_counter() - t0)
+        self._written_unreleased = 0
 
     def _delete_chains(self, keys: list[SliceKey]) -> None:
         """Delete the lmdb entries of these chains (both key layouts)."""

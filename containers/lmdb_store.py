@@ -1,10 +1,12 @@
 """Owns the shared ways this package writes to lmdb: a batch of puts in one transaction (growing the map
-when full), and deleting every key under a prefix."""
+when full), deleting every key under a prefix, and handing written pages back to the OS."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from pathlib import Path
 from typing import Iterable
 
 import lmdb
@@ -44,3 +46,22 @@ def delete_prefix(txn: lmdb.Transaction, prefix: bytes) -> int:
     for key in dead:
         txn.delete(key)
     return len(dead)
+
+
+def release_written_pages(env: lmdb.Environment, path: str | os.PathLike) -> None:
+    """Write an environment's dirty pages to disk and drop the file's pages from the OS page cache.
+
+    For stores whose contents are also held in memory (a backup store's
+    replication buffer): without this, every byte written stayed in the
+    page cache too until the kernel needed the memory, and at GB states it
+    did, all at once, in every process's allocations (direct reclaim: the
+    machine-wide stalls of ``benchmarks.migration`` at 1 GB). Pages a
+    reader has mapped stay; a later read faults the rest back from disk.
+    ``path``: the environment's directory (``subdir=True``, as opened here).
+    """
+    env.sync(True)  # dirty pages cannot be dropped; py-lmdb releases the GIL while syncing
+    fd = os.open(Path(path) / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -164,6 +164,47 @@ def test_store_persists_lazily_and_survives_a_reopen(tmp_path):
     assert BackupStore(tmp_path / "b").latest(1, 4).epoch == 3
 
 
+def resident_bytes(path) -> int:
+    """Bytes of a file held in the OS page cache (mincore over a read-only map of it; Linux)."""
+    import ctypes
+    import mmap
+    import os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+def test_a_flush_past_the_release_size_leaves_the_written_pages_out_of_the_page_cache(tmp_path, monkeypatch):
+    """The chains are held in memory: their lmdb copy must not also hold page-cache memory."""
+    monkeypatch.setattr("containers.backup_store.RELEASE_PAGES_BYTES", 1 << 40)
+    kept = BackupStore(tmp_path / "kept")
+    kept.put(big_full(0, 400_000))  # 6.4 MB of slots and values
+    kept.flush()
+    monkeypatch.setattr("containers.backup_store.RELEASE_PAGES_BYTES", 1 << 20)
+    dropped = BackupStore(tmp_path / "dropped")
+    dropped.put(big_full(0, 400_000))
+    dropped.flush()
+    assert resident_bytes(tmp_path / "kept" / "data.mdb") > 4_000_000  # the check can see written pages
+    assert resident_bytes(tmp_path / "dropped" / "data.mdb") < 1_000_000
+    dropped.close(flush=False)
+    assert BackupStore(tmp_path / "dropped").latest(1, 4).epoch == 0  # what was dropped was on disk
+
+
 def test_store_refuses_a_delta_that_does_not_continue_the_chain(tmp_path):
     """A delta on an epoch the chain does not end at is refused; put() names the slice that needs a full one."""
     store = BackupStore(tmp_path)
