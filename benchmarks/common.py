@@ -117,3 +117,74 @@ def paced_run(job: Any, w: SourceLogWriter, stream: str, table: pa.Table, start:
         if writer.ident is not None:
             writer.join()
         job.stop()
+
+
+def unaccounted_s(wall_s: float, ticks: int, cpus: int, hz: int = 100) -> float:
+    """Seconds of an interval in which the machine did not run at all: its wall time minus the
+    time the kernel accounted per CPU (``ticks`` of every state in /proc/stat, idle included).
+
+    On a virtual machine whose vCPUs the hypervisor stops (while it serves the host's page
+    faults, say), wall time goes on and no state is accounted.
+
+    >>> unaccounted_s(0.5, 100, 2), unaccounted_s(0.5, 4, 2)
+    (0.0, 0.48)
+    """
+    return round(max(0.0, wall_s - ticks / (hz * cpus)), 6)
+
+
+class FreezeMeter:
+    """Notes when the whole machine stopped running (a VM's vCPUs held by the hypervisor).
+
+    A thread reads the CPU line of /proc/stat every 10 ms; an interval that
+    lasted over ``min_ms`` and of which more than half is unaccounted
+    (``unaccounted_s``) is a freeze. No process of the machine ran then, so a
+    gap in a job's output that overlaps a freeze is not the runtime's alone.
+    ``frozen_ms(a, b)``: the freeze time within wall-clock times [a, b].
+    Reads nothing (and reports 0) where /proc/stat is missing.
+    """
+
+    def __init__(self, min_ms: float = 50.0) -> None:
+        import os
+        self.min_s = min_ms / 1000
+        self.cpus = os.cpu_count() or 1
+        self.freezes: list[tuple[float, float, float]] = []  # (wall start, wall end, unaccounted s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freeze-meter", daemon=True)
+
+    @staticmethod
+    def _ticks() -> int:
+        with open("/proc/stat") as f:
+            return sum(int(x) for x in f.readline().split()[1:9])  # user .. steal
+
+    def start(self) -> "FreezeMeter":
+        """Begin sampling (a daemon thread)."""
+        try:
+            self._ticks()
+        except OSError:
+            return self
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        ticks, t = self._ticks(), time.time()
+        while not self._stop.wait(0.01):
+            now_ticks, now = self._ticks(), time.time()
+            lost = unaccounted_s(now - t, now_ticks - ticks, self.cpus)
+            if now - t > self.min_s and lost > (now - t) / 2:
+                self.freezes.append((t, now, lost))
+            ticks, t = now_ticks, now
+
+    def frozen_ms(self, a: float, b: float) -> float:
+        """Freeze time within [a, b] (wall clock), in ms; a freeze partly inside counts pro rata."""
+        total = 0.0
+        for s, e, lost in self.freezes:
+            overlap = min(b, e) - max(a, s)
+            if overlap > 0:
+                total += lost * overlap / (e - s)
+        return round(total * 1000, 1)

@@ -21,7 +21,13 @@ is part of it), minus the median gap before the call (the sink's write
 times). The same measure
 for a slice of the source container that does not move
 (``unmoved_slice_delay_ms``) tells a gap of the move from one everybody
-saw; ``reconstruct_gap_at_s`` says when the largest gap ended. Also reported:
+saw; ``reconstruct_gap_at_s`` says when the largest gap ended, and
+``*_gap_frozen_ms`` how much of that gap the whole machine did not run at
+all (``benchmarks.common.FreezeMeter``: on the 2-vCPU VM the figures come
+from, the hypervisor stops both vCPUs for 100-500 ms now and then, most
+often while GBs of memory change hands; ``*_window_frozen_ms``: over the
+whole measured window). The delay is reported as measured, freezes
+included. Also reported:
 the call's duration (``migrate_s``) and the restore time at the
 destination. Sizes are the slice's numpy state (``state_mb``).
 
@@ -44,7 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
-from benchmarks.common import emit, median, parser
+from benchmarks.common import FreezeMeter, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
 BYTES_PER_KEY = 8 * 7 + 16  # the aggregate's numpy columns per key plus the key index (approx.)
@@ -95,10 +101,12 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
         placement = job.placement()["stages"]["agg"]
         src = next(c for c, sl in placement.items() if 0 in sl)
         dst = next(c for c in placement if c != src)
+        meter = FreezeMeter().start()
         t0 = time.time()
         summary = job.migrate("agg", 0, to_container=dst, baseline=None if mode == "reconstruct" else "stop_copy")
         t1 = time.time()
         time.sleep(SETTLE_S + 1.0)  # epochs after the measured window
+        meter.stop()
         if job.progress()["state"] != "running":
             raise RuntimeError("the job ended before the measurement: raise UPDATE_EPOCHS")
         times = job.sink_write_times("sample")
@@ -107,8 +115,10 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
         stays = next(s for s in placement[src] if s != 0)  # on the source container, like slice 0
         still_gap, still_normal, _ = output_gap_ms(times, stays, t0, t1)
         tr = summary["transfers"][0]
+        gap_end = t0 + gap_at
         return {"delay_ms": round(max(0.0, gap - normal), 1), "gap_ms": round(gap, 1), "normal_gap_ms": round(normal, 1),
-                "gap_at_s": round(gap_at, 3), "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
+                "gap_at_s": round(gap_at, 3), "gap_frozen_ms": meter.frozen_ms(gap_end - gap / 1000, gap_end),
+                "window_frozen_ms": meter.frozen_ms(t0, t1 + SETTLE_S), "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
                 "migrate_s": round(t1 - t0, 3), "phase": tr["phase"], "pause_ms": tr["pause_ms"].get(0),
                 "phases_s": tr.get("phases_s", {})}
     finally:
@@ -137,6 +147,9 @@ def main() -> None:
             "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
             "reconstruct_phases_s": runs["reconstruct"][0]["phases_s"],
             "reconstruct_gap_at_s": [r["gap_at_s"] for r in runs["reconstruct"]],
+            "reconstruct_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["reconstruct"]],
+            "reconstruct_window_frozen_ms": [r["window_frozen_ms"] for r in runs["reconstruct"]],
+            "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["stop_copy"]],
             "unmoved_slice_delay_ms": round(median([r["still_delay_ms"] for r in runs["reconstruct"]]), 1),
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
