@@ -80,16 +80,24 @@ class _MemoryWriter(SinkWriter):
     def __init__(self) -> None:
         self.parts: dict[tuple[int, int], pa.Table] = {}
         self.taken: set[tuple[int, int]] = set()
+        # Parts written and not taken yet (insertion order): a checkpoint looks at these only,
+        # not at every part the sink ever held (that scan grew with the run, twice an epoch).
+        self.untaken: dict[tuple[int, int], None] = {}
         self.written_at: dict[tuple[int, int], float] = {}  # (slice, epoch) -> first write (wall time)
 
     def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
-        self.parts[(slice_id, epoch)] = table  # idempotent on replay
-        self.written_at.setdefault((slice_id, epoch), time.time())
+        key = (slice_id, epoch)
+        self.parts[key] = table  # idempotent on replay
+        if key not in self.taken:
+            self.untaken[key] = None
+        self.written_at.setdefault(key, time.time())
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
-        out = {k: t for k, t in self.parts.items() if k[1] <= upto_epoch and k not in self.taken}
-        self.taken.update(out)
-        return out
+        due = [k for k in self.untaken if k[1] <= upto_epoch]
+        for k in due:
+            del self.untaken[k]
+        self.taken.update(due)
+        return {k: self.parts[k] for k in due}
 
     def collect(self) -> pa.Table | None:
         tables = [t for _, t in sorted(self.parts.items()) if t.num_rows]
