@@ -24,8 +24,8 @@ for a slice of the source container that does not move
 saw; ``reconstruct_gap_at_s`` says when the largest gap ended, and
 ``*_gap_frozen_ms`` how much of that gap the whole machine did not run at
 all (``benchmarks.common.FreezeMeter``: on the 2-vCPU VM the figures come
-from, the hypervisor stops both vCPUs for 100-500 ms now and then, most
-often while GBs of memory change hands; ``*_window_frozen_ms``: over the
+from, the hypervisor stops both vCPUs for 100-500 ms several times a
+minute while GB states are loaded, merged and copied; ``*_window_frozen_ms``: over the
 whole measured window). The delay is reported as measured, freezes
 included. Also reported:
 the call's duration (``migrate_s``) and the restore time at the
