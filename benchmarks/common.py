@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -144,7 +145,6 @@ class FreezeMeter:
     """
 
     def __init__(self, min_ms: float = 50.0) -> None:
-        import os
         self.min_s = min_ms / 1000
         self.cpus = os.cpu_count() or 1
         self.freezes: list[tuple[float, float, float]] = []  # (wall start, wall end, unaccounted s)

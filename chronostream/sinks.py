@@ -79,24 +79,23 @@ class MemorySink(Sink):
 class _MemoryWriter(SinkWriter):
     def __init__(self) -> None:
         self.parts: dict[tuple[int, int], pa.Table] = {}
-        self.taken: set[tuple[int, int]] = set()
-        # Parts written and not taken yet (insertion order): a checkpoint looks at these only,
-        # not at every part the sink ever held (that scan grew with the run, twice an epoch).
+        # Parts written and not taken yet (insertion order; a part held and not in it was
+        # taken): a checkpoint looks at these only, not at every part the sink ever held
+        # (that scan grew with the run, twice an epoch).
         self.untaken: dict[tuple[int, int], None] = {}
         self.written_at: dict[tuple[int, int], float] = {}  # (slice, epoch) -> first write (wall time)
 
     def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
         key = (slice_id, epoch)
-        self.parts[key] = table  # idempotent on replay
-        if key not in self.taken:
+        if key not in self.parts:  # a rewrite (replay) keeps the part's taken-or-not
             self.untaken[key] = None
+        self.parts[key] = table  # idempotent on replay
         self.written_at.setdefault(key, time.time())
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
         due = [k for k in self.untaken if k[1] <= upto_epoch]
         for k in due:
             del self.untaken[k]
-        self.taken.update(due)
         return {k: self.parts[k] for k in due}
 
     def collect(self) -> pa.Table | None:
