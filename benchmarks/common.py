@@ -133,14 +133,43 @@ def unaccounted_s(wall_s: float, ticks: int, cpus: int, hz: int = 100) -> float:
     return round(max(0.0, wall_s - ticks / (hz * cpus)), 6)
 
 
+#: The CPU states of /proc/stat's ``cpu`` line, in order (the first eight fields).
+CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_seconds_in(samples: list[tuple[float, list[int]]], a: float, b: float,
+                   hz: int = 100) -> dict[str, float]:
+    """CPU time per state (``CPU_STATES``, summed over CPUs, in s) within wall-clock [a, b],
+    from successive /proc/stat samples (wall time, the ``cpu`` line's first eight tick
+    counters); an interval partly inside counts pro rata.
+
+    >>> cpu_seconds_in([(0.0, [0] * 8), (1.0, [50, 0, 100, 50, 0, 0, 0, 0])], 0.5, 2.0)["system"]
+    0.5
+    """
+    total = dict.fromkeys(CPU_STATES, 0.0)
+    for (t, ticks), (u, later) in zip(samples, samples[1:]):
+        overlap = min(b, u) - max(a, t)
+        if overlap <= 0 or u <= t:
+            continue
+        share = overlap / (u - t)
+        for state, x, y in zip(CPU_STATES, ticks, later):
+            total[state] += (y - x) / hz * share
+    return total
+
+
 class FreezeMeter:
-    """Notes when the whole machine stopped running (a VM's vCPUs held by the hypervisor).
+    """Notes when the whole machine stopped running (a VM's vCPUs held by the hypervisor),
+    and what the CPUs spent their time on.
 
     A thread reads the CPU line of /proc/stat every 10 ms; an interval that
     lasted over ``min_ms`` and of which more than half is unaccounted
     (``unaccounted_s``) is a freeze. No process of the machine ran then, so a
     gap in a job's output that overlaps a freeze is not the runtime's alone.
     ``frozen_ms(a, b)``: the freeze time within wall-clock times [a, b].
+    ``cpu_shares(a, b)``: the machine's CPU time in [a, b] by state, as
+    shares: ``idle`` near 0 says the CPUs were saturated, ``steal`` is time
+    the hypervisor gave this VM's running vCPUs to someone else (accounted,
+    so not a freeze, but no more ours).
     Reads nothing (and reports 0) where /proc/stat is missing.
     """
 
@@ -148,13 +177,14 @@ class FreezeMeter:
         self.min_s = min_ms / 1000
         self.cpus = os.cpu_count() or 1
         self.freezes: list[tuple[float, float, float]] = []  # (wall start, wall end, unaccounted s)
+        self.samples: list[tuple[float, list[int]]] = []  # (wall time, /proc/stat cpu ticks by state)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freeze-meter", daemon=True)
 
     @staticmethod
-    def _ticks() -> int:
+    def _ticks() -> list[int]:
         with open("/proc/stat") as f:
-            return sum(int(x) for x in f.readline().split()[1:9])  # user .. steal
+            return [int(x) for x in f.readline().split()[1:9]]  # user .. steal
 
     def start(self) -> "FreezeMeter":
         """Begin sampling (a daemon thread)."""
@@ -172,13 +202,13 @@ class FreezeMeter:
             self._thread.join()
 
     def _run(self) -> None:
-        ticks, t = self._ticks(), time.time()
+        self.samples.append((time.time(), self._ticks()))
         while not self._stop.wait(0.01):
-            now_ticks, now = self._ticks(), time.time()
-            lost = unaccounted_s(now - t, now_ticks - ticks, self.cpus)
+            (t, ticks), (now, now_ticks) = self.samples[-1], (time.time(), self._ticks())
+            self.samples.append((now, now_ticks))
+            lost = unaccounted_s(now - t, sum(now_ticks) - sum(ticks), self.cpus)
             if now - t > self.min_s and lost > (now - t) / 2:
                 self.freezes.append((t, now, lost))
-            ticks, t = now_ticks, now
 
     def frozen_ms(self, a: float, b: float) -> float:
         """Freeze time within [a, b] (wall clock), in ms; a freeze partly inside counts pro rata."""
@@ -188,3 +218,12 @@ class FreezeMeter:
             if overlap > 0:
                 total += lost * overlap / (e - s)
         return round(total * 1000, 1)
+
+    def cpu_shares(self, a: float, b: float) -> dict[str, float]:
+        """Share (0-1) of the machine's CPU time in [a, b] per ``CPU_STATES`` state; empty when
+        nothing was sampled there."""
+        spent = cpu_seconds_in(self.samples, a, b)
+        whole = (b - a) * self.cpus
+        if whole <= 0 or not any(spent.values()):
+            return {}
+        return {state: round(x / whole, 3) for state, x in spent.items()}

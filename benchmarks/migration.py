@@ -27,7 +27,12 @@ all (``benchmarks.common.FreezeMeter``: on the 2-vCPU VM the figures come
 from, the hypervisor stops both vCPUs for 100-500 ms several times a
 minute while GB states are loaded, merged and copied; ``*_window_frozen_ms``: over the
 whole measured window). The delay is reported as measured, freezes
-included. Also reported:
+included. What the CPUs did over the window (``*_window_idle_pct``,
+``*_window_system_pct``; ``*_gap_steal_ms``: CPU time the hypervisor took
+from the running vCPUs during the gap) says whether the machine was
+saturated. The control (``no_migration_*``): the same job at the same point,
+as long a window (the median call), no call at all: the gaps a job of that
+state shows anyway. Also reported:
 the call's duration (``migrate_s``) and the restore time at the
 destination. Sizes are the slice's numpy state (``state_mb``).
 
@@ -50,7 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
-from benchmarks.common import FreezeMeter, emit, median, parser
+from benchmarks.common import FreezeMeter, cpu_seconds_in, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
 BYTES_PER_KEY = 8 * 7 + 16  # the aggregate's numpy columns per key plus the key index (approx.)
@@ -90,7 +95,9 @@ def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
     return float(during.max()), normal, float(ends[int(np.argmax(during))] - t0)
 
 
-def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
+def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0) -> dict:
+    """One job, one measurement: ``mode`` is ``reconstruct``, ``stop_copy`` or ``none`` (the
+    control: the same job at the same point, no call, ``window_s`` of waiting instead)."""
     n_keys = state_mb * 1_000_000 * SLICES // BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
@@ -103,7 +110,11 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
         dst = next(c for c in placement if c != src)
         meter = FreezeMeter().start()
         t0 = time.time()
-        summary = job.migrate("agg", 0, to_container=dst, baseline=None if mode == "reconstruct" else "stop_copy")
+        if mode == "none":
+            time.sleep(window_s)
+            summary = None
+        else:
+            summary = job.migrate("agg", 0, to_container=dst, baseline=None if mode == "reconstruct" else "stop_copy")
         t1 = time.time()
         time.sleep(SETTLE_S + 1.0)  # epochs after the measured window
         meter.stop()
@@ -114,11 +125,17 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0) -> dict:
         # A slice that stays put, over the same window: is the gap the move's, or everyone's?
         stays = next(s for s in placement[src] if s != 0)  # on the source container, like slice 0
         still_gap, still_normal, _ = output_gap_ms(times, stays, t0, t1)
-        tr = summary["transfers"][0]
+        tr = summary["transfers"][0] if summary is not None else {"phase": "none", "pause_ms": {}}
         gap_end = t0 + gap_at
+        window = meter.cpu_shares(t0, t1 + SETTLE_S)
         return {"delay_ms": round(max(0.0, gap - normal), 1), "gap_ms": round(gap, 1), "normal_gap_ms": round(normal, 1),
                 "gap_at_s": round(gap_at, 3), "gap_frozen_ms": meter.frozen_ms(gap_end - gap / 1000, gap_end),
-                "window_frozen_ms": meter.frozen_ms(t0, t1 + SETTLE_S), "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
+                "window_frozen_ms": meter.frozen_ms(t0, t1 + SETTLE_S),
+                "window_idle_pct": round(100 * window.get("idle", 0.0), 1),
+                "window_system_pct": round(100 * window.get("system", 0.0), 1),
+                "window_steal_pct": round(100 * window.get("steal", 0.0), 1),
+                "gap_steal_ms": round(1000 * cpu_seconds_in(meter.samples, gap_end - gap / 1000, gap_end)["steal"], 1),
+                "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
                 "migrate_s": round(t1 - t0, 3), "phase": tr["phase"], "pause_ms": tr["pause_ms"].get(0),
                 "phases_s": tr.get("phases_s", {})}
     finally:
@@ -137,6 +154,9 @@ def main() -> None:
     for mb in sizes:
         runs = {m: [one_run(mb, m, args.steady_s) for _ in range(1 if args.quick else args.repeat)]
                 for m in ("reconstruct", "stop_copy")}
+        # The control: as long a window at the same point of the same job, with no migration.
+        window_s = median([r["migrate_s"] for r in runs["reconstruct"]])
+        runs["none"] = [one_run(mb, "none", args.steady_s, window_s) for _ in range(1 if args.quick else args.repeat)]
         rows.append({
             "state_mb": mb,
             "reconstruct_delay_ms": round(median([r["delay_ms"] for r in runs["reconstruct"]]), 1),
@@ -151,6 +171,13 @@ def main() -> None:
             "reconstruct_window_frozen_ms": [r["window_frozen_ms"] for r in runs["reconstruct"]],
             "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["stop_copy"]],
             "unmoved_slice_delay_ms": round(median([r["still_delay_ms"] for r in runs["reconstruct"]]), 1),
+            "no_migration_delay_ms": round(median([r["delay_ms"] for r in runs["none"]]), 1),
+            "no_migration_runs_ms": [r["delay_ms"] for r in runs["none"]],
+            "reconstruct_window_idle_pct": [r["window_idle_pct"] for r in runs["reconstruct"]],
+            "reconstruct_window_system_pct": [r["window_system_pct"] for r in runs["reconstruct"]],
+            "reconstruct_gap_steal_ms": [r["gap_steal_ms"] for r in runs["reconstruct"]],
+            "no_migration_window_idle_pct": [r["window_idle_pct"] for r in runs["none"]],
+            "no_migration_window_system_pct": [r["window_system_pct"] for r in runs["none"]],
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
         })

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.common import FreezeMeter, unaccounted_s
+import time
+
+from benchmarks.common import CPU_STATES, FreezeMeter, cpu_seconds_in, unaccounted_s
 
 
 def test_an_interval_whose_time_every_cpu_accounted_is_not_frozen():
@@ -22,7 +24,37 @@ def test_freeze_time_counts_pro_rata_for_a_freeze_partly_inside_the_window():
     assert m.frozen_ms(20.1, 20.2) == 50.0
 
 
-def test_the_meter_samples_and_stops():
+def _ticks(**by_state: int) -> list[int]:
+    return [by_state.get(state, 0) for state in CPU_STATES]
+
+
+def test_cpu_time_is_counted_per_state_and_pro_rata_at_the_window_edges():
+    samples = [(0.0, _ticks()), (1.0, _ticks(user=100, system=60, steal=40)), (2.0, _ticks(user=100, system=60, idle=200, steal=40))]
+    spent = cpu_seconds_in(samples, 0.5, 2.0)
+    assert spent["user"] == 0.5 and spent["system"] == 0.3 and spent["steal"] == 0.2  # half the first interval
+    assert spent["idle"] == 2.0  # all of the second
+    assert cpu_seconds_in(samples, 3.0, 4.0)["idle"] == 0.0  # nothing sampled there
+
+
+def test_a_saturated_window_shows_no_idle_share():
+    m = FreezeMeter()
+    m.cpus = 2
+    m.samples = [(0.0, _ticks()), (1.0, _ticks(nice=120, system=70, steal=10)), (2.0, _ticks(nice=120, system=70, idle=190, steal=20))]
+    busy = m.cpu_shares(0.0, 1.0)
+    assert busy["idle"] == 0.0 and busy["system"] == 0.35 and busy["steal"] == 0.05
+    assert m.cpu_shares(1.0, 2.0)["idle"] == 0.95
+    assert m.cpu_shares(5.0, 6.0) == {}
+
+
+def test_the_meter_samples_the_machine_until_stopped():
     m = FreezeMeter(min_ms=50).start()
+    time.sleep(0.5)
     m.stop()
     assert not m._thread.is_alive()
+    n = len(m.samples)
+    assert n >= 10  # every 10 ms, however loaded the machine
+    time.sleep(0.05)
+    assert len(m.samples) == n  # stopped means stopped
+    shares = m.cpu_shares(m.samples[0][0], m.samples[-1][0])
+    # Every CPU's time is accounted in some state; 100 Hz ticks round, so loosely.
+    assert 0.7 <= sum(shares.values()) <= 1.3
