@@ -6,7 +6,8 @@ epochs (a full one every 3) and backup factor 2. Afterwards: the output
 still equals the serial executor's; every slice's backups sit exactly on
 the peers the chain names, at the last epoch; and each backup, merged from
 its chain and read back from the peer's lmdb, holds the same state as the
-live slice.
+live slice. The same holds when every host fails to store one shipment
+mid-stream: the chains heal through a refused delta and a full checkpoint.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by
 
 
 def test_a_peer_that_misses_a_shipment_asks_for_a_full_checkpoint_and_its_backups_heal(ray_session):
-    """Every host's next received checkpoint fails to be stored, once (as a shipment lost on its
-    way): the sender logs it and goes on; the host then refuses the next delta of that slice (a gap
+    """Every host's next received frame (a checkpoint, or carried outputs) fails to be stored, once,
+    as a shipment lost on its way: the sender logs it and goes on; the host then refuses the next delta of that slice (a gap
     in its chain), the slice's next checkpoint is a full one, and at the end every backup equals its
     live slice again. The output is the serial executor's."""
 

@@ -29,7 +29,8 @@ def _ticks(**by_state: int) -> list[int]:
 
 
 def test_cpu_time_is_counted_per_state_and_pro_rata_at_the_window_edges():
-    samples = [(0.0, _ticks()), (1.0, _ticks(user=100, system=60, steal=40)), (2.0, _ticks(user=100, system=60, idle=200, steal=40))]
+    samples = [(0.0, _ticks()), (1.0, _ticks(user=100, system=60, steal=40)),
+               (2.0, _ticks(user=100, system=60, idle=200, steal=40))]
     spent = cpu_seconds_in(samples, 0.5, 2.0)
     assert spent["user"] == 0.5 and spent["system"] == 0.3 and spent["steal"] == 0.2  # half the first interval
     assert spent["idle"] == 2.0  # all of the second
@@ -39,7 +40,8 @@ def test_cpu_time_is_counted_per_state_and_pro_rata_at_the_window_edges():
 def test_a_saturated_window_shows_no_idle_share():
     m = FreezeMeter()
     m.cpus = 2
-    m.samples = [(0.0, _ticks()), (1.0, _ticks(nice=120, system=70, steal=10)), (2.0, _ticks(nice=120, system=70, idle=190, steal=20))]
+    m.samples = [(0.0, _ticks()), (1.0, _ticks(nice=120, system=70, steal=10)),
+                 (2.0, _ticks(nice=120, system=70, idle=190, steal=20))]
     busy = m.cpu_shares(0.0, 1.0)
     assert busy["idle"] == 0.0 and busy["system"] == 0.35 and busy["steal"] == 0.05
     assert m.cpu_shares(1.0, 2.0)["idle"] == 0.95
@@ -48,7 +50,7 @@ def test_a_saturated_window_shows_no_idle_share():
 
 def test_the_meter_samples_the_machine_until_stopped():
     m = FreezeMeter(min_ms=50).start()
-    time.sleep(0.5)
+    time.sleep(1.0)
     m.stop()
     assert not m._thread.is_alive()
     n = len(m.samples)
@@ -56,5 +58,6 @@ def test_the_meter_samples_the_machine_until_stopped():
     time.sleep(0.05)
     assert len(m.samples) == n  # stopped means stopped
     shares = m.cpu_shares(m.samples[0][0], m.samples[-1][0])
-    # Every CPU's time is accounted in some state; 100 Hz ticks round, so loosely.
-    assert 0.7 <= sum(shares.values()) <= 1.3
+    # Every CPU's time is accounted in some state; 100 Hz ticks round, and this VM's hypervisor
+    # can hold all its CPUs for a few hundred ms (no state accounted), so loosely.
+    assert 0.5 <= sum(shares.values()) <= 1.3
