@@ -58,7 +58,7 @@ import chronostream as cs
 from benchmarks.common import FreezeMeter, cpu_seconds_in, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
-BYTES_PER_KEY = 8 * 7 + 16  # the aggregate's numpy columns per key plus the key index (approx.)
+BYTES_PER_KEY = 8 * 4 + 16  # the aggregate's numpy columns per key (count, int sum/min/max) plus the key index (approx.)
 SLICES = 4
 EPOCH = 10_000
 UPDATE_EPOCHS = 2000  # the job outlives any migration: it is stopped once measured

@@ -437,7 +437,7 @@ class KeyedAggregate(Operator):
             if not len(segs):
                 continue
             slots = seg_slots[segs]
-            op._grow(len(op.key_index))
+            op._grow(len(op.key_index), needed)
             for name in needed:
                 prior[name][segs] = op.arrays[name][slots]
             per_op.append((op, segs, slots))
@@ -508,23 +508,30 @@ class KeyedAggregate(Operator):
         cols[SUB] = batch.column(SUB)
         return {"out": (pa.table(cols), np.asarray(bounds))}
 
-    def _grow(self, size: int) -> None:
+    def _grow(self, size: int, names: Sequence[str] = ()) -> None:
+        """Room for ``size`` slots in every array, and arrays ``names`` (zeros: never written) made.
+
+        A value column's sum/min/max exist in an int and a float variant; only the variants a
+        batch used are made, so an int column's state, checkpoints and backups carry no
+        all-zero float arrays (3 of an aggregate's 7 arrays per value column).
+        """
         cur = len(self.arrays.get("count", ()))
-        if size <= cur:
+        missing = [name for name in names if name not in self.arrays]
+        if size <= cur and not missing:
             return
-        new = max(size, cur * 2, 64)
+        new = cur if size <= cur else max(size, cur * 2, 64)
+
         def grow(a: np.ndarray | None, dtype) -> np.ndarray:
+            if a is not None and len(a) == new:
+                return a
             out = np.zeros(new, dtype=dtype)
             if a is not None:
                 out[: len(a)] = a
             return out
-        self.arrays["count"] = grow(self.arrays.get("count"), np.int64)
+
         self._dirty_mask = grow(self._dirty_mask, bool)
-        for col in self._value_columns():
-            for kind, dtype in (("i", np.int64), ("f", np.float64)):
-                for agg in ("sum", "min", "max"):
-                    k = f"{agg}_{col}_{kind}"
-                    self.arrays[k] = grow(self.arrays.get(k), dtype)
+        for name in ["count", *self.arrays, *missing]:
+            self.arrays[name] = grow(self.arrays.get(name), np.float64 if name.endswith("_f") else np.int64)
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 
@@ -576,10 +583,12 @@ class KeyedAggregate(Operator):
         key_cols = [t.column(f"key{i}").combine_chunks() for i in range(len(self.key_columns))]
         got = self.key_index.slots(key_cols)
         assert np.array_equal(got, slots)
-        self._grow(len(slots))
-        for name in t.schema.names:
-            if name in self.arrays:
-                self.arrays[name][: len(slots)] = np.asarray(t.column(name))
+        names = [n for n in t.schema.names if n == "count" or n.endswith(("_i", "_f"))]
+        self._grow(len(slots), names)
+        for name in names:
+            # A variant first used after the chain's full checkpoint is null in the older rows:
+            # those slots never had a value of that kind (zero, as in the live arrays).
+            self.arrays[name][: len(slots)] = np.asarray(t.column(name).fill_null(0))
 
     def consume_serial(self, stream_id: str, event: dict) -> None:
         """Reference per-event implementation used by the serial executor (the oracle)."""

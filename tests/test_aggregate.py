@@ -268,3 +268,49 @@ def test_a_delta_lists_each_changed_slot_once_and_only_since_the_last_capture(ba
             changed = set()
     op.forget_dirty()
     assert op.checkpoint_state(delta=True)["__op__aggregate"]["frozen"].num_rows == 0
+
+
+def test_an_int_columns_checkpoint_carries_no_float_variants():
+    """sum/min/max of an int column live in int arrays only: the state, its checkpoints and so
+    the backups hold count and three int arrays, not three all-zero float arrays beside them."""
+    from slices.checkpoint import read_table_part
+
+    op, ctx = make(["k"], [("count", None), ("sum", "i"), ("min", "i"), ("max", "i")])
+    op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k % 3, "i": k} for k in range(10)])))
+    ctx.take_outputs({})
+    assert sorted(op.arrays) == ["count", "max_i_i", "min_i_i", "sum_i_i"]
+    t = read_table_part(op.checkpoint_state(delta=False)["__op__aggregate"])
+    assert sorted(t.schema.names) == ["count", "key0", "max_i_i", "min_i_i", "slot", "sum_i_i"]
+    assert op.state_bytes() == (3, 3 * 4 * 8)
+
+
+def test_a_variant_first_used_after_the_full_checkpoint_merges_and_restores_exactly():
+    """A value column arrives as ints, then (after a full checkpoint) as floats: the delta brings
+    the float arrays the full checkpoint lacks. The chain merged and restored equals the live
+    operator, and both go on alike."""
+    from slices.checkpoint import SliceCheckpoint, merge_chain
+
+    def checkpoint(op, epoch, delta):
+        return SliceCheckpoint(0, 0, epoch, "delta" if delta else "full", epoch - 1 if delta else -1,
+                               {}, {}, op.checkpoint_state(delta=delta), {})
+
+    live, ctx = make(["k"], ALL_SPECS[:5])
+    ints = pa.Table.from_pylist(with_lineage([{"k": k % 4, "i": k} for k in range(12)]))
+    live.consume_batch("in", ints)
+    full = checkpoint(live, 0, delta=False)
+    floats = pa.Table.from_pylist(with_lineage([{"k": 2 + k % 6, "i": k + 0.5} for k in range(12)]))  # not keys 0, 1
+    live.consume_batch("in", floats)
+    delta = checkpoint(live, 1, delta=True)
+    assert "sum_i_f" not in full.state["__op__aggregate"]["frozen"].schema.names
+    assert "sum_i_f" in delta.state["__op__aggregate"]["frozen"].schema.names
+    restored, rctx = make(["k"], ALL_SPECS[:5])
+    restored.restore_state(merge_chain(full, [delta]).state)
+    n = len(live.key_index)
+    assert sorted(restored.arrays) == sorted(live.arrays)
+    for name in live.arrays:
+        assert restored.arrays[name][:n].tolist() == live.arrays[name][:n].tolist(), name
+    ctx.take_outputs({})
+    more = pa.Table.from_pylist(with_lineage([{"k": k % 5, "i": k * 2} for k in range(8)]))
+    live.consume_batch("in", more)
+    restored.consume_batch("in", more)
+    assert rctx.take_outputs({})["out"].to_pylist() == ctx.take_outputs({})["out"].to_pylist()
