@@ -219,10 +219,14 @@ class FreezeMeter:
                 total += lost * overlap / (e - s)
         return round(total * 1000, 1)
 
+    def cpu_seconds(self, a: float, b: float) -> dict[str, float]:
+        """The machine's CPU time in [a, b] per ``CPU_STATES`` state, in s summed over CPUs."""
+        return cpu_seconds_in(self.samples, a, b)
+
     def cpu_shares(self, a: float, b: float) -> dict[str, float]:
         """Share (0-1) of the machine's CPU time in [a, b] per ``CPU_STATES`` state; empty when
         nothing was sampled there."""
-        spent = cpu_seconds_in(self.samples, a, b)
+        spent = self.cpu_seconds(a, b)
         whole = (b - a) * self.cpus
         if whole <= 0 or not any(spent.values()):
             return {}

@@ -55,7 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
-from benchmarks.common import FreezeMeter, cpu_seconds_in, emit, median, parser
+from benchmarks.common import FreezeMeter, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
 BYTES_PER_KEY = 8 * 4 + 16  # the aggregate's numpy columns per key (count, int sum/min/max) plus the key index (approx.)
@@ -134,7 +134,7 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 1
                 "window_idle_pct": round(100 * window.get("idle", 0.0), 1),
                 "window_system_pct": round(100 * window.get("system", 0.0), 1),
                 "window_steal_pct": round(100 * window.get("steal", 0.0), 1),
-                "gap_steal_ms": round(1000 * cpu_seconds_in(meter.samples, gap_end - gap / 1000, gap_end)["steal"], 1),
+                "gap_steal_ms": round(1000 * meter.cpu_seconds(gap_end - gap / 1000, gap_end)["steal"], 1),
                 "still_delay_ms": round(max(0.0, still_gap - still_normal), 1),
                 "migrate_s": round(t1 - t0, 3), "phase": tr["phase"], "pause_ms": tr["pause_ms"].get(0),
                 "phases_s": tr.get("phases_s", {})}

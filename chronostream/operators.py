@@ -530,7 +530,7 @@ class KeyedAggregate(Operator):
             return out
 
         self._dirty_mask = grow(self._dirty_mask, bool)
-        for name in ["count", *self.arrays, *missing]:
+        for name in dict.fromkeys(["count", *self.arrays, *missing]):  # each once, count first
             self.arrays[name] = grow(self.arrays.get(name), np.float64 if name.endswith("_f") else np.int64)
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
