@@ -331,7 +331,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         spill_state: bool = True, source_poll_s: float = 0.01,
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
-        source_pace_s: float = 0.0) -> Job | CompletedJob:
+        source_pace_s: float = 0.0, background_niceness: int = 4) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -388,7 +388,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``full_gc_interval_s`` seconds, instead of whenever its state grows by a
     quarter (``containers/gc_pacing.py``; 0 restores CPython's policy): a
     full collection walks all the state, a pause that used to be the whole
-    p99.9 latency tail.
+    p99.9 latency tail. A host's background threads (backup store, checkpoint
+    encoding, restores, replays, shipments) run ``background_niceness`` nice
+    levels below its epoch loops (Linux; 0: the same), so bulk work on a
+    busy machine takes the CPU the epoch loops leave (``containers/thread_priority.py``).
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -405,7 +408,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          spill_state=spill_state, source_poll_s=source_poll_s,
                          full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
                          ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
-                         source_pace_s=source_pace_s)
+                         source_pace_s=source_pace_s, background_niceness=background_niceness)
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731

@@ -39,12 +39,16 @@ class JobOptions:
     ship_by_reference_bytes: int = 8 << 20  # checkpoint shipments above this go through the object store
     ship_piece_bytes: int = 768 << 20  # larger shipments travel in 64 MB pieces, one in flight
     source_pace_s: float = 0.0  # sources wait this long after each epoch, from the first (demos and tests)
+    # A host's background threads (backup store, checkpoint encoding, restores, replays, shipments)
+    # run this many nice levels below its epoch loops (Linux; 0: the same priority).
+    background_niceness: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every", "ship_by_reference_bytes"):
+        for name in ("checkpoint_every", "backup_factor", "full_checkpoint_every", "ship_by_reference_bytes",
+                     "background_niceness"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("heartbeat_s", "heartbeat_timeout_s", "gc_interval_s", "autoscale_interval_s",

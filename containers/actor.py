@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from containers.backup_store import BackupStore
 from containers.frame_assembly import FrameAssembly
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
+from containers.thread_priority import background_pool, set_background_niceness, thread_niceness
 from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
@@ -68,6 +68,8 @@ def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
 
 #: Piece size of a shipment above ``JobOptions.ship_piece_bytes`` (see ``_send_in_pieces``).
 PIECE_BYTES = 64 << 20
+#: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default on 2 cores).
+HOST_WORKER_THREADS = 6
 
 
 class _Fetched(NamedTuple):
@@ -127,8 +129,9 @@ class ResourceContainer:
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         # The backup store's heavy work (verify, merge, restore, lmdb) runs on this one thread,
         # in call order, so the event loop keeps serving pushes meanwhile (the store is not
-        # thread-safe: one thread only).
-        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="backup-store")
+        # thread-safe: one thread only). Like every worker thread of a host, it runs below the
+        # epoch loops' priority (containers/thread_priority.py; it starts on first use).
+        self._store_thread = background_pool(1, "backup-store")
         self._piece_seq = 0  # frames this host shipped in pieces (_send_in_pieces)
         self._assembling = FrameAssembly()  # frames arriving in pieces (receive_backup_piece)
         self.gc_pacing: CollectorPacing | None = None
@@ -138,6 +141,10 @@ class ResourceContainer:
         self.plan = plan
         self.opts = options
         self.window = options.max_inflight_epochs
+        # Before any work: pools start their threads on first use, at the priority set now.
+        set_background_niceness(options.background_niceness)
+        # asyncio.to_thread (restores, decoding, replays, ray.put of shipments) runs on it.
+        asyncio.get_running_loop().set_default_executor(background_pool(HOST_WORKER_THREADS, "host-worker"))
         if options.checkpointing:
             self.backup_store = BackupStore(self.workdir / "backups")
         if options.spill_state:
@@ -624,6 +631,14 @@ class ResourceContainer:
     async def ping(self) -> int:
         """Liveness probe of the master."""
         return self.host_id
+
+    async def thread_priorities(self) -> dict[str, int]:
+        """Niceness of the epoch loops' thread and of the background threads (diagnostics, tests):
+        under Ray's workers (nice 15) and the default option, ``{"epoch_loop": 15, "backup_store": 19,
+        "worker": 19}``."""
+        return {"epoch_loop": thread_niceness(),
+                "backup_store": await self._in_store_thread(thread_niceness),
+                "worker": await asyncio.to_thread(thread_niceness)}
 
     async def inject_delay(self, seconds: float) -> None:
         """Failure injection: spend ``seconds`` more per epoch (a slow or overloaded container)."""

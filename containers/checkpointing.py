@@ -29,10 +29,11 @@ import enum
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from containers.thread_priority import background_pool
 from slices.checkpoint import CarriedOutputs, SliceCheckpoint, capture, encode, encode_outputs
 from slices.slice import SliceRuntime
 
@@ -90,7 +91,7 @@ class SliceCheckpointer:
         self.max_pending = max(1, max_pending)
         self._pending: deque[Future] = deque()
         self._encoded: list[tuple[list[tuple[int, bytes]], float]] = []  # rounds waited for by backpressure
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-encode") if async_encode else None
+        self._pool = background_pool(1, "checkpoint-encode") if async_encode else None
         # slice -> the encoded frames it was restored from, to ship before its first delta (seed()).
         self._seeds: dict[int, list[bytes]] = {}
         self.seeded = 0  # checkpoints that went out as a seed plus a delta instead of a full one
