@@ -28,7 +28,7 @@ from, the hypervisor stops both vCPUs for 100-500 ms several times a
 minute while GB states are loaded, merged and copied; ``*_window_frozen_ms``: over the
 whole measured window). The delay is reported as measured, freezes
 included. What the CPUs did over the window (``*_window_idle_pct``,
-``*_window_system_pct``; ``*_gap_steal_ms``: CPU time the hypervisor took
+``*_window_system_pct``, ``*_window_steal_pct``; ``*_gap_steal_ms``: CPU time the hypervisor took
 from the running vCPUs during the gap) says whether the machine was
 saturated. The control (``no_migration_*``): the same job at the same point,
 as long a window (the median call), no call at all: the gaps a job of that
@@ -175,9 +175,12 @@ def main() -> None:
             "no_migration_runs_ms": [r["delay_ms"] for r in runs["none"]],
             "reconstruct_window_idle_pct": [r["window_idle_pct"] for r in runs["reconstruct"]],
             "reconstruct_window_system_pct": [r["window_system_pct"] for r in runs["reconstruct"]],
+            "reconstruct_window_steal_pct": [r["window_steal_pct"] for r in runs["reconstruct"]],
             "reconstruct_gap_steal_ms": [r["gap_steal_ms"] for r in runs["reconstruct"]],
             "no_migration_window_idle_pct": [r["window_idle_pct"] for r in runs["none"]],
             "no_migration_window_system_pct": [r["window_system_pct"] for r in runs["none"]],
+            "no_migration_window_steal_pct": [r["window_steal_pct"] for r in runs["none"]],
+            "no_migration_gap_steal_ms": [r["gap_steal_ms"] for r in runs["none"]],
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
         })

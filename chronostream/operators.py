@@ -305,6 +305,22 @@ def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) 
     return v
 
 
+def _state_array_name(agg: str, col: str, kind: str) -> str:
+    """Name of the aggregate's running-value array of ``agg`` (sum/min/max) over ``col``, in its
+    int (``kind`` "i") or float ("f") variant: ``sum_v_i``. ``count`` is the one other array."""
+    return f"{agg}_{col}_{kind}"
+
+
+def _is_state_array(name: str) -> bool:
+    """Whether a column of an aggregate's checkpoint table is one of its running-value arrays."""
+    return name == "count" or name.endswith(("_i", "_f"))
+
+
+def _state_array_dtype(name: str) -> type:
+    """The numpy dtype of a running-value array, from its name's variant."""
+    return np.float64 if name.endswith("_f") else np.int64
+
+
 class KeyedAggregate(Operator):
     """Built-in vectorized running aggregation per key (count, sum, min, max, mean).
 
@@ -429,9 +445,9 @@ class KeyedAggregate(Operator):
                                     hashes[seg_key])
         value_cols = agg._value_columns()
         kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
-        needed = ["count"] + [f"{a}_{col}_{kinds[col]}" for col in value_cols for a in ("sum", "min", "max")]
-        prior = {name: np.empty(len(start_pos), dtype=np.float64 if name.endswith("_f") else np.int64)
-                 for name in needed}
+        needed = ["count"] + [_state_array_name(a, col, kinds[col]) for col in value_cols
+                              for a in ("sum", "min", "max")]
+        prior = {name: np.empty(len(start_pos), dtype=_state_array_dtype(name)) for name in needed}
         per_op: list[tuple[KeyedAggregate, np.ndarray, np.ndarray]] = []  # (op, its segments, their slots)
         for op, segs in zip(ops, op_segments):
             if not len(segs):
@@ -455,7 +471,7 @@ class KeyedAggregate(Operator):
             kind = kinds[col]
             vals = vals.astype(np.float64) if kind == "f" else vals.astype(np.int64)
             v_sorted = vals[order]
-            sums_key, mins_key, maxs_key = f"sum_{col}_{kind}", f"min_{col}_{kind}", f"max_{col}_{kind}"
+            sums_key, mins_key, maxs_key = (_state_array_name(a, col, kind) for a in ("sum", "min", "max"))
             prior_sum = prior[sums_key]
             if kind == "i":
                 # int64 must not wrap. A cheap bound first; the per-key running
@@ -531,7 +547,7 @@ class KeyedAggregate(Operator):
 
         self._dirty_mask = grow(self._dirty_mask, bool)
         for name in dict.fromkeys(["count", *self.arrays, *missing]):  # each once, count first
-            self.arrays[name] = grow(self.arrays.get(name), np.float64 if name.endswith("_f") else np.int64)
+            self.arrays[name] = grow(self.arrays.get(name), _state_array_dtype(name))
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 
@@ -583,7 +599,7 @@ class KeyedAggregate(Operator):
         key_cols = [t.column(f"key{i}").combine_chunks() for i in range(len(self.key_columns))]
         got = self.key_index.slots(key_cols)
         assert np.array_equal(got, slots)
-        names = [n for n in t.schema.names if n == "count" or n.endswith(("_i", "_f"))]
+        names = [n for n in t.schema.names if _is_state_array(n)]
         self._grow(len(slots), names)
         for name in names:
             # A variant first used after the chain's full checkpoint is null in the older rows:

@@ -120,6 +120,7 @@ class SourceLog:
     >>> log = SourceLog(d)
     >>> log.read("s", from_order=1)["x"].to_pylist(), log.sealed, log.high_water
     ([2], True, 2)
+    >>> import shutil; shutil.rmtree(d)
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:

@@ -68,10 +68,11 @@ class BackupStore:
 
     >>> import tempfile
     >>> from slices.checkpoint import SliceCheckpoint, encode
-    >>> store = BackupStore(tempfile.mkdtemp())
+    >>> store = BackupStore(d := tempfile.mkdtemp())
     >>> store.put(encode(SliceCheckpoint(1, 3, 5, "full", -1, {}, {0: 9})))
     >>> store.latest(1, 3).next_seq
     {0: 9}
+    >>> import shutil; store.close(); shutil.rmtree(d)
     """
 
     def __init__(self, path: str | os.PathLike, merge_every: int = 128, map_size: int = 1 << 30) -> None:

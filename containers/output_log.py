@@ -40,11 +40,12 @@ class OutputLog:
     """Append-only log of (stream, slice) outputs, readable from any out_seq.
 
     >>> import tempfile
-    >>> log = OutputLog(tempfile.mkdtemp())
+    >>> log = OutputLog(d := tempfile.mkdtemp())
     >>> log.append_epoch({(0, 3): pa.table({"x": [1, 2], "_seq": [0, 1]})})
     >>> log.append_epoch({(0, 3): pa.table({"x": [3], "_seq": [2]})})
     >>> log.read(0, 3, after_seq=0)["x"].to_pylist()
     [2, 3]
+    >>> import shutil; log.close(); shutil.rmtree(d)
     """
 
     def __init__(self, path: str | os.PathLike, map_size: int = _INITIAL_MAP_SIZE) -> None:

@@ -10,11 +10,12 @@ transaction. Knows no Ray.
 
 >>> import tempfile, numpy as np
 >>> from master.placement import Placement
->>> cat = MasterCatalog(tempfile.mkdtemp())
+>>> cat = MasterCatalog(d := tempfile.mkdtemp())
 >>> p = Placement({0: [0, 1]}, {0: np.array([0, 1, 0])}, {0: 0, 1: 0})
 >>> cat.save_layout(p, {0: 0, 1: 1}, {0, 1}, {0: "n", 1: "n"}, 2)
 >>> cat.load_layout()[0].slices_of(0)
 [0, 2]
+>>> import shutil; cat.close(); shutil.rmtree(d)
 """
 
 from __future__ import annotations
