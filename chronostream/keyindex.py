@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from chronostream.hashing import hash_columns
-from chronostream.sorting import stable_argsort
+from chronostream.sorting import hash_argsort, stable_argsort
 
 
 class KeyCollision(RuntimeError):
@@ -40,10 +40,9 @@ def _in_hash_order(hashes: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarra
 
     Lookups work in hash order: searchsorted with sorted queries walks the stored
     hashes once (random queries into millions of hashes miss the cache on every
-    probe). Any sort will do: equal hashes are refused, so their order never matters
-    (and introsort is ~1.5x a stable sort here).
+    probe). Any order of equal hashes will do: they are refused (``hash_argsort``).
     """
-    by_hash = np.argsort(hashes)
+    by_hash = hash_argsort(hashes)
     hs = hashes[by_hash]
     if len(hs) > 1 and bool(np.any(hs[1:] == hs[:-1])):
         raise KeyCollision(what)

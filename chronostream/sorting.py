@@ -4,7 +4,9 @@ Grouping rows by slice, container or dictionary code is a stable argsort of
 small integers. numpy sorts 16-bit (and smaller) integers stably with a
 radix sort, 3-4x faster than its int64 merge sort on the 100,000s of rows
 of an epoch; codes up to 32 bits take two such passes. The result is the
-same permutation. Knows nothing else.
+same permutation. Also the argsort of 64-bit hashes (uniform bits), which
+the key index sorts on every lookup batch and on every restore. Knows
+nothing else.
 """
 
 from __future__ import annotations
@@ -32,3 +34,23 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
         high = np.argsort((k[low] >> 16).astype(np.uint16), kind="stable")
         return low[high]
     return np.argsort(keys, kind="stable")
+
+
+def hash_argsort(hashes: np.ndarray) -> np.ndarray:
+    """A permutation sorting uint64 ``hashes`` (any order among equal ones).
+
+    Hashes are uniform, so a stable 16-bit radix pass on their top bits leaves
+    them in 65,536 buckets in order, and a stable sort of that (timsort, which
+    takes the ordered stretches as they are) finishes it. Measured here
+    against numpy's default argsort (introsort) of the same hashes: 0.1 vs
+    0.4 ms at 10,000, 31 vs 81 ms at 1 M, 169 vs 502 ms at 4 M, 2.1 vs 3.8 s
+    at 20.8 M (a 1 GB slice's key index rebuilt at a restore).
+
+    >>> h = np.array([3 << 60, 5, 1 << 63, 7, 5], dtype=np.uint64)
+    >>> h[hash_argsort(h)].tolist() == sorted(h.tolist())
+    True
+    """
+    if len(hashes) < 2:
+        return np.zeros(len(hashes), dtype=np.intp)
+    by_top = np.argsort((hashes >> np.uint64(48)).astype(np.uint16), kind="stable")
+    return by_top[np.argsort(hashes[by_top], kind="stable")]

@@ -1,0 +1,35 @@
+"""The framework's shared sorts give numpy's orderings, faster (chronostream/sorting.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from chronostream.hashing import hash_columns
+from chronostream.sorting import hash_argsort, stable_argsort
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 1000, 300_000])
+def test_hash_argsort_is_a_permutation_that_sorts_the_hashes(n):
+    h = hash_columns([pa.array(np.arange(n, dtype=np.int64))])
+    order = hash_argsort(h)
+    assert np.array_equal(np.sort(order), np.arange(n))
+    assert np.array_equal(h[order], np.sort(h))
+
+
+def test_hash_argsort_sorts_hashes_that_share_their_top_bits_and_repeat():
+    rng = np.random.default_rng(3)
+    # One radix bucket for all (same top 16 bits), with repeats: the stable pass must finish the sort.
+    h = (np.uint64(0xABCD) << np.uint64(48)) | rng.integers(0, 1 << 20, 50_000).astype(np.uint64)
+    assert np.array_equal(h[hash_argsort(h)], np.sort(h))
+    # Extremes of the range.
+    h = np.array([np.iinfo(np.uint64).max, 0, 1 << 63, (1 << 63) - 1, 0], dtype=np.uint64)
+    assert h[hash_argsort(h)].tolist() == sorted(h.tolist())
+
+
+def test_stable_argsort_equals_numpy_stable_argsort_across_widths():
+    rng = np.random.default_rng(4)
+    for top in (10, 1 << 16, 1 << 30, 1 << 40):
+        keys = rng.integers(0, top, 20_000)
+        assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable"))
