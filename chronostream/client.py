@@ -331,7 +331,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         spill_state: bool = True, source_poll_s: float = 0.01,
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
-        source_pace_s: float = 0.0, background_niceness: int = 4) -> Job | CompletedJob:
+        source_pace_s: float = 0.0, background_niceness: int = 0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -388,10 +388,11 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``full_gc_interval_s`` seconds, instead of whenever its state grows by a
     quarter (``containers/gc_pacing.py``; 0 restores CPython's policy): a
     full collection walks all the state, a pause that used to be the whole
-    p99.9 latency tail. A host's background threads (backup store, checkpoint
-    encoding, restores, replays, shipments) run ``background_niceness`` nice
-    levels below its epoch loops (Linux; 0: the same), so bulk work on a
-    busy machine takes the CPU the epoch loops leave (``containers/thread_priority.py``).
+    p99.9 latency tail. With ``background_niceness=N`` a host's background
+    threads (backup store, checkpoint encoding, restores, replays,
+    shipments) run N nice levels below its epoch loops (Linux), so bulk work
+    on a busy machine takes the CPU the epoch loops leave
+    (``containers/thread_priority.py``; off by default: no gain shown yet).
 
     >>> import chronostream as cs
     >>> q = cs.Query()

@@ -40,8 +40,9 @@ class JobOptions:
     ship_piece_bytes: int = 768 << 20  # larger shipments travel in 64 MB pieces, one in flight
     source_pace_s: float = 0.0  # sources wait this long after each epoch, from the first (demos and tests)
     # A host's background threads (backup store, checkpoint encoding, restores, replays, shipments)
-    # run this many nice levels below its epoch loops (Linux; 0: the same priority).
-    background_niceness: int = 4
+    # run this many nice levels below its epoch loops (Linux; 0: the same priority). Off by default:
+    # 4 showed no gain on the 1 GB migration delay (docs/design.md section 7c).
+    background_niceness: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):

@@ -6,22 +6,24 @@ flushes), checkpoint encoding, restores, replays and shipments. With GB
 states the bulk work takes whole seconds of CPU, largely in C with the
 GIL released, so it competes with every host's epoch loop for the
 machine's cores, and on a saturated machine the loops get their CPU late:
-every slice's output stalls (docs/design.md section 8). Background threads
-therefore run ``background_niceness`` nice levels below the process (Ray
-already runs its workers at nice 15; the background threads then run at
-19): the kernel gives a runnable epoch loop the CPU first, and bulk work
-the rest. No lock or scheduling of our own; work on a background thread
-still runs at full speed when a core is free.
+every slice's output stalls (docs/design.md section 8). With the job option
+``background_niceness`` (default 0: off; no gain shown yet) background
+threads run that many nice levels below the process (Ray runs its workers
+at nice 15; with 4 the background threads run at 19): the kernel gives a
+runnable epoch loop the CPU first, and bulk work the rest. No lock or
+scheduling of our own; work on a background thread still runs at full
+speed when a core is free.
 
 Linux only (elsewhere ``os.setpriority`` on a thread id would name a
 process); raising niceness needs no privilege, and a thread never lowers
 it again. Owns only the priority: which work is background is decided
 where the pools are made (``background_pool``).
 
+    >>> set_background_niceness(2)
     >>> pool = background_pool(1, "example")
     >>> pool.submit(lambda: thread_niceness() >= process_niceness()).result()
     True
-    >>> pool.shutdown()
+    >>> pool.shutdown(); set_background_niceness(0)
 """
 
 from __future__ import annotations
