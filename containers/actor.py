@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -68,8 +69,8 @@ def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
 
 #: Piece size of a shipment above ``JobOptions.ship_piece_bytes`` (see ``_send_in_pieces``).
 PIECE_BYTES = 64 << 20
-#: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default on 2 cores).
-HOST_WORKER_THREADS = 6
+#: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default).
+HOST_WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 class _Fetched(NamedTuple):
@@ -129,8 +130,8 @@ class ResourceContainer:
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         # The backup store's heavy work (verify, merge, restore, lmdb) runs on this one thread,
         # in call order, so the event loop keeps serving pushes meanwhile (the store is not
-        # thread-safe: one thread only). Like every worker thread of a host, it runs below the
-        # epoch loops' priority (containers/thread_priority.py; it starts on first use).
+        # thread-safe: one thread only). Like every worker thread of a host, it can run below the
+        # epoch loops' priority (JobOptions.background_niceness; it starts on first use).
         self._store_thread = background_pool(1, "backup-store")
         self._piece_seq = 0  # frames this host shipped in pieces (_send_in_pieces)
         self._assembling = FrameAssembly()  # frames arriving in pieces (receive_backup_piece)
@@ -634,8 +635,8 @@ class ResourceContainer:
 
     async def thread_priorities(self) -> dict[str, int]:
         """Niceness of the epoch loops' thread and of the background threads (diagnostics, tests):
-        under Ray's workers (nice 15) and the default option, ``{"epoch_loop": 15, "backup_store": 19,
-        "worker": 19}``."""
+        under Ray's workers (nice 15) with ``background_niceness=4``, ``{"epoch_loop": 15,
+        "backup_store": 19, "worker": 19}``."""
         return {"epoch_loop": thread_niceness(),
                 "backup_store": await self._in_store_thread(thread_niceness),
                 "worker": await asyncio.to_thread(thread_niceness)}
