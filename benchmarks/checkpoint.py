@@ -33,11 +33,10 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from benchmarks.common import emit, median, parser
+from benchmarks.common import AGGREGATE_BYTES_PER_KEY, emit, median, parser
 from chronostream.operators import KeyedAggregate, OperatorContext
 from containers.checkpointing import SliceCheckpointer
 
-BYTES_PER_KEY = 8 * 4 + 16  # count + int sum/min/max + key index share (approx.; no float arrays for an int column)
 
 
 def make_op() -> KeyedAggregate:
@@ -120,7 +119,7 @@ def main() -> None:
     sizes = [50] if args.quick else [int(x) for x in args.sizes.split(",")]
     rows = []
     for mb in sizes:
-        n_keys = mb * 1_000_000 // BYTES_PER_KEY
+        n_keys = mb * 1_000_000 // AGGREGATE_BYTES_PER_KEY
         op = make_op()
         rng = np.random.default_rng(1)
         for i in range(0, n_keys, 1_000_000):  # load the state

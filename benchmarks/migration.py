@@ -55,10 +55,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
-from benchmarks.common import FreezeMeter, emit, median, parser
+from benchmarks.common import AGGREGATE_BYTES_PER_KEY, FreezeMeter, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
-BYTES_PER_KEY = 8 * 4 + 16  # the aggregate's numpy columns per key (count, int sum/min/max) plus the key index (approx.)
 SLICES = 4
 EPOCH = 10_000
 UPDATE_EPOCHS = 2000  # the job outlives any migration: it is stopped once measured
@@ -98,7 +97,7 @@ def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
 def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0) -> dict:
     """One job, one measurement: ``mode`` is ``reconstruct``, ``stop_copy`` or ``none`` (the
     control: the same job at the same point, no call, ``window_s`` of waiting instead)."""
-    n_keys = state_mb * 1_000_000 * SLICES // BYTES_PER_KEY
+    n_keys = state_mb * 1_000_000 * SLICES // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
     try:

@@ -31,10 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
-from benchmarks.common import emit, median, parser
+from benchmarks.common import AGGREGATE_BYTES_PER_KEY, emit, median, parser
 from chronostream.chaos import Fault, apply_schedule
 
-BYTES_PER_KEY = 8 * 4 + 16  # the aggregate's numpy columns per key (count, int sum/min/max) plus the key index (approx.)
 SLICES = 12  # divisible by 2, 3 and 4 containers
 EPOCH = 100_000
 
@@ -52,7 +51,7 @@ def make_query(n_keys: int, update_epochs: int, seed: int = 3) -> cs.Query:
 
 
 def one_run(lost_mb: int, peers: int, interval: int) -> dict:
-    n_keys = lost_mb * 1_000_000 * (peers + 1) // BYTES_PER_KEY
+    n_keys = lost_mb * 1_000_000 * (peers + 1) // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     query = make_query(n_keys, update_epochs=load_epochs + 40)
     job = cs.run(query, containers={"events": 1, "agg": peers + 1}, checkpoint_every=interval,
