@@ -321,6 +321,70 @@ def test_folding_table_parts_keeps_the_last_row_per_slot_in_slot_order(offset):
     assert list(zip(got["slot"].to_pylist(), got["v"].to_pylist())) == sorted(want.items())
 
 
+def _slot_table(slots, **cols):
+    import pyarrow as pa
+
+    return pa.table({"slot": pa.array(slots, pa.int64()), **{k: pa.array(v) for k, v in cols.items()}})
+
+
+def test_a_chain_on_a_dense_base_folds_by_copy_and_scatter_with_the_general_folds_result():
+    """A full checkpoint holding slots 0..n-1 in order, deltas rewriting old slots (one slot in
+    several deltas) and adding new ones: the copy-and-scatter fold runs and gives the rows the
+    general fold (concat and take) gives."""
+    import numpy as np
+
+    from slices import checkpoint as codec
+    from slices.checkpoint import _merge_table, read_table_part, table_part
+
+    rng = np.random.default_rng(11)
+    n = 5000
+    tables = [_slot_table(np.arange(n), v=rng.integers(0, 99, n), f=rng.random(n))]
+    top = n
+    for _ in range(6):
+        old = rng.choice(top, 400, replace=False)
+        new = np.arange(top, top + 50)
+        top += 50
+        slots = np.concatenate([old, [7], new])
+        tables.append(_slot_table(slots, v=rng.integers(0, 99, len(slots)), f=rng.random(len(slots))))
+    assert codec._fold_onto_dense_base(tables[0], tables[1:]) is not None
+    got = read_table_part(_merge_table([table_part(t) for t in tables]))
+    want = {}
+    for t in tables:
+        for s, v, f in zip(*(t[c].to_pylist() for c in ("slot", "v", "f"))):
+            want[s] = (v, f)
+    assert got["slot"].to_pylist() == list(range(top))
+    assert list(zip(got["v"].to_pylist(), got["f"].to_pylist())) == [want[s] for s in range(top)]
+
+
+@pytest.mark.parametrize("case", ["base out of order", "gap in new slots", "null in a delta",
+                                  "column added by a delta", "string column"])
+def test_a_chain_the_dense_fold_cannot_take_is_folded_by_the_general_path(case):
+    """Shapes outside the copy-and-scatter fold (its answer None) still fold to the last write per slot."""
+    import numpy as np
+    import pyarrow as pa
+
+    from slices import checkpoint as codec
+    from slices.checkpoint import _merge_table, read_table_part, table_part
+
+    base_slots = np.arange(10)[::-1] if case == "base out of order" else np.arange(10)
+    base = _slot_table(base_slots, v=np.arange(10) * 10)
+    delta_slots = [3, 12] if case == "gap in new slots" else [3, 10]
+    if case == "null in a delta":
+        delta = pa.table({"slot": pa.array(delta_slots, pa.int64()), "v": pa.array([None, 5], pa.int64())})
+    elif case == "column added by a delta":
+        delta = _slot_table(delta_slots, v=[1, 5], w=[8, 9])
+    elif case == "string column":
+        base = _slot_table(base_slots, v=[str(i * 10) for i in range(10)])
+        delta = _slot_table(delta_slots, v=["1", "5"])
+    else:
+        delta = _slot_table(delta_slots, v=[1, 5])
+    assert codec._fold_onto_dense_base(base, [delta]) is None
+    got = read_table_part(_merge_table([table_part(base), table_part(delta)]))
+    want = dict(zip(base["slot"].to_pylist(), base["v"].to_pylist()))
+    want.update(zip(delta["slot"].to_pylist(), delta["v"].to_pylist()))
+    assert list(zip(got["slot"].to_pylist(), got["v"].to_pylist())) == sorted(want.items())
+
+
 def test_a_growing_chain_is_persisted_entry_by_entry_and_reopens_whole(tmp_path):
     """flush() writes only the deltas that arrived since the last flush (the full checkpoint once);
     after a merge or a new full checkpoint the old entries go; a reopened store has the chain."""

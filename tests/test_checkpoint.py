@@ -195,6 +195,33 @@ def test_a_frame_above_8_mb_is_a_view_with_the_bytes_a_join_would_give():
         decode(memoryview(np.frombuffer(bytes(damaged), np.uint8)))
 
 
+def test_a_large_frame_mixing_tables_written_in_place_and_raw_attachments_equals_the_joined_frame():
+    """Frozen tables are serialized straight into the frame (IpcAttachment); beside an attached
+    IPC buffer and a small inline table the bytes equal the small-frame join, and all decode."""
+    import numpy as np
+    import pyarrow as pa
+
+    import slices.checkpoint as codec
+    from slices.checkpoint import frozen_table_part, read_table_part, table_part
+
+    n = 700_000
+    big = pa.table({"slot": pa.array(np.arange(n)), "v": pa.array(np.arange(n) * 7)})
+    raw = pa.table({"slot": pa.array(np.arange(n // 2)), "w": pa.array(np.arange(n // 2) - 5)})
+    tiny = pa.table({"slot": pa.array([0, 1]), "x": pa.array([2.5, 3.5])})
+    state = {"a": frozen_table_part(big), "b": table_part(raw), "c": frozen_table_part(tiny)}
+    ckpt = SliceCheckpoint(3, 1, 4, "full", -1, {0: [3]}, {0: 2}, state)
+    framed = encode(ckpt)
+    assert isinstance(framed, memoryview) and framed.nbytes > codec._BIG_FRAME
+    small_limit, codec._BIG_FRAME = codec._BIG_FRAME, 1 << 40
+    try:
+        joined = encode(ckpt)
+    finally:
+        codec._BIG_FRAME = small_limit
+    assert bytes(framed) == joined
+    back = decode(framed).state
+    assert [read_table_part(back[k]).equals(t) for k, t in (("a", big), ("b", raw), ("c", tiny))] == [True] * 3
+
+
 def test_verify_checks_a_frame_and_returns_its_header():
     """verify() is the cheap check a backup holder runs: header back, damage refused, no payload parse."""
     from slices.checkpoint import verify
