@@ -78,7 +78,12 @@ class BackupStore:
     def __init__(self, path: str | os.PathLike, merge_every: int = 128, map_size: int = 1 << 30) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False)
+        # writemap: a put copies the frame straight into the file's mapped pages. Without it
+        # LMDB first copies each value into dirty pages it mallocs, then write()s those into
+        # the page cache: a 1 GB frame cost 1.0-3.2 s (0.8-3.0 s of it in the kernel) where
+        # the mapped write takes 0.3 s (one process, 1 GB value, 2026-11-25). A torn or
+        # stray write is caught by the frames' CRCs like any other damage.
+        self.env = lmdb.open(str(self.path), map_size=map_size, sync=False, metasync=False, writemap=True)
         self.merge_every = merge_every
         self.chains: dict[SliceKey, list[bytes]] = {}  # replication buffer: [full, delta, delta, ...]
         # Carried outputs per slice: [(from epoch, to epoch, frame)], oldest first (see CarriedOutputs).

@@ -4,6 +4,7 @@ when full), deleting every key under a prefix, and handing written pages back to
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from pathlib import Path
@@ -56,16 +57,50 @@ def release_written_pages(env: lmdb.Environment, path: str | os.PathLike) -> Non
     page cache too until the kernel needed the memory, and at GB states it
     did, in every process's allocations (one 1 GB ``benchmarks.migration``
     run: 1,698 allocation stalls in direct reclaim, 4,010 compaction
-    stalls; none with this). Pages a reader has mapped stay; a later read
-    faults the rest back from disk. ``path``: the environment's directory
-    (``subdir=True``, as opened here). Where the OS has no ``posix_fadvise``
-    (macOS) it only syncs.
+    stalls; none with this). An environment opened with ``writemap`` has
+    the pages it wrote mapped in this process, and the kernel keeps mapped
+    pages: this process's mappings of the file are advised away first
+    (``_unmap_file_pages``; a later read faults what it needs back from
+    disk). ``path``: the environment's directory (``subdir=True``, as
+    opened here). Where the OS has no ``posix_fadvise`` (macOS) it only
+    syncs.
     """
     env.sync(True)  # dirty pages cannot be dropped; py-lmdb releases the GIL while syncing
     if not hasattr(os, "posix_fadvise"):
         return
-    fd = os.open(Path(path) / "data.mdb", os.O_RDONLY)
+    data = Path(path) / "data.mdb"
+    if env.flags().get("writemap"):
+        _unmap_file_pages(data)
+    fd = os.open(data, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def _unmap_file_pages(file: Path) -> int:
+    """``madvise(MADV_DONTNEED)`` over every mapping of ``file`` in this process; returns how many.
+
+    For a shared file mapping this only drops the page-table entries: the
+    data stays in the file (synced before), and the next access faults it
+    back in. Linux only (``/proc/self/maps``); elsewhere nothing is done.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    target = str(file.resolve())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].rstrip("\n") == target:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                done += 1
+    return done
