@@ -167,25 +167,32 @@ def test_a_frame_written_by_the_previous_codec_still_decodes():
         decode(bytes(damaged))
 
 
+def _encoded_large_and_joined(ckpt):
+    """``ckpt`` encoded as a large frame (asserted to take the numpy-buffer path) and, with that
+    path turned off, by the small-frame join."""
+    import slices.checkpoint as codec
+
+    large = encode(ckpt)
+    assert isinstance(large, memoryview) and large.nbytes > codec._BIG_FRAME
+    small_limit, codec._BIG_FRAME = codec._BIG_FRAME, 1 << 40
+    try:
+        return large, encode(ckpt)
+    finally:
+        codec._BIG_FRAME = small_limit
+
+
 def test_a_frame_above_8_mb_is_a_view_with_the_bytes_a_join_would_give():
     """Large frames are assembled in a numpy buffer (no GIL-held join); the bytes are the same
     as the small-frame path's, they decode, and damage is still refused."""
     import numpy as np
     import pyarrow as pa
 
-    import slices.checkpoint as codec
     from slices.checkpoint import frozen_table_part, read_table_part, verify
 
     n = 1_200_000  # 2 int64 columns: about 19 MB
     table = pa.table({"slot": pa.array(np.arange(n)), "v": pa.array(np.arange(n) * 3)})
     ckpt = SliceCheckpoint(1, 2, 9, "full", -1, {0: [7]}, {0: 3}, {"t": frozen_table_part(table)})
-    big = encode(ckpt)
-    assert isinstance(big, memoryview) and big.nbytes > codec._BIG_FRAME
-    small_limit, codec._BIG_FRAME = codec._BIG_FRAME, 1 << 40
-    try:
-        joined = encode(ckpt)
-    finally:
-        codec._BIG_FRAME = small_limit
+    big, joined = _encoded_large_and_joined(ckpt)
     assert isinstance(joined, bytes) and bytes(big) == joined
     assert verify(big)["epoch"] == 9
     assert read_table_part(decode(big).state["t"]).equals(table)
@@ -201,7 +208,6 @@ def test_a_large_frame_mixing_tables_written_in_place_and_raw_attachments_equals
     import numpy as np
     import pyarrow as pa
 
-    import slices.checkpoint as codec
     from slices.checkpoint import frozen_table_part, read_table_part, table_part
 
     n = 700_000
@@ -210,13 +216,7 @@ def test_a_large_frame_mixing_tables_written_in_place_and_raw_attachments_equals
     tiny = pa.table({"slot": pa.array([0, 1]), "x": pa.array([2.5, 3.5])})
     state = {"a": frozen_table_part(big), "b": table_part(raw), "c": frozen_table_part(tiny)}
     ckpt = SliceCheckpoint(3, 1, 4, "full", -1, {0: [3]}, {0: 2}, state)
-    framed = encode(ckpt)
-    assert isinstance(framed, memoryview) and framed.nbytes > codec._BIG_FRAME
-    small_limit, codec._BIG_FRAME = codec._BIG_FRAME, 1 << 40
-    try:
-        joined = encode(ckpt)
-    finally:
-        codec._BIG_FRAME = small_limit
+    framed, joined = _encoded_large_and_joined(ckpt)
     assert bytes(framed) == joined
     back = decode(framed).state
     assert [read_table_part(back[k]).equals(t) for k, t in (("a", big), ("b", raw), ("c", tiny))] == [True] * 3
