@@ -9,6 +9,7 @@ integers, and a final splitmix64 mix. Knows nothing of slices' contents.
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -118,6 +119,25 @@ def _distinct_hashes(arr: pa.Array) -> tuple[np.ndarray, pa.DictionaryArray] | N
     return _hash_binary(encoded.dictionary), encoded
 
 
+def binary_fingerprint(arr: pa.Array) -> int:
+    """CRC-32 of a string/binary array's value lengths and bytes: equal for arrays of equal
+    values (whatever their offsets or slicing), so a hash computed for one array can be
+    checked to belong to another before it is trusted (``KEY_HASHES_META``).
+
+    >>> binary_fingerprint(pa.array(["ab", "c"])) == binary_fingerprint(pa.array(["x", "ab", "c"]).slice(1))
+    True
+    >>> binary_fingerprint(pa.array(["ab", "c"])) == binary_fingerprint(pa.array(["a", "bc"]))
+    False
+    """
+    offset_dtype = np.int64 if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type) else np.int32
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=offset_dtype, count=arr.offset + len(arr) + 1)[arr.offset:] \
+        if len(arr) else np.zeros(1, offset_dtype)
+    lengths = np.diff(offsets).astype(np.int64)
+    data = memoryview(bufs[2])[int(offsets[0]):int(offsets[-1])] if bufs[2] is not None else b""
+    return zlib.crc32(data, zlib.crc32(lengths.tobytes()))
+
+
 def _contiguous(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     return (arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)) if isinstance(arr, pa.ChunkedArray) else arr
 
@@ -202,6 +222,18 @@ def slice_and_codes(columns: Sequence[pa.Array | pa.ChunkedArray],
     >>> codes.dictionary.to_pylist(), bool((s == slice_of([pa.array(["a", "b"] * 200)], 4)).all())
     (['a', 'b'], True)
     """
+    return slices_codes_and_hashes(columns, num_slices)[:2]
+
+
+def slices_codes_and_hashes(columns: Sequence[pa.Array | pa.ChunkedArray], num_slices: int
+                            ) -> tuple[np.ndarray, pa.DictionaryArray | None, np.ndarray | None]:
+    """``slice_and_codes``, and the hash of each value of the codes' dictionary (None without
+    codes): ``hash_array(codes.dictionary, distinct=True)``, already computed on the way.
+
+    >>> s, codes, h = slices_codes_and_hashes([pa.array(["a", "b"] * 200)], 4)
+    >>> bool((h == hash_array(codes.dictionary, distinct=True)).all())
+    True
+    """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}")
     if len(columns) == 1:
@@ -211,8 +243,8 @@ def slice_and_codes(columns: Sequence[pa.Array | pa.ChunkedArray],
             if repeats is not None:  # the slice of each distinct key, then of each row
                 dict_hash, encoded = repeats
                 idx = np.asarray(encoded.indices, dtype=np.int64)
-                return (dict_hash % np.uint64(num_slices)).astype(np.int64)[idx], encoded
-    return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64), None
+                return (dict_hash % np.uint64(num_slices)).astype(np.int64)[idx], encoded, dict_hash
+    return (hash_columns(columns) % np.uint64(num_slices)).astype(np.int64), None, None
 
 
 def slice_of_scalar(values: Sequence[object], num_slices: int) -> int:

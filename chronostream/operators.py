@@ -15,12 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from chronostream.hashing import hash_columns
+from chronostream.hashing import binary_fingerprint, hash_columns
 from chronostream.keyindex import KeyIndex, KeyIndexGroup
 from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
-from chronostream.types import ORDER, SUB, extend_sub_order, key_codes_column
+from chronostream.types import KEY_HASHES_META, ORDER, SUB, extend_sub_order, key_codes_column
 
 
 class OperatorContext:
@@ -261,13 +261,18 @@ def _segmented_cumsum_f(values: np.ndarray, start_pos: np.ndarray, seg: np.ndarr
     return cs - base[seg]
 
 
-def _routed_key_codes(batch: pa.Table, key_columns: Sequence[str]) -> tuple[np.ndarray, list[pa.Array]] | None:
+def _routed_key_codes(batch: pa.Table, key_columns: Sequence[str]
+                      ) -> tuple[np.ndarray, list[pa.Array], np.ndarray | None] | None:
     """Routing's dictionary codes of a batch's one key column, as dense group ids:
-    (each row's id, [the distinct keys, one per id]); None when the batch has none.
+    (each row's id, [the distinct keys, one per id], their hashes or None); None when
+    the batch has none.
 
     Routing encoded the producer's whole epoch, so a slice's rows use a part of
     the dictionary: ids are renumbered over the keys present. Rows from a
-    sender that shipped no codes (null after the merge) void them.
+    sender that shipped no codes (null after the merge) void them. The hashes
+    come from the column's metadata (``KEY_HASHES_META``) when they were
+    computed for this very dictionary (same length and fingerprint: parts of
+    several senders merge into one dictionary); else the caller hashes the keys.
     """
     if len(key_columns) != 1:
         return None
@@ -278,13 +283,26 @@ def _routed_key_codes(batch: pa.Table, key_columns: Sequence[str]) -> tuple[np.n
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if col.null_count or not pa.types.is_dictionary(col.type):
         return None
+    hashes = _routed_hashes(batch.schema.field(name).metadata, col.dictionary)
     codes = np.asarray(col.indices, dtype=np.int64)
     present = np.zeros(len(col.dictionary), dtype=bool)
     present[codes] = True
     if present.all():
-        return codes, [col.dictionary]
+        return codes, [col.dictionary], hashes
     dense = np.cumsum(present) - 1
-    return dense[codes], [col.dictionary.filter(pa.array(present))]
+    return dense[codes], [col.dictionary.filter(pa.array(present))], None if hashes is None else hashes[present]
+
+
+def _routed_hashes(metadata: dict[bytes, bytes] | None, dictionary: pa.Array) -> np.ndarray | None:
+    """The hashes routing shipped for ``dictionary`` (``KEY_HASHES_META``), or None when the
+    metadata is missing or was computed for another dictionary."""
+    tagged = (metadata or {}).get(KEY_HASHES_META)
+    if tagged is None or len(tagged) != 8 * (len(dictionary) + 1):
+        return None
+    values = np.frombuffer(tagged, dtype=np.uint64)
+    if int(values[0]) != binary_fingerprint(dictionary):
+        return None
+    return values[1:]
 
 
 def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) -> np.ndarray:
@@ -389,8 +407,9 @@ class KeyedAggregate(Operator):
         keys = [pc.if_else(pc.is_nan(k), float("nan"), pc.add(k, 0.0)) if pa.types.is_floating(k.type) else k
                 for k in keys]
         routed = _routed_key_codes(batch, agg.key_columns)
+        key_hashes = None  # of unique_keys, when routing shipped them
         if routed is not None:
-            inverse, unique_keys = routed
+            inverse, unique_keys, key_hashes = routed
         elif len(keys) == 1:
             # One key column: dictionary codes are dense group ids, and the
             # dictionary holds each distinct key once.
@@ -420,7 +439,7 @@ class KeyedAggregate(Operator):
         last_rows = np.append(start_pos[1:] - 1, n - 1)
         seg_key = g_sorted[start_pos]
         # Each op's slots for its segments; then its prior values, gathered per segment.
-        hashes = hash_columns(unique_keys, distinct=True)
+        hashes = hash_columns(unique_keys, distinct=True) if key_hashes is None else key_hashes
         # One lookup for all ops' keys: a group over their key indexes, kept on the first op
         # between calls; when the ops changed, the group that still holds theirs (slices
         # left: a migration, a thread reschedule), else a new one. One op whose keys no

@@ -45,6 +45,15 @@ def key_codes_column(key: str) -> str:
     """
     return KEY_CODES_PREFIX + key
 
+
+#: Field metadata of the key-codes column: uint64s (native byte order), the
+#: ``binary_fingerprint`` of the dictionary routing encoded, then the stable
+#: hash of each of its values, so the consumer does not hash the keys again.
+#: A merge of several senders' parts unifies their dictionaries and keeps one
+#: part's metadata: the consumer trusts the hashes only for a dictionary with
+#: that fingerprint.
+KEY_HASHES_META = b"chronostream.key_hashes"
+
 #: Bits reserved per fan-out level in the sub-order. An operator may produce
 #: at most 2**SUB_FANOUT_BITS rows from one input row, and a row may pass
 #: through at most MAX_FANOUT_LEVELS fan-out operators (flat_map, user

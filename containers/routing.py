@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from chronostream.hashing import slice_and_codes
+from chronostream.hashing import binary_fingerprint, slices_codes_and_hashes
 from chronostream.sorting import stable_argsort
-from chronostream.types import ORDER, key_codes_column
+from chronostream.types import KEY_HASHES_META, ORDER, key_codes_column
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
 RoutedPart = tuple[pa.Table, np.ndarray]
@@ -49,16 +49,16 @@ def consumer_slices(table: pa.Table, key: tuple[str, ...] | None, num_slices: in
     return _slices_and_codes(table, key, num_slices)[0]
 
 
-def _slices_and_codes(table: pa.Table, key: tuple[str, ...] | None,
-                      num_slices: int) -> tuple[np.ndarray, pa.DictionaryArray | None]:
+def _slices_and_codes(table: pa.Table, key: tuple[str, ...] | None, num_slices: int
+                      ) -> tuple[np.ndarray, pa.DictionaryArray | None, np.ndarray | None]:
     if num_slices == 1:
-        return np.zeros(table.num_rows, dtype=np.int64), None
+        return np.zeros(table.num_rows, dtype=np.int64), None, None
     if key is None:
-        return slice_and_codes([table.column(ORDER)], num_slices)
+        return slices_codes_and_hashes([table.column(ORDER)], num_slices)
     missing = [k for k in key if k not in table.schema.names]
     if missing:
         raise KeyError(f"key column(s) {missing} not in the stream's columns {table.schema.names}")
-    return slice_and_codes([table.column(k) for k in key], num_slices)
+    return slices_codes_and_hashes([table.column(k) for k in key], num_slices)
 
 
 def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
@@ -71,11 +71,17 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
     ``key_codes``: the consumer groups by the stream's key; when hashing
     dictionary-encoded it (one string key whose values repeat), the parts
     carry those codes as column ``key_codes_column(key)`` (a dictionary
-    column: its indices cost 4 bytes a row, the dictionary once a part).
+    column: its indices cost 4 bytes a row, the dictionary once a part),
+    with the hash of each dictionary value in the field's metadata
+    (``KEY_HASHES_META``: the dictionary's ``binary_fingerprint``, then 8
+    bytes a distinct key): the consumer's key index looks keys up by those
+    hashes and would otherwise compute them again.
     """
-    dst, codes = _slices_and_codes(table, key, out.num_slices)
+    dst, codes, code_hashes = _slices_and_codes(table, key, out.num_slices)
     if key_codes and codes is not None and key is not None:
-        table = table.append_column(key_codes_column(key[0]), codes)
+        tagged = np.concatenate((np.array([binary_fingerprint(codes.dictionary)], np.uint64), code_hashes))
+        field = pa.field(key_codes_column(key[0]), codes.type, metadata={KEY_HASHES_META: tagged.tobytes()})
+        table = table.append_column(field, codes)
     cont = out.slice_to_container[dst]
     rows = None  # row index per routed row (None: every row once, in order)
     if out.dual:

@@ -24,6 +24,7 @@ from chronostream import operators
 from chronostream.operators import KeyedAggregate, OperatorContext
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from containers.core import ContainerCore
+from containers.routing import OutputRoute, route
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
 from slices.group import fuses, grouped_merge_order, process_parts
@@ -128,7 +129,8 @@ def test_routed_key_codes_give_the_outputs_and_state_of_encoding_the_key(epochs,
         if partly:
             assert ids is None
         else:
-            inverse, (distinct,) = ids
+            inverse, (distinct,), hashes = ids
+            assert hashes is None  # these codes came without routing's hashes
             assert distinct.take(pa.array(inverse)).to_pylist() == [r["k"] for r in batch.to_pylist()]
             assert sorted(distinct.to_pylist()) == sorted({r["k"] for r in rows})
         got, _ = KeyedAggregate.consume_slices(coded_ops, "in", coded, bounds)["out"]
@@ -136,6 +138,57 @@ def test_routed_key_codes_give_the_outputs_and_state_of_encoding_the_key(epochs,
         assert exact(got) == exact(want)
     for c, p in zip(coded_ops, plain_ops):  # keys may hold other slots: compare per key
         assert state_by_key(c) == state_by_key(p)
+
+
+def routed_batch(batch: pa.Table, n_ops: int) -> pa.Table:
+    """``batch`` as one sender's part arrives from ``containers.routing.route``: key codes and
+    their hashes in the field metadata (rows stay in the batch's order)."""
+    tagged = batch.append_column("row", pa.array(np.arange(batch.num_rows)))
+    part, _dst = route(tagged, ("k",), OutputRoute(1, np.zeros(max(n_ops, 2), np.int64)), key_codes=True)[0]
+    return part.take(pa.array(np.argsort(np.asarray(part.column("row"))))).drop_columns(["row"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(row, min_size=1, max_size=30), min_size=1, max_size=3), st.integers(1, 4))
+def test_routed_hashes_are_the_keys_hashes_and_give_the_same_outputs_and_state(epochs, n_ops):
+    """Routing ships each key's hash with its codes; the group uses them (its own hashing is not
+    called) and gives the outputs and state it gives when it encodes and hashes the key itself."""
+    routed_ops, plain_ops = make_ops(n_ops), make_ops(n_ops)
+    epochs = [rows * (257 // len(rows) + 1) for rows in epochs]  # routing encodes epochs of 257+ rows
+    for rows, batch, bounds in hashed_epochs(epochs, n_ops):
+        coded = routed_batch(batch, n_ops)
+        inverse, (distinct,), hashes = operators._routed_key_codes(coded, ["k"])
+        assert hashes.tolist() == hash_columns([distinct], distinct=True).tolist()
+        assert distinct.take(pa.array(inverse)).to_pylist() == [r["k"] for r in batch.to_pylist()]
+        calls = []
+        real = operators.hash_columns
+        operators.hash_columns = lambda *a, **k: calls.append(a) or real(*a, **k)
+        try:
+            got, _ = KeyedAggregate.consume_slices(routed_ops, "in", coded, bounds)["out"]
+        finally:
+            operators.hash_columns = real
+        assert calls == []
+        want, _ = KeyedAggregate.consume_slices(plain_ops, "in", batch, bounds)["out"]
+        assert exact(got) == exact(want)
+    for r, p in zip(routed_ops, plain_ops):
+        assert state_by_key(r) == state_by_key(p)
+
+
+def test_hashes_routed_for_another_dictionary_are_not_trusted():
+    """Parts of two senders merge into one dictionary and keep one part's metadata: hashes shipped
+    for a dictionary other than the one the rows now use (another length, or the same length and
+    other values) are ignored, and the group hashes the keys itself."""
+    words = [f"w{i % 7}" for i in range(300)]
+    first = routed_batch(pa.table({"k": words, ORDER: np.arange(300)}), 2)
+    other = routed_batch(pa.table({"k": [f"v{i % 9}" for i in range(300)], ORDER: np.arange(300)}), 2)
+    merged = pa.concat_tables([first, other]).take(pa.array(np.arange(600)))  # one chunk, dictionaries unified
+    assert merged.column("_codes.k").num_chunks == 1
+    assert operators._routed_key_codes(merged, ["k"])[2] is None
+    swapped = first.column("_codes.k").combine_chunks()
+    relabeled = pa.DictionaryArray.from_arrays(swapped.indices, pa.array([f"x{i}" for i in range(7)]))
+    forged = first.set_column(first.schema.get_field_index("_codes.k"), first.schema.field("_codes.k"), relabeled)
+    assert operators._routed_key_codes(forged, ["k"])[2] is None
+    assert operators._routed_key_codes(first, ["k"])[2] is not None
 
 
 def test_a_key_in_two_slices_rows_is_refused_and_changes_nothing():
