@@ -1,21 +1,14 @@
 """Core identifiers and system column names shared by every layer.
 
-Owns: the NewTypes that keep easily-confused ids apart, the names of the
-system columns every stream batch carries, and the lineage encoding of the
-within-event sub-order. Knows nothing of Ray, lmdb or any executor.
+Owns: the names of the system columns every stream batch carries, the
+derived key-codes column routing adds, and the lineage encoding of the
+within-event sub-order. Ids (slices, containers, stages, streams, epochs)
+are plain ints. Knows nothing of Ray, lmdb or any executor.
 """
 
 from __future__ import annotations
 
-from typing import NewType
-
 import numpy as np
-
-SliceId = NewType("SliceId", int)
-ContainerId = NewType("ContainerId", int)
-StageId = NewType("StageId", int)
-StreamId = NewType("StreamId", int)
-Epoch = NewType("Epoch", int)
 
 #: Global source order of the input event a row derives from (dense from 0
 #: over all sources of a job). Assigned once, at the source; never changes.
@@ -26,8 +19,6 @@ SUB = "_sub"
 #: Identity of a row on its stream: the producer slice and its dense out_seq.
 SLICE = "_slice"
 SEQ = "_seq"
-#: Stream name, added to sink output only.
-STREAM = "_stream"
 
 SYSTEM_COLUMNS = (ORDER, SUB, SLICE, SEQ)
 
