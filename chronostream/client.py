@@ -21,7 +21,7 @@ from chronostream.dag import JobPlan, Query, compile_query
 from chronostream.errors import JobFailed
 from chronostream.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
-from chronostream.sinks import ParquetSink, read_parquet_sink
+from chronostream.sinks import ParquetSink, dead_letter_table, read_parquet_sink
 
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
@@ -170,9 +170,13 @@ class Job:
         return self._result_cache[sink_name]
 
     def dead_letters(self) -> pa.Table:
-        """Poison events routed to the dead-letter sink."""
+        """Poison events routed to the dead-letter sink (waits for the job): the source rows that
+        broke the declared schema, then the runtime's sorted by (order, sub, stage, slice)."""
         if self.plan.dead_letter_sink is None:
             raise ValueError("this query has no dead-letter sink (see Query.dead_letters)")
+        if isinstance(self.plan.dead_letter_sink, ParquetSink):
+            self.wait()
+            return _parquet_dead_letters(self.plan)
         return self.results(self.plan.dead_letter_sink.name)
 
     def sink_path(self, sink_name: str) -> str:
@@ -291,13 +295,24 @@ class Job:
         self.stop()
 
 
+def _parquet_dead_letters(plan: JobPlan) -> pa.Table:
+    """The dead letters a job wrote to its ParquetSink dead-letter sink, with the source's."""
+    spec = plan.dead_letter_sink
+    assert isinstance(spec, ParquetSink)
+    return dead_letter_table([read_parquet_sink(spec.path, "stage=*/slice=*/epoch-*.parquet")],
+                             plan.source_dead_letters)
+
+
 class CompletedJob:
     """A job run by the serial or local executor: already finished."""
 
-    def __init__(self, plan: JobPlan, results: Any, dead: Any = None) -> None:
+    def __init__(self, plan: JobPlan, results: Any, dead: Any = None, dead_from_sink: bool = True) -> None:
         self.plan = plan
         self._results = results
         self._dead = dead
+        # The serial executor keeps its dead letters in memory whatever the sink; the runtime
+        # writes them to the dead-letter sink, a ParquetSink's directory included.
+        self._dead_from_sink = dead_from_sink
 
     def wait(self, timeout_s: float | None = None) -> JobStatus:
         """Return at once: the job is finished."""
@@ -316,6 +331,8 @@ class CompletedJob:
 
     def dead_letters(self) -> pa.Table:
         """Poison events routed to the dead-letter sink."""
+        if isinstance(self.plan.dead_letter_sink, ParquetSink) and self._dead_from_sink:
+            return _parquet_dead_letters(self.plan)
         return self._dead()
 
     def stop(self) -> None:
@@ -413,7 +430,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
-        return CompletedJob(plan, res.results, dl)
+        return CompletedJob(plan, res.results, dl, dead_from_sink=False)
     from master.placement import containers_per_stage, initial_placement
 
     per_stage = containers_per_stage(plan, containers)

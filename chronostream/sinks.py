@@ -28,6 +28,30 @@ def sort_output(table: pa.Table) -> pa.Table:
     return table.sort_by([(SLICE, "ascending"), (SEQ, "ascending")])
 
 
+#: Columns the runtime's dead letters are sorted by, where present: the poison event's
+#: source order and sub-order, then the stage and slice that refused it.
+DEAD_LETTER_ORDER = ("order", "sub", "stage", "slice")
+
+
+def dead_letter_table(tables: list[pa.Table], source_dead_letters: list[dict]) -> pa.Table:
+    """A job's dead letters as one table: the source rows that broke the declared schema first
+    (in source order), then the runtime's, sorted by ``DEAD_LETTER_ORDER`` so a run gives the
+    same table however its containers wrote them.
+
+    >>> t = pa.table({"stage": ["b", "a"], "slice": [0, 1], "order": [9, 3], "sub": [0, 0]})
+    >>> dead_letter_table([t], [])["order"].to_pylist()
+    [3, 9]
+    """
+    tables = [t for t in tables if t.num_rows]
+    runtime = pa.concat_tables(tables, promote_options="permissive") if tables else None
+    if runtime is not None:
+        keys = [(c, "ascending") for c in DEAD_LETTER_ORDER if c in runtime.schema.names]
+        runtime = runtime.sort_by(keys) if keys else runtime
+    parts = ([pa.Table.from_pylist(source_dead_letters)] if source_dead_letters else []) + \
+        ([runtime] if runtime is not None else [])
+    return pa.concat_tables(parts, promote_options="permissive") if parts else pa.table({})
+
+
 class SinkWriter:
     """Writes one sink's rows inside one container (or the serial executor)."""
 
@@ -60,6 +84,11 @@ class Sink:
     def writer(self, owner: str) -> SinkWriter:
         """Return a writer for one container (``owner`` names it, for file names)."""
         raise NotImplementedError
+
+    def dead_letter_writer(self, owner: str, stage_id: int) -> SinkWriter:
+        """A writer of the dead letters of one container of stage ``stage_id`` (this sink is the
+        job's dead-letter sink, shared by every stage: parts must not collide across stages)."""
+        return self.writer(owner)
 
 
 @dataclass
@@ -120,6 +149,11 @@ class ParquetSink(Sink):
     def writer(self, owner: str) -> SinkWriter:
         return _ParquetWriter(Path(self.path))
 
+    def dead_letter_writer(self, owner: str, stage_id: int) -> SinkWriter:
+        # One directory per stage: two stages' dead letters of one slice id and epoch would
+        # otherwise be one file, the later write replacing the earlier.
+        return _ParquetWriter(Path(self.path) / f"stage={stage_id:04d}")
+
 
 class _ParquetWriter(SinkWriter):
     def __init__(self, root: Path) -> None:
@@ -137,9 +171,12 @@ class _ParquetWriter(SinkWriter):
         os.replace(tmp, final)
 
 
-def read_parquet_sink(path: str | os.PathLike) -> pa.Table:
-    """Read a ParquetSink directory back as one table sorted by (slice, out_seq)."""
-    files = sorted(Path(path).glob("slice=*/epoch-*.parquet"))
+def read_parquet_sink(path: str | os.PathLike, pattern: str = "slice=*/epoch-*.parquet") -> pa.Table:
+    """Read a ParquetSink directory back as one table sorted by (slice, out_seq).
+
+    ``pattern``: the files to read; a dead-letter sink's are ``stage=*/slice=*/epoch-*.parquet``.
+    """
+    files = sorted(Path(path).glob(pattern))
     if not files:
         return pa.table({})
     return sort_output(pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive"))

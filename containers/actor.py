@@ -173,7 +173,8 @@ class ResourceContainer:
         assert plan is not None, "configure() first"
         writers = {s.sink_id: s.sink.writer(f"c{container_id}") for s in plan.sinks
                    if plan.streams[s.stream_id].stage_id == stage_id}
-        dl = plan.dead_letter_sink.writer(f"c{container_id}") if plan.dead_letter_sink is not None else None
+        dl = plan.dead_letter_sink.dead_letter_writer(f"c{container_id}", stage_id) \
+            if plan.dead_letter_sink is not None else None
         olog = OutputLog(self.workdir / f"container-{container_id}" / "output-log") if output_log else None
         core = ContainerCore(plan, stage_id, container_id, slices, routes, senders, source_table=source_table,
                              output_log=olog, sink_writers=writers, dead_letter_writer=dl,

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
-from chronostream.sinks import sort_output
+from chronostream.sinks import dead_letter_table, sort_output
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer
 from containers.core import DEAD_LETTERS, ContainerStatistics
@@ -975,9 +975,7 @@ class JobMaster:
             parts.update(held)
         tables = [t for _, t in sorted(parts.items()) if t.num_rows]
         if sink_id == DEAD_LETTERS:
-            if self.plan.source_dead_letters:
-                tables.insert(0, pa.Table.from_pylist(self.plan.source_dead_letters))
-            return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+            return dead_letter_table(tables, self.plan.source_dead_letters)
         if not tables:
             return pa.table({})
         return sort_output(pa.concat_tables(tables, promote_options="permissive"))

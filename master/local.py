@@ -25,7 +25,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
-from chronostream.sinks import sort_output
+from chronostream.sinks import dead_letter_table, sort_output
 from containers.backup_store import BackupStore
 from containers.core import DEAD_LETTERS, ContainerCore
 from containers.output_log import OutputLog
@@ -45,7 +45,8 @@ def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, sli
     """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks)."""
     stage_id = placement.stage_of[c]
     writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
-    dl = plan.dead_letter_sink.writer(f"c{c}") if plan.dead_letter_sink is not None else None
+    dl = plan.dead_letter_sink.dead_letter_writer(f"c{c}", stage_id) \
+        if plan.dead_letter_sink is not None else None
     return ContainerCore(plan, stage_id, c, placement.slices_of(c) if slices is None else slices,
                          placement.routes_for(plan, stage_id), placement.sender_coverage(plan, stage_id),
                          source_table=sources.get(stage_id), output_log=output_log, sink_writers=writers,
@@ -557,9 +558,7 @@ class LocalCluster:
             parts.update(core.sink_parts(sink_id))
         tables = [t for _, t in sorted(parts.items()) if t.num_rows]
         if sink_id == DEAD_LETTERS:
-            if self.plan.source_dead_letters:
-                tables.insert(0, pa.Table.from_pylist(self.plan.source_dead_letters))
-            return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+            return dead_letter_table(tables, self.plan.source_dead_letters)
         if not tables:
             return pa.table({})
         return sort_output(pa.concat_tables(tables, promote_options="permissive"))
@@ -584,10 +583,7 @@ def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str):
     if sink is None:
         if plan.dead_letter_sink is not None and plan.dead_letter_sink.name == sink_name:
             tables = [c.dead_letter_writer.collect() for c in cores.values() if c.dead_letter_writer]
-            tables = [t for t in tables if t is not None]
-            if plan.source_dead_letters:
-                tables.insert(0, pa.Table.from_pylist(plan.source_dead_letters))
-            return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+            return dead_letter_table([t for t in tables if t is not None], plan.source_dead_letters)
         raise KeyError(f"no sink named {sink_name!r}")
     tables = [c.sink_writers[sink.sink_id].collect() for c in cores.values() if sink.sink_id in c.sink_writers]
     tables = [t for t in tables if t is not None]

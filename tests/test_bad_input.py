@@ -173,3 +173,57 @@ def test_failed_vectorized_call_keeps_none_of_its_outputs():
     assert local.results("o").num_rows == 199
     assert local.results("o").to_pylist() == serial.results("o").to_pylist()
     assert [d["order"] for d in local.dead_letters().to_pylist()] == [77]
+
+
+def _two_stage_poison_query(dead_letter_sink) -> cs.Query:
+    """Row 150 fails a vectorized transform of the source stage and row 113 the ``fussy`` stage
+    downstream, both in epoch 0 and both in slice 0 of their stage."""
+    import pyarrow.compute as pc
+
+    def checked(t: pa.Table) -> pa.Table:
+        if pc.any(pc.equal(t["amount"], 150)).as_py():
+            raise RuntimeError("150 rejected")
+        return t
+
+    q = cs.Query(epoch_events=500)
+    q.dead_letters(dead_letter_sink)
+    q.source("payments", good_rows(), slices=1).map_batches(checked).key_by("user") \
+        .apply(Fussy, slices=1, name="fussy").sink(name="t")
+    return q
+
+
+def _poison(dead: pa.Table) -> list[tuple]:
+    return [(d["stage"], d["order"], d["error"]) for d in dead.to_pylist()]
+
+
+def test_a_parquet_dead_letter_sink_is_read_back_by_dead_letters(tmp_path):
+    """Dead letters written to a ParquetSink come back from ``job.dead_letters()``, every stage's
+    (two stages refusing a row in the same slice id and epoch do not overwrite each other's file),
+    sorted by source order, as the serial executor lists them."""
+    serial = cs.run(_two_stage_poison_query(cs.ParquetSink(str(tmp_path / "serial"), name="dl")), executor="serial")
+    local = cs.run(_two_stage_poison_query(cs.ParquetSink(str(tmp_path / "local"), name="dl")),
+                   executor="local", containers=1)
+    want = _poison(serial.dead_letters())
+    assert [(stage, order) for stage, order, _ in want] == [("fussy", 113), ("payments", 150)]
+    assert _poison(local.dead_letters()) == want
+    assert len(list((tmp_path / "local").glob("stage=*/slice=*/epoch-*.parquet"))) == 2
+
+
+def test_dead_letters_come_back_sorted_by_source_order_from_a_memory_sink():
+    """Containers write dead letters as they meet them (here the source stage's container, with
+    the later row, first); ``dead_letters()`` sorts them by source order (then sub-order, stage,
+    slice), as the serial executor lists them."""
+    serial = cs.run(_two_stage_poison_query(None), executor="serial")
+    local = cs.run(_two_stage_poison_query(None), executor="local", containers=2)
+    assert _poison(local.dead_letters()) == _poison(serial.dead_letters())
+
+
+def test_a_parquet_dead_letter_sink_is_read_back_on_ray(ray_session, tmp_path):
+    """The same on Ray: the containers write the files, ``Job.dead_letters()`` reads them back."""
+    serial = cs.run(_two_stage_poison_query(cs.ParquetSink(str(tmp_path / "serial"), name="dl")), executor="serial")
+    job = cs.run(_two_stage_poison_query(cs.ParquetSink(str(tmp_path / "ray"), name="dl")), containers=1)
+    try:
+        got = _poison(job.dead_letters())
+    finally:
+        job.stop()
+    assert got == _poison(serial.dead_letters())
