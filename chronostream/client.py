@@ -427,6 +427,11 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
                          ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
                          source_pace_s=source_pace_s, background_niceness=background_niceness)
+    if executor not in ("serial", "local", "ray"):
+        raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
+    for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
+        if isinstance(spec, ParquetSink):
+            spec.prepare()  # an earlier run's files would be read back with this one's
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
@@ -440,8 +445,6 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed, spill_state=spill_state)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
-    if executor != "ray":
-        raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     import ray
 
     from master.actor import JobMaster

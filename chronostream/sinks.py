@@ -10,6 +10,7 @@ idempotent. Knows no Ray.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -134,17 +135,46 @@ class _MemoryWriter(SinkWriter):
         return pa.concat_tables(tables, promote_options="permissive")
 
 
+#: The files and directories a ParquetSink writes under its path (a dead-letter sink's per stage).
+_PARQUET_SINK_ENTRIES = ("slice=*", "stage=*")
+
+
 @dataclass
 class ParquetSink(Sink):
     """Writes output as Parquet files under ``path`` (one file per slice and epoch).
 
     Files are written to a temporary name and renamed, so a reader never sees
     a half-written file; ``read_parquet_sink(path)`` reads them back in
-    identity order.
+    identity order. A run refuses a directory that holds an earlier run's
+    files (they would be read back with its own), unless ``overwrite`` is
+    set: then the run first deletes them (only the sink's own ``slice=*`` and
+    ``stage=*`` directories; other files are left alone).
+
+    >>> ParquetSink("/tmp/out", name="counts", overwrite=True).overwrite
+    True
     """
 
     path: str
     name: str = "out"
+    overwrite: bool = False
+
+    def prepare(self) -> None:
+        """Before a run: refuse (``FileExistsError``) or, with ``overwrite``, delete an earlier
+        run's files under ``path``."""
+        root = Path(self.path)
+        earlier = sorted(p for pattern in _PARQUET_SINK_ENTRIES for p in root.glob(pattern)) if root.is_dir() else []
+        if not earlier:
+            return
+        if not self.overwrite:
+            raise FileExistsError(
+                f"ParquetSink {self.name!r}: {self.path} holds an earlier run's output ({earlier[0].name}, "
+                f"{len(earlier)} entries); its files would be read back with this run's. Use an empty "
+                f"directory, or ParquetSink(..., overwrite=True) to delete them first")
+        for p in earlier:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     def writer(self, owner: str) -> SinkWriter:
         return _ParquetWriter(Path(self.path))

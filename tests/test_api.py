@@ -171,3 +171,34 @@ def test_produce_update_to_an_undeclared_output_names_the_stage():
     q.source("s", [{"k": 1}]).key_by("k").apply(Stray, slices=1, name="stray").sink(name="out")
     with pytest.raises(Exception, match="stray.*undeclared output 'nowhere'"):
         cs.run(q, executor="serial")
+
+
+def _counts_to_parquet(path: Path, slices: int, overwrite: bool = False) -> cs.Query:
+    q = cs.Query(epoch_events=10)
+    q.source("w", [{"w": f"w{i % 3}"} for i in range(40)]).key_by("w") \
+        .count(slices=slices).sink(cs.ParquetSink(str(path), name="c", overwrite=overwrite))
+    return q
+
+
+def test_a_parquet_sink_refuses_a_directory_holding_an_earlier_runs_output(tmp_path):
+    """A second run into the same directory (here with other slice counts, whose files would not
+    be overwritten) is refused with an error naming the sink and the way out, and writes nothing."""
+    out = tmp_path / "out"
+    cs.run(_counts_to_parquet(out, slices=4), executor="local")
+    before = sorted(p.relative_to(out) for p in out.rglob("*.parquet"))
+    with pytest.raises(FileExistsError, match=r"ParquetSink 'c'.*overwrite=True"):
+        cs.run(_counts_to_parquet(out, slices=2), executor="local")
+    assert sorted(p.relative_to(out) for p in out.rglob("*.parquet")) == before
+
+
+def test_a_parquet_sink_with_overwrite_reads_back_only_its_own_run(tmp_path):
+    """With ``overwrite=True`` the earlier run's files go first: the output read back is this run's
+    alone, equal to the serial executor's; files that are not the sink's stay."""
+    out = tmp_path / "out"
+    cs.run(_counts_to_parquet(out, slices=4), executor="local")
+    (out / "notes.txt").write_text("mine")
+    job = cs.run(_counts_to_parquet(out, slices=2, overwrite=True), executor="local")
+    serial = cs.run(_counts_to_parquet(tmp_path / "serial", slices=2), executor="serial")
+    assert job.results("c").to_pylist() == serial.results("c").to_pylist()
+    assert job.results("c").num_rows == 40
+    assert (out / "notes.txt").read_text() == "mine"
