@@ -6,6 +6,7 @@ derives every container's routing tables and sender sets from it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,10 +88,20 @@ def initial_placement(plan: JobPlan, containers_per_stage: dict[int, int]) -> Pl
 
 
 def containers_per_stage(plan: JobPlan, containers: int | dict[str, int]) -> dict[int, int]:
-    """Resolve the user's ``containers=`` (one number, or stage name -> number)."""
+    """Resolve the user's ``containers=`` (one number, or stage name -> number).
+
+    A stage never runs more containers than it has slices (``initial_placement``). One
+    number for every stage is capped quietly (a one-slice source is common); a number
+    asked for a stage by name that exceeds its slices warns, naming both.
+    """
     if isinstance(containers, int):
         return {s.stage_id: containers for s in plan.stages}
     unknown = set(containers) - {s.name for s in plan.stages}
     if unknown:
         raise QueryError(f"containers= names unknown stages {sorted(unknown)}; stages: {[s.name for s in plan.stages]}")
+    for s in plan.stages:
+        if containers.get(s.name, 1) > s.num_slices:
+            warnings.warn(f"containers={{{s.name!r}: {containers[s.name]}}}: stage {s.name!r} has "
+                          f"{s.num_slices} slices, so it runs {s.num_slices} containers (give it more "
+                          f"slices to spread it wider)", UserWarning, stacklevel=3)
     return {s.stage_id: containers.get(s.name, 1) for s in plan.stages}

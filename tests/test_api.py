@@ -202,3 +202,22 @@ def test_a_parquet_sink_with_overwrite_reads_back_only_its_own_run(tmp_path):
     assert job.results("c").to_pylist() == serial.results("c").to_pylist()
     assert job.results("c").num_rows == 40
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_asking_a_named_stage_for_more_containers_than_slices_warns_and_caps():
+    """``containers={"count": 5}`` for a 2-slice stage warns, naming stage and slice count, and the
+    stage runs 2 containers; one number for every stage caps quietly (a 1-slice source is common)."""
+    import warnings
+
+    from chronostream.dag import compile_query
+    from master.placement import containers_per_stage, initial_placement
+
+    q = cs.Query()
+    q.source("w", [{"w": "a"}], slices=1).key_by("w").count(slices=2, name="count").sink(name="c")
+    plan, _ = compile_query(q)
+    with pytest.warns(UserWarning, match=r"stage 'count' has 2 slices, so it runs 2 containers"):
+        per_stage = containers_per_stage(plan, {"count": 5})
+    assert len(initial_placement(plan, per_stage).containers[plan.stage("count").stage_id]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        containers_per_stage(plan, 5)
