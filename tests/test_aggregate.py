@@ -314,3 +314,25 @@ def test_a_variant_first_used_after_the_full_checkpoint_merges_and_restores_exac
     live.consume_batch("in", more)
     restored.consume_batch("in", more)
     assert rctx.take_outputs({})["out"].to_pylist() == ctx.take_outputs({})["out"].to_pylist()
+
+
+def test_a_restored_aggregate_takes_new_keys_without_reallocating_its_arrays():
+    """A restore leaves room for as many keys again (zero pages until used): the first new keys
+    after a migration or recovery land in the arrays restored, with no state-sized copy on the
+    epoch's thread, and the outputs and state equal the operator that never stopped."""
+    live, ctx = make(["k"], ALL_SPECS[:5])
+    live.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k, "i": k} for k in range(1000)])))
+    ctx.take_outputs({})
+    restored, rctx = make(["k"], ALL_SPECS[:5])
+    restored.restore_state(live.checkpoint_state(delta=False))
+    arrays = {name: arr for name, arr in restored.arrays.items()}
+    assert all(len(arr) >= 2000 for arr in arrays.values())
+    fresh = pa.Table.from_pylist(with_lineage([{"k": 1000 + k % 700, "i": k} for k in range(900)]))  # 700 new keys
+    live.consume_batch("in", fresh)
+    restored.consume_batch("in", fresh)
+    assert all(restored.arrays[name] is arr for name, arr in arrays.items())
+    assert rctx.take_outputs({})["out"].to_pylist() == ctx.take_outputs({})["out"].to_pylist()
+    n = len(live.key_index)
+    assert len(restored.key_index) == n == 1700
+    for name in live.arrays:
+        assert restored.arrays[name][:n].tolist() == live.arrays[name][:n].tolist(), name
