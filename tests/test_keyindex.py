@@ -11,15 +11,17 @@ from hypothesis import strategies as st
 from chronostream.keyindex import KeyCollision, KeyIndex
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 60), max_size=40, unique=True), max_size=12),
-       st.booleans(), st.sampled_from([1 << 17, 1, 5]))
-def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_strings, recent_max):
+       st.booleans(), st.sampled_from([1 << 17, 1, 5]), st.sampled_from([1 << 20, 1, 3]))
+def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_strings, recent_max, merge_step):
     """Every batch (distinct keys, old and new mixed, any order) gets the slot a dict would give:
     a key keeps the slot it first got; new keys are numbered in their order in the batch. Also
-    when new keys' hashes wait in the recent run and merge into the main one every 1 or 5 keys."""
+    when new keys' hashes wait in the recent run and merge into the main one every 1 or 5 keys,
+    a merge moving 1 or 3 main entries per lookup (so it spans lookups)."""
     ix, ref = KeyIndex(), {}
     ix.RECENT_MAX = recent_max
+    ix.MERGE_STEP_MIN = merge_step
     for batch in batches:
         keys = [f"k{k}" for k in batch] if as_strings else batch
         got = ix.slots([pa.array(keys)]).tolist() if keys else []
@@ -30,6 +32,28 @@ def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_st
     hashes, slots = ix.sorted_hashes()
     assert np.all(np.diff(hashes.astype(np.float64)) >= 0)  # sorted for the lookups
     assert len(ix._recent_hashes) == 0 and sorted(slots.tolist()) == list(range(len(ref)))
+
+
+def test_a_merge_of_the_recent_run_is_spread_over_lookups_and_loses_no_key():
+    """Past RECENT_MAX new keys the recent run freezes and merges into the main one a chunk per
+    lookup: meanwhile keys of the main, frozen and new recent runs are all found at their slots,
+    and once done the main run holds every key in hash order."""
+    ix = KeyIndex()
+    ix.RECENT_MAX, ix.MERGE_STEP_MIN = 50, 40
+    ix.slots([pa.array(np.arange(1000))])  # the main run
+    ix.slots([pa.array(np.arange(1000, 1049))])  # 49 recent keys
+    ix.slots([pa.array([1049])])  # the 50th: the recent run freezes, a merge of 40 entries a lookup begins
+    assert ix._merging is not None and len(ix._recent_hashes) == 0
+    steps = 0
+    while ix._merging is not None:
+        assert ix.slots([pa.array([3, 999, 1000, 1049, 2000 + steps])]).tolist() == [3, 999, 1000, 1049,
+                                                                                    1050 + steps]
+        steps += 1
+    assert steps >= 10  # 1,000 main entries, 40 a lookup
+    hashes, slots = ix.sorted_hashes()
+    assert len(hashes) == 1050 + steps and np.all(hashes[1:] > hashes[:-1])
+    keys = np.concatenate([np.arange(1050), 2000 + np.arange(steps)])
+    assert ix.slots([pa.array(keys)]).tolist() == list(range(1050 + steps))
 
 
 def test_multi_column_keys_are_one_key_per_combination():

@@ -203,13 +203,14 @@ def test_a_key_in_two_slices_rows_is_refused_and_changes_nothing():
     assert all(op._dirty_slots == [] for op in ops)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 40), max_size=25, unique=True), max_size=8), st.integers(1, 4),
-       st.sampled_from([1 << 17, 1, 4]), st.booleans())
-def test_group_slots_equal_each_members_own_numbering(batches, members, recent_max, preloaded):
+       st.sampled_from([1 << 17, 1, 4]), st.booleans(), st.sampled_from([1 << 20, 1, 3]))
+def test_group_slots_equal_each_members_own_numbering(batches, members, recent_max, preloaded, merge_step):
     """Keys partitioned over members (key % members): the group gives each key the slot its member
     would (first-seen order per member), and each member's own lookups agree afterwards; also
-    when new keys wait in the group's recent run and merge into its main run every 1 or 4 keys,
+    when new keys wait in the group's recent run and merge into its main run every 1 or 4 keys
+    (a merge moving 1 or 3 main entries per lookup, so it spans lookups),
     and when the members held keys of their own before the group was built (``preloaded``: the
     first batch goes to each member alone; the group verifies hits on them in its own copy)."""
     indexes = [KeyIndex() for _ in range(members)]
@@ -223,6 +224,7 @@ def test_group_slots_equal_each_members_own_numbering(batches, members, recent_m
         batches = batches[1:]
     group = KeyIndexGroup(indexes)
     group.RECENT_MAX = recent_max
+    group.MERGE_STEP_MIN = merge_step
     for keys in batches:
         if not keys:
             continue
