@@ -33,16 +33,21 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 _PADDED_BYTES_LIMIT = 1 << 22  # rows x longest value: above it, no padded byte matrix
 
 
+def _offsets_and_data(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A string/binary array's value offsets (``len(arr) + 1``, slicing applied) and its
+    data buffer, as numpy views."""
+    large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32,
+                            count=arr.offset + len(arr) + 1)[arr.offset:]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return offsets, data
+
+
 def _hash_binary(arr: pa.Array) -> np.ndarray:
     """FNV-1a of each value's bytes, vectorized over rows (loop over byte positions)."""
-    if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
-        offset_dtype = np.int64
-    else:
-        offset_dtype = np.int32
     n = len(arr)
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=offset_dtype, count=arr.offset + n + 1)[arr.offset :]
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    offsets, data = _offsets_and_data(arr)
     starts = offsets[:-1].astype(np.int64)
     lengths = (offsets[1:] - offsets[:-1]).astype(np.int64)
     h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
@@ -129,13 +134,9 @@ def binary_fingerprint(arr: pa.Array) -> int:
     >>> binary_fingerprint(pa.array(["ab", "c"])) == binary_fingerprint(pa.array(["a", "bc"]))
     False
     """
-    offset_dtype = np.int64 if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type) else np.int32
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=offset_dtype, count=arr.offset + len(arr) + 1)[arr.offset:] \
-        if len(arr) else np.zeros(1, offset_dtype)
+    offsets, data = _offsets_and_data(arr)
     lengths = np.diff(offsets).astype(np.int64)
-    data = memoryview(bufs[2])[int(offsets[0]):int(offsets[-1])] if bufs[2] is not None else b""
-    return zlib.crc32(data, zlib.crc32(lengths.tobytes()))
+    return zlib.crc32(data[int(offsets[0]):int(offsets[-1])], zlib.crc32(lengths.tobytes()))
 
 
 def _contiguous(arr: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -75,8 +75,9 @@ def _merge_runs(main: np.ndarray, recent: np.ndarray,
     """The sorted ``recent`` run merged into the sorted ``main`` one, with each (main, recent)
     payload array moved alike (O(main + recent)). Also how a batch of new keys (sorted)
     joins a recent run."""
-    at = np.searchsorted(main, recent)
-    return np.insert(main, at, recent), [np.insert(m, at, r) for m, r in payloads]
+    merge = _ChunkedMerge([main] + [m for m, _ in payloads], [recent] + [r for _, r in payloads])
+    merge.step(len(main))
+    return merge.out[0], merge.out[1:]
 
 
 def merge_step(main_size: int, new_keys: int, recent_max: int, step_min: int) -> int:
