@@ -139,13 +139,18 @@ class StoredKeys:
     """The keys of a ``KeyIndex`` in slot order, per key column, in a few chunks.
 
     Each chunk is kept more than twice the size of the next (the last
-    chunks merge, in one concatenation, when an append breaks that), so
-    there are at most log2(keys) + 1 chunks and a key is copied O(log keys)
-    times over the index's life. Concatenating every chunk
-    whenever keys had arrived (the previous layout) copied the whole key
-    column once per epoch that brought new keys: while a 7 M-key state was
-    loading, each delta checkpoint copied tens of MB of keys to look up a
-    few thousand. ``take`` costs O(len(slots)) plus a sort by chunk.
+    chunks merge, in one concatenation, when an append breaks that), so a
+    key is copied O(log keys) times over the index's life. Concatenating
+    every chunk whenever keys had arrived (the previous layout) copied the
+    whole key column once per epoch that brought new keys: while a 7 M-key
+    state was loading, each delta checkpoint copied tens of MB of keys to
+    look up a few thousand. A chunk of ``SEALED`` keys or more is never
+    merged again: the merge that joined every chunk copied the whole key
+    column inside one epoch, a stall that grew with the state (211 ms at
+    12.5 M int keys, one process, 2026-11-25). So there are at most
+    keys / ``SEALED`` + log2(``SEALED``) + 1 chunks, and a merge copies
+    at most about 3 x ``SEALED`` keys. ``take`` costs O(len(slots)) plus a
+    sort by chunk.
 
     >>> k = StoredKeys()
     >>> for part in (["a", "b"], ["c"], ["d", "e", "f"]):
@@ -153,6 +158,9 @@ class StoredKeys:
     >>> k.take(np.array([5, 0, 2]))[0].to_pylist(), len(k), len(k.chunks)
     (['f', 'a', 'c'], 6, 1)
     """
+
+    #: Chunks this long are not merged with others any more.
+    SEALED = 1 << 20
 
     def __init__(self) -> None:
         self.chunks: list[list[pa.Array]] = []  # each: one array per key column, in slot order
@@ -170,10 +178,11 @@ class StoredKeys:
         self.chunks.append(list(columns))
         self.starts.append(self.size)
         self.size += k
-        # Keep each chunk more than twice the size of the next (at most log2(keys) + 1 chunks):
-        # the chunks from ``first`` on are merged, with one concatenation.
+        # Keep each chunk below SEALED more than twice the size of the next: the chunks from
+        # ``first`` on are merged, with one concatenation.
         first, tail = len(self.chunks) - 1, k
-        while first > 0 and len(self.chunks[first - 1][0]) <= 2 * tail:
+        while first > 0 and len(self.chunks[first - 1][0]) <= 2 * tail \
+                and len(self.chunks[first - 1][0]) < self.SEALED:
             first -= 1
             tail += len(self.chunks[first][0])
         if first < len(self.chunks) - 1:

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from chronostream.hashing import binary_fingerprint, hash_columns
 from chronostream.keyindex import KeyIndex, KeyIndexGroup
+from chronostream.slot_arrays import SpreadGrowth, doubled_capacity, should_start_spread
 from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
@@ -323,6 +324,10 @@ def _segmented_scan(values: np.ndarray, group_starts: np.ndarray, op: np.ufunc) 
     return v
 
 
+#: The dirty mask's name among an aggregate's slot arrays (no state array has it).
+_DIRTY = "__dirty__"
+
+
 def _state_array_name(agg: str, col: str, kind: str) -> str:
     """Name of the aggregate's running-value array of ``agg`` (sum/min/max) over ``col``, in its
     int (``kind`` "i") or float ("f") variant: ``sum_v_i``. ``count`` is the one other array."""
@@ -372,6 +377,7 @@ class KeyedAggregate(Operator):
         # listed), so a capture needs no sort or unique of them inside the epoch.
         self._dirty_slots: list[np.ndarray] = []
         self._dirty_mask = np.zeros(0, dtype=bool)
+        self._growth: SpreadGrowth | None = None  # the arrays' next doubling, copied a share per batch
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -528,6 +534,7 @@ class KeyedAggregate(Operator):
             rows = last_rows[segs]
             for name, values in updates:
                 op.arrays[name][slots] = values[rows]
+            op._mirror_writes(slots)
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.arange(n)
         cols: dict[str, pa.Array] = {c: batch.column(c) for c in agg.key_columns}
@@ -548,13 +555,21 @@ class KeyedAggregate(Operator):
 
         A value column's sum/min/max exist in an int and a float variant; only the variants a
         batch used are made, so an int column's state, checkpoints and backups carry no
-        all-zero float arrays (3 of an aggregate's 7 arrays per value column).
+        all-zero float arrays (3 of an aggregate's 7 arrays per value column). Large arrays
+        double ahead of need, a share of the copy per batch (``chronostream.slot_arrays``).
         """
         cur = len(self.arrays.get("count", ()))
         missing = [name for name in names if name not in self.arrays]
+        if self._growth is not None:
+            in_use = len(self.key_index)
+            if size > cur or missing or self._growth.step(self._slot_arrays(), in_use):
+                self._take_doubled(self._growth.finish(self._slot_arrays(), in_use))
+                cur = len(self.arrays["count"])
         if size <= cur and not missing:
+            if self._growth is None and should_start_spread(size, cur):
+                self._growth = SpreadGrowth(self._slot_arrays(), doubled_capacity(size, cur))
             return
-        new = cur if size <= cur else max(size, cur * 2, 64)
+        new = cur if size <= cur else doubled_capacity(size, cur)
 
         def grow(a: np.ndarray | None, dtype) -> np.ndarray:
             if a is not None and len(a) == new:
@@ -567,6 +582,20 @@ class KeyedAggregate(Operator):
         self._dirty_mask = grow(self._dirty_mask, bool)
         for name in dict.fromkeys(["count", *self.arrays, *missing]):  # each once, count first
             self.arrays[name] = grow(self.arrays.get(name), _state_array_dtype(name))
+
+    def _slot_arrays(self) -> dict[str, np.ndarray]:
+        """Every array indexed by slot: the running values and the dirty mask (``_DIRTY``)."""
+        return {**self.arrays, _DIRTY: self._dirty_mask}
+
+    def _take_doubled(self, arrays: dict[str, np.ndarray]) -> None:
+        self._dirty_mask = arrays.pop(_DIRTY)
+        self.arrays = arrays
+        self._growth = None
+
+    def _mirror_writes(self, slots: np.ndarray) -> None:
+        """Writes at ``slots`` go to the arrays' next doubling too, while it is being copied."""
+        if self._growth is not None:
+            self._growth.mirror(self._slot_arrays(), slots)
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 
@@ -600,6 +629,8 @@ class KeyedAggregate(Operator):
         """Start the next delta here: what changed so far is covered (or deliberately not kept)."""
         for slots in self._dirty_slots:
             self._dirty_mask[slots] = False
+            if self._growth is not None:
+                self._growth.new[_DIRTY][slots] = False
         self._dirty_slots = []
 
     def restore_state(self, parts: dict[str, dict]) -> None:
@@ -613,6 +644,7 @@ class KeyedAggregate(Operator):
         self.arrays = {}
         self._dirty_slots = []
         self._dirty_mask = np.zeros(0, dtype=bool)
+        self._growth = None
         if len(slots) == 0:
             return
         key_cols = [t.column(f"key{i}").combine_chunks() for i in range(len(self.key_columns))]

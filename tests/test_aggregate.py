@@ -336,3 +336,77 @@ def test_a_restored_aggregate_takes_new_keys_without_reallocating_its_arrays():
     assert len(restored.key_index) == n == 1700
     for name in live.arrays:
         assert restored.arrays[name][:n].tolist() == live.arrays[name][:n].tolist(), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 400), min_size=1, max_size=30), st.booleans()),
+                min_size=1, max_size=25),
+       st.sampled_from([1, 4, 16]))
+def test_arrays_doubled_a_share_per_batch_give_what_a_doubling_at_once_gives(batches, step):
+    """Large arrays double ahead of need, a share of the copy per batch, with the writes of the
+    batches meanwhile repeated in the copy (chronostream/slot_arrays.py). Batch after batch, with
+    delta checkpoints between some, the outputs, the deltas and the state equal an operator whose
+    arrays double at once when full; and the spread doubling ran across batches."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _compare_spread_and_at_once(monkeypatch, batches, step)
+
+
+def _compare_spread_and_at_once(monkeypatch, batches, step):
+    from chronostream import slot_arrays
+
+    spread, sctx = make(["k"], ALL_SPECS[:5])
+    at_once, actx = make(["k"], ALL_SPECS[:5])
+    spans = []
+    for i, (keys, capture) in enumerate(batches):
+        table = pa.Table.from_pylist(with_lineage([{"k": k, "i": k * 3 - i} for k in keys]))
+        monkeypatch.setattr(slot_arrays, "SPREAD_MIN", 1 << 60)
+        at_once.consume_batch("in", table)
+        monkeypatch.setattr(slot_arrays, "SPREAD_MIN", 8)
+        monkeypatch.setattr(slot_arrays, "STEP_MIN", step)
+        spread.consume_batch("in", table)
+        spans.append(spread._growth is not None)
+        assert sctx.take_outputs({})["out"].to_pylist() == actx.take_outputs({})["out"].to_pylist()
+        if capture:
+            got, want = (op.checkpoint_state(delta=True)["__op__aggregate"]["frozen"] for op in (spread, at_once))
+            assert got.sort_by("slot").to_pylist() == want.sort_by("slot").to_pylist()
+    n = len(at_once.key_index)
+    assert sorted(spread.arrays) == sorted(at_once.arrays)
+    for name in at_once.arrays:
+        assert spread.arrays[name][:n].tolist() == at_once.arrays[name][:n].tolist(), name
+    full = [op.checkpoint_state(delta=False)["__op__aggregate"]["frozen"] for op in (spread, at_once)]
+    assert full[0].to_pylist() == full[1].to_pylist()
+    if n > 64 and step == 1:  # 64 slots to start with: a doubling began, and one slot a batch is slow
+        assert any(spans)
+
+
+def test_a_spread_doubling_replaces_the_arrays_once_it_has_copied_the_slots_in_use(monkeypatch):
+    """The doubled arrays take over as soon as the copy has caught up with the slots in use
+    (not when the old ones are full); until then the old arrays stay, and no batch copies all
+    of them at once. A slot changed in every batch is in every delta, before and after."""
+    from chronostream import slot_arrays
+
+    monkeypatch.setattr(slot_arrays, "SPREAD_MIN", 64)
+    monkeypatch.setattr(slot_arrays, "STEP_MIN", 10)
+    op, ctx = make(["k"], [("count", None)])
+    op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k} for k in range(40)])))
+    assert len(op.arrays["count"]) == 64 and op._growth is None
+    op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k} for k in range(40, 50)])))
+    assert len(op.arrays["count"]) == 64 and op._growth is not None  # 50 of 64 in use: above 3/4
+    old = op.arrays["count"]
+    batches = 0
+
+    def one_batch() -> None:
+        nonlocal batches
+        op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": 100 + batches}, {"k": 3}])))
+        batches += 1
+        delta = op.checkpoint_state(delta=True)["__op__aggregate"]["frozen"]
+        assert 3 in delta.column("slot").to_pylist()
+
+    while op._growth is not None:
+        assert op._growth.copied < len(op.key_index)
+        one_batch()
+        assert op.arrays["count"] is old or op._growth is None
+    assert batches >= 4 and len(op.arrays["count"]) == 128 and len(op.key_index) < 64
+    one_batch()
+    one_batch()
+    assert op.arrays["count"][:4].tolist() == [1, 1, 1, 1 + batches]

@@ -71,19 +71,26 @@ def test_a_batch_repeating_a_key_is_refused():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 40), max_size=60), st.data())
-def test_stored_keys_take_what_was_appended_in_few_chunks(sizes, data):
+@given(st.lists(st.integers(0, 40), max_size=60), st.sampled_from([1 << 20, 16, 40]), st.data())
+def test_stored_keys_take_what_was_appended_in_few_chunks(sizes, sealed, data):
     """Keys appended in batches of any size come back by slot, in any order and with repeats,
-    per column; the chunks stay at most log2(keys) + 1 (each more than twice the next)."""
+    per column. Chunks below SEALED keys are each more than twice the next; a chunk of SEALED
+    keys or more is never merged again (so no append copies the whole key column): at most
+    keys / SEALED + log2(SEALED) + 1 chunks."""
     from chronostream.keyindex import StoredKeys
 
     stored, ref = StoredKeys(), []
+    stored.SEALED = sealed
     for size in sizes:
+        before = [c[0] for c in stored.chunks]
         words = [f"w{len(ref) + i}" for i in range(size)]
         stored.append([pa.array(words), pa.array(np.arange(len(ref), len(ref) + size), pa.int64())])
         ref += words
-        assert len(stored.chunks) <= max(1, int(np.log2(max(len(ref), 1))) + 1)
-        assert all(len(a[0]) > 2 * len(b[0]) for a, b in zip(stored.chunks, stored.chunks[1:]))
+        sealed_before = [c for c in before if len(c) >= sealed]
+        assert all(a is b for a, b in zip(sealed_before, (c[0] for c in stored.chunks)))  # kept, not copied
+        open_chunks = [c for c in stored.chunks if len(c[0]) < sealed]
+        assert all(len(a[0]) > 2 * len(b[0]) for a, b in zip(open_chunks, open_chunks[1:]))
+        assert len(stored.chunks) <= len(ref) // sealed + max(1, int(np.log2(max(min(len(ref), sealed), 1))) + 1)
         if ref:
             slots = np.array(data.draw(st.lists(st.integers(0, len(ref) - 1), max_size=20)), dtype=np.int64)
             words_out, ints_out = stored.take(slots)
