@@ -10,6 +10,7 @@ keys. Knows nothing of slices or executors.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Sequence
 
@@ -80,17 +81,32 @@ def _merge_runs(main: np.ndarray, recent: np.ndarray,
     return merge.out[0], merge.out[1:]
 
 
-def merge_step(main_size: int, new_keys: int, recent_max: int, step_min: int) -> int:
+def merge_step(main_size: int, new_keys: int, mid_max: int, step_min: int) -> int:
     """Main entries a lookup that brought ``new_keys`` moves of a running merge: the main run's
-    share of those keys among ``recent_max`` (the merge ends before the next recent run is full,
+    share of those keys among ``mid_max`` (the merge ends before the next middle run is full,
     when keys keep coming), and at least ``step_min`` (it ends when they stop).
 
-    >>> merge_step(20_800_000, 30_000, 1 << 17, 1 << 20)  # 23% of the main run a lookup
-    4760743
-    >>> merge_step(20_800_000, 0, 1 << 17, 1 << 20)
-    1048576
+    >>> merge_step(20_800_000, 30_000, mid_max(20_800_000, 1 << 17), 1 << 18)  # 1.7% of the main run
+    377919
+    >>> merge_step(20_800_000, 0, mid_max(20_800_000, 1 << 17), 1 << 18)
+    262144
     """
-    return max(step_min, -(-main_size * new_keys // recent_max))
+    return max(step_min, -(-main_size * new_keys // mid_max))
+
+
+def mid_max(main_size: int, recent_max: int) -> int:
+    """Entries at which a middle run merges into a main run of ``main_size``: the geometric mean
+    of the main and recent runs' sizes (at least ``recent_max``).
+
+    Per new key, merges into the main run copy about main / mid_max entries and merges into the
+    middle one about mid_max / (2 recent_max): with the mean, sqrt(main / recent_max) and half
+    that, 13 + 6 at 20.8 M keys, where merging each recent run straight into the main run copied
+    about main / recent_max, 159.
+
+    >>> mid_max(20_800_000, 1 << 17), mid_max(1000, 1 << 17)
+    (1651150, 131072)
+    """
+    return max(recent_max, math.isqrt(main_size * recent_max))
 
 
 class _ChunkedMerge:
@@ -133,6 +149,98 @@ class _ChunkedMerge:
             block[from_main] = m[c:e]
         self.merged, self.f_merged = e, b
         return e == n
+
+
+class _SortedRuns:
+    """Hashes in increasing order, each with payloads (parallel arrays), held in a few sorted runs.
+
+    New entries go into a small *recent* run (a merge of O(recent) per batch); a full recent run
+    (``recent_max``) merges at once into a *middle* run; a full middle run (``mid_max`` of the
+    main run's size) freezes and merges into the *main* run a chunk per lookup (``advance``),
+    while lookups search the main, the frozen, the middle and the recent runs. Merging every
+    recent run into the main one (the previous layout) copied the main run once per
+    ``recent_max`` new keys: at 12-16 M keys, lookups that carried its chunks took 40-130 ms on
+    this VM, and merges were about a third of a batch's time while keys kept coming.
+
+    >>> runs = _SortedRuns(np.array([10, 30], np.uint64), [np.array([0, 1])])
+    >>> runs.add(np.array([20], np.uint64), [np.array([2])], recent_max=1)
+    >>> h = np.array([30, 20, 5], np.uint64)
+    >>> found, (slot,) = runs.find(h, *_in_hash_order(h, ""))
+    >>> found.tolist(), slot[found].tolist()
+    ([True, True, False], [1, 2])
+    >>> [a.tolist() for a in runs.merged()]
+    [[10, 20, 30], [0, 2, 1]]
+    """
+
+    def __init__(self, hashes: np.ndarray, payloads: Sequence[np.ndarray]) -> None:
+        self.main: list[np.ndarray] = [hashes, *payloads]
+        self.mid = self._empty()
+        self.recent = self._empty()
+        self.merging: _ChunkedMerge | None = None  # a frozen middle run being merged into the main one
+
+    def _empty(self) -> list[np.ndarray]:
+        return [a[:0].copy() for a in self.main]
+
+    def only_main(self) -> bool:
+        """True when every entry is in the main run (no merge running, no middle or recent entries)."""
+        return self.merging is None and not len(self.mid[0]) and not len(self.recent[0])
+
+    def find(self, hashes: np.ndarray, by_hash: np.ndarray, hs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(found per query, each payload's value per query: set where found). ``hs``: the
+        queries in hash order (``by_hash``)."""
+        pos, found = _find(self.main[0], hashes, by_hash, hs)
+        values = [np.empty(len(hashes), dtype=p.dtype) for p in self.main[1:]]
+        hit = pos[found]
+        for v, p in zip(values, self.main[1:]):
+            v[found] = p[hit]
+        side = [self.merging.frozen] if self.merging is not None else []
+        for run in side + [self.mid, self.recent]:
+            if len(run[0]):
+                rows, at = _find_recent(run[0], hashes, by_hash, found)
+                found[rows] = True
+                for v, p in zip(values, run[1:]):
+                    v[rows] = p[at]
+        return found, values
+
+    def add(self, hashes: np.ndarray, payloads: Sequence[np.ndarray], recent_max: int) -> None:
+        """New entries (``hashes`` sorted, none held yet), with their payloads in that order."""
+        self.recent = _merged_run(self.recent, [hashes, *payloads])
+        if len(self.recent[0]) < recent_max:
+            return
+        self.mid, self.recent = _merged_run(self.mid, self.recent), self._empty()
+        if len(self.mid[0]) >= mid_max(len(self.main[0]), recent_max):
+            self.finish_merge()  # (a middle run refilled before the last merge ended)
+            self.merging, self.mid = _ChunkedMerge(self.main, self.mid), self._empty()
+
+    def advance(self, new_keys: int, recent_max: int, step_min: int) -> None:
+        """A running merge's share for a lookup that brought ``new_keys`` (``merge_step``)."""
+        if self.merging is not None:
+            self._step(merge_step(len(self.main[0]), new_keys, mid_max(len(self.main[0]), recent_max), step_min))
+
+    def _step(self, count: int) -> None:
+        assert self.merging is not None
+        if self.merging.step(count):
+            self.main, self.merging = self.merging.out, None
+
+    def finish_merge(self) -> None:
+        """Complete a running merge at once."""
+        if self.merging is not None:
+            self._step(len(self.main[0]))
+
+    def merged(self) -> list[np.ndarray]:
+        """Every entry in the main run (merges completed at once): [hashes, *payloads]."""
+        self.finish_merge()
+        for run in (self.mid, self.recent):
+            if len(run[0]):
+                self.main = _merged_run(self.main, run)
+        self.mid, self.recent = self._empty(), self._empty()
+        return self.main
+
+
+def _merged_run(main: list[np.ndarray], other: list[np.ndarray]) -> list[np.ndarray]:
+    """Two sorted runs ([hashes, *payloads] each) as one."""
+    hashes, payloads = _merge_runs(main[0], other[0], list(zip(main[1:], other[1:])))
+    return [hashes, *payloads]
 
 
 class StoredKeys:
@@ -228,18 +336,15 @@ class KeyIndex:
     3
     """
 
-    #: Recent keys (a sorted run beside the main one) merged into the main run at this many.
+    #: New keys' hashes (a small sorted run) merge into the middle run at this many (``_SortedRuns``).
     RECENT_MAX = 1 << 17
-    #: A merge of the recent run into the main one moves, per lookup, at least this many main
-    #: entries, and as many as keep it ahead of the next recent run (``merge_step``).
-    MERGE_STEP_MIN = 1 << 20
+    #: A merge of the middle run into the main one moves, per lookup, at least this many main
+    #: entries, and as many as keep it ahead of the next middle run (``merge_step``).
+    MERGE_STEP_MIN = 1 << 18
 
     def __init__(self) -> None:
-        self._hashes = np.zeros(0, dtype=np.uint64)  # sorted
-        self._slot_of_sorted = np.zeros(0, dtype=np.int64)
-        self._recent_hashes = np.zeros(0, dtype=np.uint64)  # sorted; keys not in _hashes
-        self._recent_slots = np.zeros(0, dtype=np.int64)
-        self._merging: _ChunkedMerge | None = None  # a recent run being merged into the main one
+        # Key hashes in increasing order, each with its slot.
+        self._runs = _SortedRuns(np.zeros(0, dtype=np.uint64), [np.zeros(0, dtype=np.int64)])
         self._keys = StoredKeys()
         self._size = 0
         # Keys a KeyIndexGroup added (hashes, slots), not yet merged into the sorted arrays:
@@ -260,24 +365,25 @@ class KeyIndex:
 
     def _settle(self) -> None:
         if self._pending:
-            self._finish_merge()  # the keys a group added join the main run whole
+            self._runs.finish_merge()  # the keys a group added join the main run whole
         if self._pending and self._group is not None:
             # The group's sorted arrays hold this index's keys: filtered out, they are
             # in hash order already (O(keys)), where a sort of millions of keys would
             # stall the slice for a second when its group breaks up (a migration).
             self._group.hand_back()
         if self._pending:
-            hs = np.concatenate([self._hashes] + [h for h, _ in self._pending])
-            sl = np.concatenate([self._slot_of_sorted] + [s for _, s in self._pending])
+            hashes, slots = self._runs.merged()
+            hs = np.concatenate([hashes] + [h for h, _ in self._pending])
+            sl = np.concatenate([slots] + [s for _, s in self._pending])
             order = np.argsort(hs, kind="stable")  # timsort: the stored hashes are one sorted run
-            self._hashes, self._slot_of_sorted = hs[order], sl[order]
+            self._runs = _SortedRuns(hs[order], [sl[order]])
             self._pending = []
 
     def sorted_hashes(self) -> tuple[np.ndarray, np.ndarray]:
         """(hashes in increasing order, the slot of each)."""
         self._settle()
-        self._merge_recent()
-        return self._hashes, self._slot_of_sorted
+        hashes, slots = self._runs.merged()
+        return hashes, slots
 
     def _append_unsorted(self, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         """Give new keys (known absent) the next slots; their hashes merge in later."""
@@ -304,17 +410,9 @@ class KeyIndex:
             self._keys = StoredKeys()
             self._keys.append([col.take(pa.array(slots)) for col in unique_keys])
             self._size = n
-            self._hashes, self._slot_of_sorted = hs, by_hash.astype(np.int64, copy=False)
+            self._runs = _SortedRuns(hs, [by_hash.astype(np.int64, copy=False)])
             return slots
-        pos, found = _find(self._hashes, h, by_hash, hs)
-        out = np.empty(n, dtype=np.int64)
-        out[found] = self._slot_of_sorted[pos[found]]
-        side = [self._merging.frozen] if self._merging is not None else []
-        for run_hashes, run_slots in side + [[self._recent_hashes, self._recent_slots]]:
-            if len(run_hashes):
-                rows, at = _find_recent(run_hashes, h, by_hash, found)
-                found[rows] = True
-                out[rows] = run_slots[at]
+        found, (out,) = self._runs.find(h, by_hash, hs)
         if found.any():
             slots = out[found]
             sel = pa.array(np.flatnonzero(found))
@@ -329,39 +427,13 @@ class KeyIndex:
             sel = pa.array(np.flatnonzero(new))
             self._keys.append([col.take(sel) for col in unique_keys])
             self._size += k
-            # New hashes go into the small recent run (O(recent) per batch); it merges into
-            # the main run once it holds RECENT_MAX. Inserting into the main run every batch
-            # cost O(keys) per batch: loading 4 M keys spent half its time in np.insert.
+            # New hashes go into the small recent run (O(recent) per batch), which merges on
+            # into the middle and main runs (_SortedRuns). Inserting into the main run every
+            # batch cost O(keys) per batch: loading 4 M keys spent half its time in np.insert.
             new_order = by_hash[new[by_hash]]
-            self._recent_hashes, (self._recent_slots,) = _merge_runs(
-                self._recent_hashes, h[new_order], [(self._recent_slots, out[new_order])])
-            if len(self._recent_hashes) >= self.RECENT_MAX:
-                self._finish_merge()  # (a recent run refilled before the last merge ended)
-                self._merging = _ChunkedMerge([self._hashes, self._slot_of_sorted],
-                                              [self._recent_hashes, self._recent_slots])
-                self._recent_hashes = np.zeros(0, dtype=np.uint64)
-                self._recent_slots = np.zeros(0, dtype=np.int64)
-        if self._merging is not None:
-            self._advance_merge(merge_step(len(self._hashes), k, self.RECENT_MAX, self.MERGE_STEP_MIN))
+            self._runs.add(h[new_order], [out[new_order]], self.RECENT_MAX)
+        self._runs.advance(k, self.RECENT_MAX, self.MERGE_STEP_MIN)
         return out
-
-    def _advance_merge(self, count: int) -> None:
-        assert self._merging is not None
-        if self._merging.step(count):
-            self._hashes, self._slot_of_sorted = self._merging.out
-            self._merging = None
-
-    def _finish_merge(self) -> None:
-        if self._merging is not None:
-            self._advance_merge(len(self._hashes))
-
-    def _merge_recent(self) -> None:
-        self._finish_merge()
-        if len(self._recent_hashes):
-            self._hashes, (self._slot_of_sorted,) = _merge_runs(
-                self._hashes, self._recent_hashes, [(self._slot_of_sorted, self._recent_slots)])
-            self._recent_hashes = np.zeros(0, dtype=np.uint64)
-            self._recent_slots = np.zeros(0, dtype=np.int64)
 
 
 class KeyIndexGroup:
@@ -404,7 +476,7 @@ class KeyIndexGroup:
         # Timsort merges the members' sorted runs: 2 x 7 M keys in 0.36 s, where the default
         # quicksort took 1.3 s (a group rebuilt after a migration stalled its slices that long).
         order = np.argsort(hs, kind="stable")
-        self._hashes, self._member, self._slot = hs[order], member[order], slot[order]
+        hs, member, slot = hs[order], member[order], slot[order]
         # The group's own copy of every key it knows, one chunk per member here, then one per
         # batch of new keys; ``_at`` is each entry's position in it. Hits are verified with one
         # take from it: one take per member (64 slices: 64 takes an epoch, each a few Arrow
@@ -414,19 +486,16 @@ class KeyIndexGroup:
             if len(m):
                 self._keys.append(m.keys())
         offsets = np.cumsum([0] + [len(m) for m in members])[:-1].astype(np.int64)
-        self._at = offsets[self._member] + self._slot if len(members) else np.zeros(0, np.int64)
-        if len(hs) > 1 and bool(np.any(self._hashes[1:] == self._hashes[:-1])):
+        at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
+        # Every key's hash in increasing order, with its member, its slot there and its place
+        # in the key copy; new keys go in as in a KeyIndex (_SortedRuns).
+        self._runs = _SortedRuns(hs, [member, slot, at])
+        if len(hs) > 1 and bool(np.any(hs[1:] == hs[:-1])):
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
         self._sizes = [len(m) for m in members]
         for m in members:
             m._group = self
-        # New keys (sorted, not in the arrays above) until RECENT_MAX of them (see KeyIndex).
-        self._r_hashes = np.zeros(0, dtype=np.uint64)
-        self._r_member = np.zeros(0, dtype=np.int32)
-        self._r_slot = np.zeros(0, dtype=np.int64)
-        self._r_at = np.zeros(0, dtype=np.int64)
-        self._merging: _ChunkedMerge | None = None  # a recent run being merged into the main one
         # Threads of one container (scale-up) can meet in one group: one keeps using it for
         # the slices it kept (covering) while another's slices hand their keys back.
         self._lock = threading.RLock()
@@ -443,16 +512,16 @@ class KeyIndexGroup:
         Only members the group left at their size get them (the group's entries are then
         exactly their keys); the others merge their pending keys by sorting, as before.
         """
-        self._merge_recent()
-        order = stable_argsort(self._member.astype(np.int64))
-        cut = np.searchsorted(self._member[order], np.arange(len(self.members) + 1))
+        hashes, member, slot, _at = self._runs.merged()
+        order = stable_argsort(member.astype(np.int64))
+        cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
             if m is None or m._group is not self:
                 continue
             m._group = None
-            if m._pending and len(m) == self._sizes[i] and not len(m._recent_hashes) and m._merging is None:
+            if m._pending and len(m) == self._sizes[i] and m._runs.only_main():
                 rows = order[cut[i]:cut[i + 1]]
-                m._hashes, m._slot_of_sorted = self._hashes[rows], self._slot[rows]
+                m._runs = _SortedRuns(hashes[rows], [slot[rows]])
                 m._pending = []
 
     def matches(self, members: Sequence[KeyIndex]) -> bool:
@@ -502,18 +571,8 @@ class KeyIndexGroup:
     def _slots(self, member_of: np.ndarray, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
         n = len(hashes)
         by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
-        pos, found = _find(self._hashes, hashes, by_hash, hs)
-        out = np.empty(n, dtype=np.int64)
-        owner = np.empty(n, dtype=np.int64)
-        at_keys = np.empty(n, dtype=np.int64)  # position in the group's key copy
-        hit_main = pos[found]
-        out[found], owner[found], at_keys[found] = self._slot[hit_main], self._member[hit_main], self._at[hit_main]
-        side = [self._merging.frozen] if self._merging is not None else []
-        for r_hashes, r_member, r_slot, r_at in side + [[self._r_hashes, self._r_member, self._r_slot, self._r_at]]:
-            if len(r_hashes):
-                hit, at = _find_recent(r_hashes, hashes, by_hash, found)
-                found[hit] = True
-                out[hit], owner[hit], at_keys[hit] = r_slot[at], r_member[at], r_at[at]
+        # ``at_keys``: each hit's position in the group's key copy.
+        found, (owner, out, at_keys) = self._runs.find(hashes, by_hash, hs)
         rows = np.flatnonzero(found)
         if len(rows):
             if bool(np.any(owner[rows] != member_of[rows])):
@@ -536,43 +595,11 @@ class KeyIndexGroup:
                     rows_i = new[by_member[lo:hi]]
                     out[rows_i] = self.members[i]._append_unsorted(  # type: ignore[union-attr]
                         [t.slice(lo, hi - lo) for t in taken], hashes[rows_i])
-            # New keys go into the recent run (O(recent) per batch), merged into the main
-            # run at KeyIndex.RECENT_MAX, as in a single index.
+            # New keys go into the recent run (O(recent) per batch), as in a single index.
             new_order = by_hash[~found[by_hash]]
-            self._r_hashes, (self._r_member, self._r_slot, self._r_at) = _merge_runs(
-                self._r_hashes, hashes[new_order],
-                [(self._r_member, member_of[new_order].astype(np.int32)), (self._r_slot, out[new_order]),
-                 (self._r_at, at_keys[new_order])])
-            if len(self._r_hashes) >= self.RECENT_MAX:
-                self._finish_merge()  # (a recent run refilled before the last merge ended)
-                self._merging = _ChunkedMerge([self._hashes, self._member, self._slot, self._at],
-                                              [self._r_hashes, self._r_member, self._r_slot, self._r_at])
-                self._r_hashes = np.zeros(0, dtype=np.uint64)
-                self._r_member = np.zeros(0, dtype=np.int32)
-                self._r_slot = np.zeros(0, dtype=np.int64)
-                self._r_at = np.zeros(0, dtype=np.int64)
+            self._runs.add(hashes[new_order], [member_of[new_order].astype(np.int32), out[new_order],
+                                               at_keys[new_order]], self.RECENT_MAX)
             self._sizes = [len(m) if m is not None else 0 for m in self.members]
-        if self._merging is not None:
-            self._advance_merge(merge_step(len(self._hashes), len(new), self.RECENT_MAX, self.MERGE_STEP_MIN))
+        self._runs.advance(len(new), self.RECENT_MAX, self.MERGE_STEP_MIN)
         return out
 
-    def _advance_merge(self, count: int) -> None:
-        assert self._merging is not None
-        if self._merging.step(count):
-            self._hashes, self._member, self._slot, self._at = self._merging.out
-            self._merging = None
-
-    def _finish_merge(self) -> None:
-        if self._merging is not None:
-            self._advance_merge(len(self._hashes))
-
-    def _merge_recent(self) -> None:
-        self._finish_merge()
-        if len(self._r_hashes):
-            self._hashes, (self._member, self._slot, self._at) = _merge_runs(
-                self._hashes, self._r_hashes,
-                [(self._member, self._r_member), (self._slot, self._r_slot), (self._at, self._r_at)])
-            self._r_hashes = np.zeros(0, dtype=np.uint64)
-            self._r_member = np.zeros(0, dtype=np.int32)
-            self._r_slot = np.zeros(0, dtype=np.int64)
-            self._r_at = np.zeros(0, dtype=np.int64)

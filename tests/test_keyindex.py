@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronostream.keyindex import KeyCollision, KeyIndex
+from chronostream.keyindex import KeyCollision, KeyIndex, mid_max
 
 
 @settings(max_examples=80, deadline=None)
@@ -17,8 +17,9 @@ from chronostream.keyindex import KeyCollision, KeyIndex
 def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_strings, recent_max, merge_step):
     """Every batch (distinct keys, old and new mixed, any order) gets the slot a dict would give:
     a key keeps the slot it first got; new keys are numbered in their order in the batch. Also
-    when new keys' hashes wait in the recent run and merge into the main one every 1 or 5 keys,
-    a merge moving 1 or 3 main entries per lookup (so it spans lookups)."""
+    when new keys' hashes wait in the recent run and go on to the middle run every 1 or 5 keys,
+    and a full middle run merges into the main one 1 or 3 main entries per lookup (so the merge
+    spans lookups)."""
     ix, ref = KeyIndex(), {}
     ix.RECENT_MAX = recent_max
     ix.MERGE_STEP_MIN = merge_step
@@ -27,33 +28,38 @@ def test_slots_match_a_dict_that_numbers_keys_in_first_seen_order(batches, as_st
         got = ix.slots([pa.array(keys)]).tolist() if keys else []
         want = [ref.setdefault(k, len(ref)) for k in keys]
         assert got == want
-        assert len(ix._recent_hashes) < recent_max
+        assert len(ix._runs.recent[0]) < recent_max
     assert len(ix) == len(ref)
     hashes, slots = ix.sorted_hashes()
     assert np.all(np.diff(hashes.astype(np.float64)) >= 0)  # sorted for the lookups
-    assert len(ix._recent_hashes) == 0 and sorted(slots.tolist()) == list(range(len(ref)))
+    assert ix._runs.only_main() and sorted(slots.tolist()) == list(range(len(ref)))
 
 
-def test_a_merge_of_the_recent_run_is_spread_over_lookups_and_loses_no_key():
-    """Past RECENT_MAX new keys the recent run freezes and merges into the main one a chunk per
-    lookup: meanwhile keys of the main, frozen and new recent runs are all found at their slots,
-    and once done the main run holds every key in hash order."""
+def test_new_keys_reach_the_main_run_through_the_middle_one_a_chunk_per_lookup_and_none_is_lost():
+    """A full recent run (RECENT_MAX) joins the middle run at once; a full middle run (the
+    geometric mean of the main and recent runs' sizes) freezes and merges into the main one a
+    chunk per lookup. Meanwhile keys of every run are found at their slots, and once done the
+    main run holds every key in hash order."""
     ix = KeyIndex()
     ix.RECENT_MAX, ix.MERGE_STEP_MIN = 50, 40
     ix.slots([pa.array(np.arange(1000))])  # the main run
-    ix.slots([pa.array(np.arange(1000, 1049))])  # 49 recent keys
-    ix.slots([pa.array([1049])])  # the 50th: the recent run freezes, a merge of 40 entries a lookup begins
-    assert ix._merging is not None and len(ix._recent_hashes) == 0
+    assert mid_max(1000, 50) == 223
+    nxt = 1000
+    while ix._runs.merging is None:  # batches of 7 new keys: recent runs of 56 join the middle run
+        assert ix.slots([pa.array(np.arange(nxt, nxt + 7))]).tolist() == list(range(nxt, nxt + 7))
+        nxt += 7
+        assert len(ix._runs.recent[0]) < 50 and len(ix._runs.mid[0]) < 223
+    assert nxt - 1000 == 224 and not len(ix._runs.mid[0]) and not len(ix._runs.recent[0])
     steps = 0
-    while ix._merging is not None:
-        assert ix.slots([pa.array([3, 999, 1000, 1049, 2000 + steps])]).tolist() == [3, 999, 1000, 1049,
-                                                                                    1050 + steps]
+    while ix._runs.merging is not None:
+        probe = [3, 999, 1000, nxt - 1, nxt]
+        assert ix.slots([pa.array(probe)]).tolist() == probe
+        nxt += 1
         steps += 1
     assert steps >= 10  # 1,000 main entries, 40 a lookup
     hashes, slots = ix.sorted_hashes()
-    assert len(hashes) == 1050 + steps and np.all(hashes[1:] > hashes[:-1])
-    keys = np.concatenate([np.arange(1050), 2000 + np.arange(steps)])
-    assert ix.slots([pa.array(keys)]).tolist() == list(range(1050 + steps))
+    assert len(hashes) == nxt and np.all(hashes[1:] > hashes[:-1])
+    assert ix.slots([pa.array(np.arange(nxt))]).tolist() == list(range(nxt))
 
 
 def test_multi_column_keys_are_one_key_per_combination():
@@ -107,7 +113,7 @@ def test_a_hit_among_the_recent_keys_is_verified_like_any_other():
     ix = KeyIndex()
     ix.slots([pa.array(["a", "b"])], hashes=np.array([10, 20], np.uint64))
     assert ix.slots([pa.array(["c"])], hashes=np.array([30], np.uint64)).tolist() == [2]
-    assert ix._recent_hashes.tolist() == [30]
+    assert ix._runs.recent[0].tolist() == [30]
     assert ix.slots([pa.array(["c", "a"])], hashes=np.array([30, 10], np.uint64)).tolist() == [2, 0]
     with pytest.raises(KeyCollision):
         ix.slots([pa.array(["z"])], hashes=np.array([30], np.uint64))

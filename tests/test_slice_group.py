@@ -255,8 +255,9 @@ def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not
     want = []
     for m in members:  # what a sort of each member's keys gives
         assert m._pending and m._group is group
-        hs = np.concatenate([m._hashes] + [h for h, _ in m._pending])
-        sl = np.concatenate([m._slot_of_sorted] + [x for _, x in m._pending])
+        assert m._runs.only_main()
+        hs = np.concatenate([m._runs.main[0]] + [h for h, _ in m._pending])
+        sl = np.concatenate([m._runs.main[1]] + [x for _, x in m._pending])
         want.append((hs[np.argsort(hs)].tolist(), sl[np.argsort(hs)].tolist()))
     for m, (want_h, want_s) in zip(members, want):
         hashes, slots = m.sorted_hashes()  # the first call hands every member its arrays
