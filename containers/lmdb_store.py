@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import lmdb
 
@@ -81,6 +82,14 @@ def release_written_pages(env: lmdb.Environment, path: str | os.PathLike) -> Non
 _MADV_DONTNEED = 4  # Linux
 
 
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int]:
+    """libc's ``madvise``, loaded once per process (a page release runs every 64 MB flushed)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
 def _unmap_file_pages(file: Path) -> int:
     """``madvise(MADV_DONTNEED)`` over every mapping of ``file`` in this process; returns how many.
 
@@ -94,13 +103,12 @@ def _unmap_file_pages(file: Path) -> int:
     except OSError:
         return 0
     target = str(file.resolve())
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _madvise()
     done = 0
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].rstrip("\n") == target:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            if madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
                 done += 1
     return done
