@@ -760,11 +760,12 @@ class ResourceContainer:
         return {c: {"restored_at": dict(core.restored_at), "first_output_at": dict(core.first_output_at)}
                 for c, core in self.cores.items() if core.restored_at}
 
-    async def sink_parts(self, sink_id: int) -> dict[tuple[int, int], pa.Table]:
-        """(slice, epoch) -> rows of a memory sink (or dead letters) over the hosted containers."""
-        out: dict[tuple[int, int], pa.Table] = {}
+    async def sink_parts(self, sink_ids: list[int]) -> dict[int, dict[tuple[int, int], pa.Table]]:
+        """Sink id -> (slice, epoch) -> rows of memory sinks (or dead letters) over the hosted containers."""
+        out: dict[int, dict[tuple[int, int], pa.Table]] = {i: {} for i in sink_ids}
         for core in self.cores.values():
-            out.update(core.sink_parts(sink_id))
+            for i in sink_ids:
+                out[i].update(core.sink_parts(i))
         return out
 
     async def sink_write_times(self, sink_id: int) -> dict[tuple[int, int], float]:

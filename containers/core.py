@@ -57,8 +57,23 @@ COVER_KEY = -2
 RELEASE_KEY = -3
 #: Message key: wall time the epoch's source rows were read (end-to-end latency at the sinks).
 INGEST_KEY = -4
-#: Sink id under which dead-letter parts travel (``take_sink_parts``).
-DEAD_LETTERS = -1
+
+
+def dead_letter_sink_id(stage_id: int) -> int:
+    """The sink id a stage's dead-letter parts travel under (``take_sink_parts``): one per stage,
+    below every sink's id, since two stages' dead letters of one slice id and epoch are different
+    rows (keyed by the sink id and (slice, epoch) alone, one replaced the other at the master).
+
+    >>> dead_letter_sink_id(0), dead_letter_sink_id(3), is_dead_letter_sink_id(-4), is_dead_letter_sink_id(0)
+    (-1, -4, True, False)
+    """
+    return -1 - stage_id
+
+
+def is_dead_letter_sink_id(sink_id: int) -> bool:
+    """True for a ``dead_letter_sink_id``."""
+    return sink_id < 0
+
 #: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
 Coverage = frozenset
 
@@ -336,11 +351,11 @@ class ContainerCore:
     def _all_writers(self) -> dict[int, SinkWriter]:
         writers: dict[int, SinkWriter] = dict(self.sink_writers)
         if self.dead_letter_writer is not None:
-            writers[DEAD_LETTERS] = self.dead_letter_writer
+            writers[dead_letter_sink_id(self.stage.stage_id)] = self.dead_letter_writer
         return writers
 
     def take_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
-        """Memory-sink parts to hand to the master, by sink id (``DEAD_LETTERS`` for dead letters)."""
+        """Memory-sink parts to hand to the master, by sink id (``dead_letter_sink_id`` for dead letters)."""
         out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}
         return out
 

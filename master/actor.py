@@ -23,10 +23,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
-from chronostream.sinks import dead_letter_table, sort_output
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer
-from containers.core import DEAD_LETTERS, ContainerStatistics
+from containers.core import ContainerStatistics
 from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
@@ -35,6 +34,7 @@ from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
                               group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement, initial_placement
+from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              recovery_slack, restore_floor, restore_order)
 
@@ -962,23 +962,12 @@ class JobMaster:
 
     async def collect(self, sink_name: str) -> pa.Table:
         """All rows of a memory sink (or the dead letters), sorted by (producer slice, out_seq)."""
-        dl = self.plan.dead_letter_sink
-        if dl is not None and dl.name == sink_name:
-            sink_id = DEAD_LETTERS
-        else:
-            sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
-            if sink is None:
-                raise KeyError(f"no sink named {sink_name!r}; sinks: {[s.name for s in self.plan.sinks]}")
-            sink_id = sink.sink_id
-        parts = dict(self.sink_parts.get(sink_id, {}))
-        for held in await asyncio.gather(*[self.handles[h].sink_parts.remote(sink_id) for h in sorted(self.alive)]):
-            parts.update(held)
-        tables = [t for _, t in sorted(parts.items()) if t.num_rows]
-        if sink_id == DEAD_LETTERS:
-            return dead_letter_table(tables, self.plan.source_dead_letters)
-        if not tables:
-            return pa.table({})
-        return sort_output(pa.concat_tables(tables, promote_options="permissive"))
+        ids = memory_sink_ids(self.plan, sink_name)
+        parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
+        for held in await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in sorted(self.alive)]):
+            for i, more in held.items():
+                parts[i].update(more)
+        return sink_table(parts, self.plan.source_dead_letters)
 
     async def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
         """(slice, epoch) -> first time a live host wrote that part of a memory sink (diagnostics)."""

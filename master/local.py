@@ -25,14 +25,14 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
-from chronostream.sinks import dead_letter_table, sort_output
 from containers.backup_store import BackupStore
-from containers.core import DEAD_LETTERS, ContainerCore
+from containers.core import ContainerCore
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
                               group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement
+from master.results import SinkParts, memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
@@ -546,22 +546,11 @@ class LocalCluster:
 
     def results(self, sink_name: str) -> pa.Table:
         """A memory sink's rows: parts handed over at checkpoints plus the live cores' own."""
-        if self.plan.dead_letter_sink is not None and self.plan.dead_letter_sink.name == sink_name:
-            sink_id = DEAD_LETTERS
-        else:
-            sink = next((s for s in self.plan.sinks if s.name == sink_name), None)
-            if sink is None:
-                raise KeyError(f"no sink named {sink_name!r}")
-            sink_id = sink.sink_id
-        parts = dict(self.sink_parts.get(sink_id, {}))
+        parts = {i: dict(self.sink_parts.get(i, {})) for i in memory_sink_ids(self.plan, sink_name)}
         for core in self.cores.values():
-            parts.update(core.sink_parts(sink_id))
-        tables = [t for _, t in sorted(parts.items()) if t.num_rows]
-        if sink_id == DEAD_LETTERS:
-            return dead_letter_table(tables, self.plan.source_dead_letters)
-        if not tables:
-            return pa.table({})
-        return sort_output(pa.concat_tables(tables, promote_options="permissive"))
+            for i, held in parts.items():
+                held.update(core.sink_parts(i))
+        return sink_table(parts, self.plan.source_dead_letters)
 
 
 def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
@@ -577,16 +566,10 @@ def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
     return cluster.run(poll_s=poll_s, timeout_s=timeout_s).cores
 
 
-def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str):
-    """Concatenate a memory sink's rows over all cores, sorted by identity."""
-    sink = next((s for s in plan.sinks if s.name == sink_name), None)
-    if sink is None:
-        if plan.dead_letter_sink is not None and plan.dead_letter_sink.name == sink_name:
-            tables = [c.dead_letter_writer.collect() for c in cores.values() if c.dead_letter_writer]
-            return dead_letter_table([t for t in tables if t is not None], plan.source_dead_letters)
-        raise KeyError(f"no sink named {sink_name!r}")
-    tables = [c.sink_writers[sink.sink_id].collect() for c in cores.values() if sink.sink_id in c.sink_writers]
-    tables = [t for t in tables if t is not None]
-    if not tables:
-        return pa.table({})
-    return sort_output(pa.concat_tables(tables, promote_options="permissive"))
+def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str) -> pa.Table:
+    """A memory sink's rows over all cores (``run_local``'s), sorted by identity."""
+    parts: dict[int, SinkParts] = {i: {} for i in memory_sink_ids(plan, sink_name)}
+    for core in cores.values():
+        for i, held in parts.items():
+            held.update(core.sink_parts(i))
+    return sink_table(parts, plan.source_dead_letters)

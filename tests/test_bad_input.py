@@ -227,3 +227,16 @@ def test_a_parquet_dead_letter_sink_is_read_back_on_ray(ray_session, tmp_path):
     finally:
         job.stop()
     assert got == _poison(serial.dead_letters())
+
+
+def test_memory_sink_dead_letters_of_two_stages_in_one_slice_and_epoch_both_come_back_on_ray(ray_session):
+    """Dead-letter parts travel to the master under one sink id per stage: the two stages' parts
+    of slice 0, epoch 0 are different rows, and both come back (keyed by (slice, epoch) alone,
+    one replaced the other), sorted as the serial executor lists them."""
+    serial = cs.run(_two_stage_poison_query(None), executor="serial")
+    job = cs.run(_two_stage_poison_query(None), containers=1)
+    try:
+        got = _poison(job.dead_letters())
+    finally:
+        job.stop()
+    assert got == _poison(serial.dead_letters())

@@ -1,0 +1,52 @@
+"""Reading a memory sink back: which sink a name means, and one table of its parts.
+
+Owns: resolving a sink name (a query's sink or the job's dead-letter sink)
+to the id its writers use, and assembling the (slice, epoch) parts that
+the master holds (handed over at checkpoints) and the live containers hold
+into the table ``job.results`` returns. Both drivers (``master.local`` in
+process, ``master.actor`` on Ray) gather the parts their own way and call
+these. Knows no Ray and does not read Parquet sinks (``chronostream.sinks``).
+
+>>> parts = {(1, 0): pa.table({"_slice": [1], "_seq": [0]}), (0, 0): pa.table({"_slice": [0], "_seq": [0]})}
+>>> sink_table({0: parts}, []).column("_slice").to_pylist()
+[0, 1]
+>>> sink_table({0: {}}, []).num_rows
+0
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from chronostream.dag import JobPlan
+from chronostream.sinks import dead_letter_table, sort_output
+from containers.core import dead_letter_sink_id, is_dead_letter_sink_id
+
+SinkParts = dict[tuple[int, int], pa.Table]  # (slice, epoch) -> the rows that slice wrote in that epoch
+
+
+def memory_sink_ids(plan: JobPlan, sink_name: str) -> list[int]:
+    """The ids a sink's parts travel under: a query sink's id, or for the dead-letter sink one
+    per stage (``dead_letter_sink_id``). A name that is neither raises ``KeyError`` listing the
+    sinks there are."""
+    dead = plan.dead_letter_sink
+    if dead is not None and dead.name == sink_name:
+        return [dead_letter_sink_id(st.stage_id) for st in plan.stages]
+    sink = next((s for s in plan.sinks if s.name == sink_name), None)
+    if sink is None:
+        names = [s.name for s in plan.sinks] + ([dead.name] if dead is not None else [])
+        raise KeyError(f"no sink named {sink_name!r}; sinks: {names}")
+    return [sink.sink_id]
+
+
+def sink_table(parts: dict[int, SinkParts], source_dead_letters: list[dict]) -> pa.Table:
+    """One table of a sink's parts (by the ids ``memory_sink_ids`` gave): rows sorted by
+    identity (producer slice, out_seq), or, for the dead letters, ``dead_letter_table``'s order
+    (the source's first). A part held twice (a migrated slice's, by its source and its
+    destination) is the same rows: ``parts`` keys it once."""
+    tables = [t for sink_id in sorted(parts) for _, t in sorted(parts[sink_id].items()) if t.num_rows]
+    if any(is_dead_letter_sink_id(i) for i in parts):
+        return dead_letter_table(tables, source_dead_letters)
+    if not tables:
+        return pa.table({})
+    return sort_output(pa.concat_tables(tables, promote_options="permissive"))
