@@ -45,7 +45,9 @@ def test_new_keys_reach_the_main_run_through_the_middle_one_a_chunk_per_lookup_a
     ix.slots([pa.array(np.arange(1000))])  # the main run
     assert mid_max(1000, 50) == 223
     nxt = 1000
-    while ix._runs.merging is None:  # batches of 7 new keys: recent runs of 56 join the middle run
+    for _ in range(100):  # batches of 7 new keys: recent runs of 56 join the middle run
+        if ix._runs.merging is not None:
+            break
         assert ix.slots([pa.array(np.arange(nxt, nxt + 7))]).tolist() == list(range(nxt, nxt + 7))
         nxt += 7
         assert len(ix._runs.recent[0]) < 50 and len(ix._runs.mid[0]) < 223
