@@ -528,6 +528,9 @@ def compile_query(query: Query) -> tuple[JobPlan, dict[int, Any]]:
         sid = physical(s)
         streams[sid].sinks.append(k)
         sinks.append(SinkPlan(k, sink.name, sink, sid))
+    if query.dead_letter_sink is not None and query.dead_letter_sink.name in names:
+        raise QueryError(f"a sink and the dead-letter sink are both named {query.dead_letter_sink.name!r}; "
+                         "results(name) would read only one of them: rename one")
     for sp in streams:
         stages[sp.stage_id].produced.append(sp.stream_id)
     source_nodes = [n for n in query.stages if n.kind == "source"]

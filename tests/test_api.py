@@ -42,6 +42,16 @@ def test_sink_names_must_be_unique():
         cs.compile_query(q)
 
 
+def test_a_sink_named_like_the_dead_letter_sink_is_refused():
+    """``results(name)`` could read only one of a sink and the dead-letter sink of one name:
+    compiling such a query fails, naming it."""
+    q = cs.Query()
+    q.dead_letters()  # a memory sink named "dead_letters"
+    q.source("s", [{"a": 1}]).sink(name="dead_letters")
+    with pytest.raises(cs.QueryError, match="'dead_letters'"):
+        cs.compile_query(q)
+
+
 def test_order_by_must_be_declared_by_all_sources_or_none():
     """Mixing sources with and without order_by is refused (the global order would be undefined)."""
     q = cs.Query()
