@@ -331,7 +331,8 @@ class ResourceContainer:
                 await self.master.container_done.remote(cid, core.statistics())
         except Exception as exc:  # noqa: BLE001 - report every failure to the master
             self.failed = exc
-            log.error("container %s failed: %s", cid, exc)
+            # With the traceback: the master only gets the exception's message.
+            log.error("container %s failed: %s", cid, exc, exc_info=exc)
             try:
                 await self.master.container_failed.remote(cid, exc)
             except Exception:  # noqa: BLE001

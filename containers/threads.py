@@ -139,8 +139,11 @@ class SliceThreads:
     def run_groups(self, epoch: int, slices: list[int], work: Callable[[list[int]], dict[int, T]]) -> dict[int, T]:
         """``work(group)`` once per thread, on that thread, for the group of ``slices`` the table
         gives it (the same group epoch after epoch while the table stands); results merged in
-        slice order."""
+        slice order. No slices (a container that released its last ones by migration before
+        this epoch): no call, no results."""
         table = self._barrier(epoch)
+        if not slices:
+            return {}
         groups = table.groups(slices)
         if not self._pool or sum(1 for g in groups if g) <= 1:
             return dict(sorted(work(slices).items()))

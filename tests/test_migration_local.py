@@ -24,7 +24,8 @@ from test_recovery_local import EPOCH
 import chronostream as cs
 
 PHASES = ["warming", "rebuilding", "dual", "releasing", "done"]
-BUILDERS = {**SHORT, "long_sum": (lambda s: QUERIES["running_sum"][0](s, n=700), *QUERIES["running_sum"][1:])}
+BUILDERS = {**SHORT, "long_sum": (lambda s: QUERIES["running_sum"][0](s, n=700), *QUERIES["running_sum"][1:]),
+            "long_words": (lambda s: QUERIES["word_count"][0](s, n_lines=400), *QUERIES["word_count"][1:])}
 
 
 _serial: dict = {}
@@ -102,6 +103,20 @@ def test_scale_out_one_to_two_to_four_then_in_to_one_gives_the_serial_output(see
     assert seen == [[4, 4], [2, 2, 2, 2], [8]]
     assert all(t.phase is MigrationPhase.DONE for t in cl.migrated)
     assert_equals_serial("long_sum", cl)
+
+
+def test_scaling_in_a_grouped_aggregate_empties_a_container_and_gives_the_serial_output():
+    """Scale-in moves every slice of one container of the built-in count (a stage whose slices
+    run as one group) away: that container releases them before its last epoch, which it then
+    processes with no slice at all (this failed the job: an empty group). The sink equals the
+    serial run."""
+    cl = cluster("long_words", slices=6)
+    faults, pending = script(lambda cl: cl.scale_out("count", 1), lambda cl: cl.scale_in("count", 1))
+    cl.run(faults=faults)
+    assert not pending, "both steps ran mid-stream"
+    assert [len(v) for v in hosts_of(cl, "count").values()] == [6]
+    assert [phases(t) for t in cl.migrated] == [PHASES, PHASES]
+    assert_equals_serial("long_words", cl)
 
 
 def test_a_source_stage_scales_out_and_in_too():
