@@ -135,6 +135,7 @@ def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
     assert re.search(r"^\s*fault\s+killed container", out, re.M), out
     assert re.search(r"^\s*scale_out 1\s+slices \[", out, re.M), out
     assert re.search(r"^\s*pause per slice\s+median \d+ ms", out, re.M), out
+    assert re.search(r"^\s*scale_in 1\s+slices \[.*released hosts", out, re.M), out
 
 
 def test_one_stream_as_both_inputs_of_a_join_matches_serial():
