@@ -32,7 +32,7 @@ from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
-                              group_transfers, migration_pauses, stage_hosts, stage_id_of)
+                              group_transfers, migration_pauses, stage_hosts, stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -661,22 +661,25 @@ class JobMaster:
         if not self.opts.checkpointing:
             return 0.0  # no checkpoint rounds will come (a backup it holds is a migration's snapshot)
         t0 = time.monotonic()
-        goals: dict[int, tuple[list[int], int]] = {}  # transfer index -> (slices, epoch to reach)
-        for i, t in enumerate(transfers):
-            st = (await self.handles[self.host_of[t.source]].migration_state.remote([t.source])).get(t.source)
-            own = await self.handles[t.host].backup_epochs.remote()
-            waiting = [s for s in t.slices if own.get((sid, s), -1) >= 0]
-            if st is not None and not st["done"] and waiting:
-                goals[i] = (waiting, st["next_epoch"] - 1)
-        while goals and time.monotonic() - t0 < self.opts.migration_warm_up_s:
-            hosts = sorted({transfers[i].host for i in goals})  # one call per host, however many transfers
+        peers = host_backup_peers(self.placement, self.host_of, sid, self.opts.backup_factor)
+        hosts = sorted({t.host for t in transfers if t.host is not None})
+        src_hosts = sorted({self.host_of[t.source] for t in transfers})
+        goals: dict[int, tuple[list[int], int]] | None = None
+        while True:
             held = dict(zip(hosts, await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])))
-            for i, (slices, goal) in list(goals.items()):
-                own = held[transfers[i].host]
-                if all(own.get((sid, s), -1) >= goal for s in slices):
-                    goals.pop(i)
-            if goals:
-                await asyncio.sleep(0.05)
+            sources: dict[int, dict] = {}
+            for st in await asyncio.gather(*[self.handles[h].migration_state.remote(
+                    [t.source for t in transfers if self.host_of[t.source] == h]) for h in src_hosts]):
+                sources.update(st)
+            if goals is None:  # the epochs to reach: each source's last at the call
+                goals = warm_up_goals(sid, transfers, peers, held, sources)
+            # Reached, or a source that finished meanwhile (no more checkpoint rounds): done.
+            goals = {i: (slices, epoch) for i, (slices, epoch) in goals.items()
+                     if not sources.get(transfers[i].source, {"done": True})["done"]
+                     and not all(held[transfers[i].host].get((sid, s), -1) >= epoch for s in slices)}
+            if not goals or time.monotonic() - t0 >= self.opts.migration_warm_up_s:
+                break
+            await asyncio.sleep(0.05)
         waited = round(time.monotonic() - t0, 3)
         log.info("migration of stage %s: waited %.2f s for fresh backups%s", self.plan.stages[sid].name,
                  waited, f" (still old: transfers {sorted(goals)})" if goals else "")

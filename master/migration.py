@@ -181,6 +181,38 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
         moves.append((s, g, t))
 
 
+def warm_up_goals(stage_id: int, transfers: list[Transfer], peers: dict[int, dict[int, list[int]]],
+                  held: dict[int, dict[tuple[int, int], int]],
+                  sources: dict[int, dict[str, Any]]) -> dict[int, tuple[list[int], int]]:
+    """What a migration's warm-up waits for: transfer index -> (its slices whose backup at the
+    destination host is still to come, the epoch that backup must reach: the source's last).
+
+    Only slices whose chain at the destination is live: the destination host is one of the
+    slice's backup peers now (``peers``: source container -> slice -> hosts) and holds a chain
+    of it (``held``: host -> (stage, slice) -> epoch). A host that was a peer under an earlier
+    placement (before a previous migration of the slice) keeps an old chain that no round
+    extends any more: waiting for it lasted the whole ``migration_warm_up_s`` (30 s), and the
+    migration ships a snapshot then anyway. A source that is done (``sources``: container ->
+    its ``migration_state``; missing: gone) takes no more checkpoints: nothing to wait for.
+
+    >>> t = Transfer(9, 1, 0, 4, [4, 5])
+    >>> warm_up_goals(0, [t], {1: {4: [4], 5: [7]}}, {4: {(0, 4): 10, (0, 5): 3}}, {1: {"done": False, "next_epoch": 17}})
+    {0: ([4], 16)}
+    >>> warm_up_goals(0, [t], {1: {4: [4], 5: [7]}}, {4: {(0, 4): 10}}, {1: {"done": True, "next_epoch": 60}})
+    {}
+    """
+    goals: dict[int, tuple[list[int], int]] = {}
+    for i, t in enumerate(transfers):
+        st = sources.get(t.source)
+        if st is None or st["done"] or t.host is None:
+            continue
+        own, chains = held.get(t.host, {}), peers.get(t.source, {})
+        waiting = [s for s in t.slices if own.get((stage_id, s), -1) >= 0 and t.host in chains.get(s, [])]
+        if waiting:
+            goals[i] = (waiting, st["next_epoch"] - 1)
+    return goals
+
+
 def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, int], stage_id: int,
                     next_id: int, new_hosts: dict[int, int | None] | None = None) -> list[Transfer]:
     """One ``Transfer`` per (source container, destination host), with new container ids from ``next_id``.

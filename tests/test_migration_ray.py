@@ -130,6 +130,22 @@ def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_
         job.stop()
 
 
+def test_a_scale_in_right_after_a_scale_out_does_not_wait_for_a_chain_no_round_extends(ray_session):
+    """The scale-out moves slice 4 to a new host and re-plans its backups; the scale-in sends it
+    back to a host that still holds its chain from the old placement, which no round extends any
+    more. The warm-up does not wait for that chain (it waited the whole migration_warm_up_s): the
+    slice is rebuilt from a snapshot taken at the source's epoch, and the output is exact."""
+    faults = [SLOW_SOURCE, Fault("scale_out", 4, "running_sum", n=1), Fault("scale_in", 12, "running_sum", n=1)]
+    report = run_with_faults(query(2400), faults, containers={"payments": 1, "running_sum": 4, "stats": 4},
+                             checkpoint_every=2, migration_warm_up_s=20.0)
+    assert report.ok, report.mismatches
+    out, back = migrations(report)
+    (t,) = back["transfers"]
+    assert t["slices"] == [4] and t["phase"] == "done"
+    assert t["warm_wait_s"] < 20.0, t  # not timed out
+    assert t["resume"][4] >= out["transfers"][0]["released_at"][4], t  # a fresh snapshot, not the old chain
+
+
 def test_a_moved_slices_seeded_backup_chain_recovers_it_when_its_new_host_dies(ray_session):
     """After the move, the destination backs the slice up as the chain it restored from plus
     deltas (no full checkpoint) on the old source's host, the only other host of the stage;
