@@ -196,7 +196,12 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
                 raise TimeoutError(f"job never reached epoch {fault.at_epoch}")
             time.sleep(poll_s)
         before = job.progress().get("recoveries", 0)
-        hit = inject(job, fault)
+        try:
+            hit = inject(job, fault)
+        except Exception:
+            if job.progress()["state"] != "running":
+                return applied  # the job finished between the check and the fault (a rescale refuses then)
+            raise
         applied.append((time.time(), fault, hit))
         if settle and fault.kind == "kill_master":
             while not any(k == "master_restarted" for _, k, _ in job.timeline()):

@@ -69,9 +69,17 @@ def test_without_checkpoints_a_killed_containers_slices_are_recomputed_from_the_
 CAMPAIGN_KINDS = ("kill", "kill", "kill_two", "corrupt_backup", "delay", "kill_master")
 
 
-def campaign(seed: int, n: int):
-    faults = random_faults(seed, n, ["running_sum", "stats"], 48, containers=4, kinds=CAMPAIGN_KINDS)
-    report = run_with_faults(query(), [SLOW_SOURCE] + faults,
+#: Faults mixed with rescaling: the stage of a scale-out, scale-in or migration is drawn like a kill's.
+ELASTIC_KINDS = ("kill", "scale_out", "scale_in", "migrate", "kill_master")
+
+
+def campaign(seed: int, n: int, kinds: tuple[str, ...] = CAMPAIGN_KINDS, source_delay_s: float = 0.06):
+    """``source_delay_s``: the source's pace; a rescaling blocks the schedule about a second (the
+    next fault waits for it), so campaigns of rescalings need a slower source for every fault to
+    land before the end."""
+    faults = random_faults(seed, n, ["running_sum", "stats"], 48, containers=4, kinds=kinds)
+    slow = Fault("delay", at_epoch=0, stage="payments", seconds=source_delay_s)
+    report = run_with_faults(query(), [slow] + faults,
                              containers={"payments": 1, "running_sum": 4, "stats": 4}, checkpoint_every=2)
     assert report.ok, (faults, report.mismatches)
     assert len(report.applied) == n + 1, "every fault landed mid-stream"
@@ -89,6 +97,21 @@ def test_seeded_random_fault_campaign_ends_with_exact_output(ray_session, seed):
 def test_large_seeded_fault_campaign(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults."""
     campaign(seed, 6)
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_seeded_random_campaign_of_faults_and_rescaling_ends_with_exact_output(ray_session, seed):
+    """2 runs x 5 faults: kills and master kills mixed with scale-outs, scale-ins and single-slice
+    migrations of both stateful stages, seeded (seed 3 scales a stage out and at once back in;
+    seed 17 migrates, scales in twice and out twice)."""
+    campaign(seed, 5, ELASTIC_KINDS, source_delay_s=0.15)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(200, 210))
+def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): 10 runs x 6 faults and rescalings."""
+    campaign(seed, 6, ELASTIC_KINDS, source_delay_s=0.15)
 
 
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
