@@ -191,8 +191,8 @@ def warm_up_goals(stage_id: int, transfers: list[Transfer], peers: dict[int, dic
     slice's backup peers now (``peers``: source container -> slice -> hosts) and holds a chain
     of it (``held``: host -> (stage, slice) -> epoch). A host that was a peer under an earlier
     placement (before a previous migration of the slice) keeps an old chain that no round
-    extends any more: waiting for it lasted the whole ``migration_warm_up_s`` (30 s), and the
-    migration ships a snapshot then anyway. A source that is done (``sources``: container ->
+    extends any more: waiting for it lasted the whole ``migration_warm_up_s`` (30 s); the
+    migration goes on with the newest backup there is (that chain, or a snapshot). A source that is done (``sources``: container ->
     its ``migration_state``; missing: gone) takes no more checkpoints: nothing to wait for.
 
     >>> t = Transfer(9, 1, 0, 4, [4, 5])
