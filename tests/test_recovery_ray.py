@@ -14,7 +14,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.chaos import Fault, random_faults, run_with_faults
-from queries import running_sum
+from queries import rekey_pipeline, running_sum
 
 EPOCH = 40
 
@@ -112,6 +112,24 @@ def test_seeded_random_campaign_of_faults_and_rescaling_ends_with_exact_output(r
 def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults and rescalings."""
     campaign(seed, 6, ELASTIC_KINDS, source_delay_s=0.15)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): the re-key pipeline (the built-in count, run as slice
+    groups, then a per-event stage keyed by bucket), 8 runs x 4 kills, master kills and
+    rescalings of either stage; every sink equals the serial run."""
+    def build() -> cs.Query:
+        q = rekey_pipeline(6, n_lines=1200)
+        q.epoch_events = 60  # 20 epochs
+        return q
+
+    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=ELASTIC_KINDS, min_gap=3)
+    report = run_with_faults(build(), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
+                             containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
+    assert report.ok, (faults, report.mismatches)
+    assert len(report.applied) == len(faults) + 1, "every fault landed mid-stream"
 
 
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
