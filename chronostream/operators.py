@@ -560,10 +560,9 @@ class KeyedAggregate(Operator):
         """
         cur = len(self.arrays.get("count", ()))
         missing = [name for name in names if name not in self.arrays]
-        if self._growth is not None:
-            in_use = len(self.key_index)
-            if size > cur or missing or self._growth.step(self._slot_arrays(), in_use):
-                self._take_doubled(self._growth.finish(self._slot_arrays(), in_use))
+        if self._growth is not None:  # (only a batch grows the arrays meanwhile: ``size`` is the slots in use)
+            if size > cur or missing or self._growth.step(self._slot_arrays(), size):
+                self._take_doubled(self._growth.finish(self._slot_arrays(), size))
                 cur = len(self.arrays["count"])
         if size <= cur and not missing:
             if self._growth is None and should_start_spread(size, cur):

@@ -48,7 +48,7 @@ from containers.frame_assembly import FrameAssembly
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.thread_priority import background_pool, set_background_niceness, thread_niceness
-from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, encode_snapshot
+from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
 from slices.checkpoint import RestorePoint
@@ -765,8 +765,7 @@ class ResourceContainer:
         """Sink id -> (slice, epoch) -> rows of memory sinks (or dead letters) over the hosted containers."""
         out: dict[int, dict[tuple[int, int], pa.Table]] = {i: {} for i in sink_ids}
         for core in self.cores.values():
-            for i in sink_ids:
-                out[i].update(core.sink_parts(i))
+            add_sink_parts(out, core.sink_parts(sink_ids))
         return out
 
     async def sink_write_times(self, sink_id: int) -> dict[tuple[int, int], float]:

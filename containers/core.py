@@ -74,6 +74,21 @@ def is_dead_letter_sink_id(sink_id: int) -> bool:
     """True for a ``dead_letter_sink_id``."""
     return sink_id < 0
 
+
+SinkParts = dict[tuple[int, int], pa.Table]  # (slice, epoch) -> the rows that slice wrote in that epoch
+
+
+def add_sink_parts(into: dict[int, SinkParts], more: dict[int, SinkParts]) -> None:
+    """Merge memory-sink parts by sink id (a part held twice, by a migrated slice's source and
+    destination, is the same rows: kept once).
+
+    >>> held = {0: {(0, 1): "a"}}
+    >>> add_sink_parts(held, {0: {(1, 1): "b"}, -1: {(0, 1): "c"}}); sorted(held[0]), held[-1]
+    ([(0, 1), (1, 1)], {(0, 1): 'c'})
+    """
+    for sink_id, parts in more.items():
+        into.setdefault(sink_id, {}).update(parts)
+
 #: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
 Coverage = frozenset
 
@@ -340,7 +355,7 @@ class ContainerCore:
             for k, w in self._all_writers().items():
                 parts = w.take_parts(epoch)
                 if parts:
-                    self.outgoing_sink_parts.setdefault(k, {}).update(parts)
+                    add_sink_parts(self.outgoing_sink_parts, {k: parts})
             self._queue_backups(self.checkpointer.after_epoch(epoch, last=self.done, carry=self._carried))
         return messages
 
@@ -359,10 +374,10 @@ class ContainerCore:
         out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}
         return out
 
-    def sink_parts(self, sink_id: int) -> dict[tuple[int, int], pa.Table]:
-        """Every (slice, epoch) part a memory sink of this container holds."""
-        w = self._all_writers().get(sink_id)
-        return dict(getattr(w, "parts", {})) if w is not None else {}
+    def sink_parts(self, sink_ids: list[int]) -> dict[int, SinkParts]:
+        """Every (slice, epoch) part the memory sinks ``sink_ids`` of this container hold, by sink id."""
+        writers = self._all_writers()
+        return {i: dict(getattr(writers.get(i), "parts", {})) for i in sink_ids}
 
     def take_backups(self) -> dict[int, list[bytes]]:
         """Encoded checkpoints to send, by peer container (emptied by the call).

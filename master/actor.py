@@ -25,7 +25,7 @@ from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer
-from containers.core import ContainerStatistics
+from containers.core import ContainerStatistics, add_sink_parts
 from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
@@ -908,8 +908,7 @@ class JobMaster:
     async def store_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
         """Memory-sink rows up to a checkpoint (they outlive the container that made them)."""
         self.catalog.add_sink_parts(parts)
-        for k, p in parts.items():
-            self.sink_parts.setdefault(k, {}).update(p)
+        add_sink_parts(self.sink_parts, parts)
 
     # -- reading ---------------------------------------------------------------
 
@@ -968,8 +967,7 @@ class JobMaster:
         ids = memory_sink_ids(self.plan, sink_name)
         parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
         for held in await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in sorted(self.alive)]):
-            for i, more in held.items():
-                parts[i].update(more)
+            add_sink_parts(parts, held)
         return sink_table(parts, self.plan.source_dead_letters)
 
     async def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:

@@ -26,13 +26,13 @@ import pyarrow as pa
 
 from chronostream.dag import JobPlan
 from containers.backup_store import BackupStore
-from containers.core import ContainerCore
+from containers.core import ContainerCore, SinkParts, add_sink_parts
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
                               group_transfers, migration_pauses, stage_hosts, stage_id_of)
 from master.placement import Placement
-from master.results import SinkParts, memory_sink_ids, sink_table
+from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
                              restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
@@ -200,8 +200,7 @@ class LocalCluster:
                 epoch = core.next_epoch
                 for dst, msg in core.step().items():
                     self.in_flight.append((dst, epoch, cid, msg))
-                for k, parts in core.take_sink_parts().items():
-                    self.sink_parts.setdefault(k, {}).update(parts)
+                add_sink_parts(self.sink_parts, core.take_sink_parts())
                 backups += [(peer, cid, blobs) for peer, blobs in core.take_backups().items()]
                 progressed = True
             notice = core.take_end_notice()
@@ -546,10 +545,10 @@ class LocalCluster:
 
     def results(self, sink_name: str) -> pa.Table:
         """A memory sink's rows: parts handed over at checkpoints plus the live cores' own."""
-        parts = {i: dict(self.sink_parts.get(i, {})) for i in memory_sink_ids(self.plan, sink_name)}
+        ids = memory_sink_ids(self.plan, sink_name)
+        parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
         for core in self.cores.values():
-            for i, held in parts.items():
-                held.update(core.sink_parts(i))
+            add_sink_parts(parts, core.sink_parts(ids))
         return sink_table(parts, self.plan.source_dead_letters)
 
 
@@ -568,8 +567,8 @@ def run_local(plan: JobPlan, placement: Placement, sources: dict, seed: int = 0,
 
 def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str) -> pa.Table:
     """A memory sink's rows over all cores (``run_local``'s), sorted by identity."""
-    parts: dict[int, SinkParts] = {i: {} for i in memory_sink_ids(plan, sink_name)}
+    ids = memory_sink_ids(plan, sink_name)
+    parts: dict[int, SinkParts] = {i: {} for i in ids}
     for core in cores.values():
-        for i, held in parts.items():
-            held.update(core.sink_parts(i))
+        add_sink_parts(parts, core.sink_parts(ids))
     return sink_table(parts, plan.source_dead_letters)

@@ -20,9 +20,7 @@ import pyarrow as pa
 
 from chronostream.dag import JobPlan
 from chronostream.sinks import dead_letter_table, sort_output
-from containers.core import dead_letter_sink_id, is_dead_letter_sink_id
-
-SinkParts = dict[tuple[int, int], pa.Table]  # (slice, epoch) -> the rows that slice wrote in that epoch
+from containers.core import SinkParts, dead_letter_sink_id, is_dead_letter_sink_id
 
 
 def memory_sink_ids(plan: JobPlan, sink_name: str) -> list[int]:
