@@ -950,14 +950,21 @@ class JobMaster:
         return {c: out.get(c, self.stats.get(c)) for c in sorted(live) if c in out or c in self.stats}
 
     async def recovery_timeline(self) -> list[tuple[float, str, dict[str, Any]]]:
-        """What happened, in order: faults, detection, per-slice restore and first output after recovery."""
+        """What happened, in order: faults, detection, per-slice restore and first output after recovery.
+
+        First outputs are those of containers a recovery made (``slices_restored``); a migration's
+        new container restores slices too, but its first output is a migration's, not a recovery's
+        (the demo's "first output (last)" showed a scale-in's 4 s later as the recovery's)."""
         events = list(self.timeline)
+        recovered = {info["container"] for _, kind, info in events if kind == "slices_restored"}
         infos = await asyncio.gather(*[self.handles[h].recovery_info.remote() for h in sorted(self.alive)],
                                      return_exceptions=True)
         for info in infos:
             if isinstance(info, BaseException):
                 continue
             for c, d in info.items():
+                if c not in recovered:
+                    continue
                 for s, t in d["first_output_at"].items():
                     events.append((t, "first_output", {"container": c, "slice": s}))
         return sorted(events, key=lambda e: e[0])

@@ -105,7 +105,10 @@ def test_seeded_random_campaign_of_faults_and_rescaling_ends_with_exact_output(r
     """2 runs x 5 faults: kills and master kills mixed with scale-outs, scale-ins and single-slice
     migrations of both stateful stages, seeded (seed 3 scales a stage out and at once back in;
     seed 17 migrates, scales in twice and out twice)."""
-    campaign(seed, 5, ELASTIC_KINDS, source_delay_s=0.15)
+    report = campaign(seed, 5, ELASTIC_KINDS, source_delay_s=0.15)
+    recovered = {i["container"] for _, k, i in report.timeline if k == "slices_restored"}
+    firsts = {i["container"] for _, k, i in report.timeline if k == "first_output"}
+    assert firsts <= recovered, "a first output after recovery is one of a container a recovery made"
 
 
 @pytest.mark.campaign
