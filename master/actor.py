@@ -31,8 +31,9 @@ from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
-from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
-                              group_transfers, migration_pauses, stage_hosts, stage_id_of, warm_up_goals)
+from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
+                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
+                              stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -434,7 +435,7 @@ class JobMaster:
                 raise MigrationError(f"scale_out needs n >= 1, got {n}")
             layout = stage_hosts(self.placement, self.host_of, sid)
             new = [-(i + 1) for i in range(n)]
-            moves = balanced_moves(layout, list(layout) + new)
+            moves = balanced_moves(layout, list(layout) + new, container_of=container_of_slices(self.placement, sid))
             return await self._migrate(sid, moves, {h: None for h in new}, f"scale_out {n}: {reason}", request=request)
 
     async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested",
@@ -513,7 +514,8 @@ class JobMaster:
     async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
                        reason: str, stop_copy: bool = False, request: str | None = None) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
-        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
+        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
+                                    shared_destination=self.plan.stages[sid].kind != "source")
         if not transfers:
             return {"transfers": [], "reason": reason}
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
@@ -582,39 +584,48 @@ class JobMaster:
             t.advance(P.REBUILDING, info["epoch"], snapshot=t.snapshot, mb=round(info["bytes"] / 1e6, 3),
                       warm_wait_s=warm_wait_s,
                       local=sorted(set(t.slices) - set(t.snapshot)))
-        # 2. REBUILDING: consumers accept the new containers; each restores from its host's store.
+        # 2. REBUILDING: consumers accept the new containers; each restores from its host's store
+        # (one new container per destination host takes the slices of all its transfers).
+        groups = by_destination(transfers)
         calls = []
-        for t in transfers:
-            self.placement.stage_of[t.new_id] = sid
-            self.host_of[t.new_id] = t.host
-            cov = frozenset((sid, s) for s in t.slices)
+        for new_id, group in groups.items():
+            self.placement.stage_of[new_id] = sid
+            self.host_of[new_id] = group[0].host
+            cov = frozenset((sid, s) for s in slices_of(group))
             for d in self.plan.downstream_stages(sid):
                 for c in self.placement.containers[d]:
-                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {t.new_id: cov}))
+                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {new_id: cov}))
         await asyncio.gather(*calls)
-        infos = await asyncio.gather(*[self._add_container(
-            t.new_id, sid, t.slices, {}, {s: [(t.host, self.handles[t.host])] for s in t.slices}) for t in transfers])
-        await asyncio.gather(*[self.handles[t.host].set_extra_window.remote(t.new_id, 64) for t in transfers])
-        await asyncio.gather(*[self.handles[t.host].start.remote([t.new_id]) for t in transfers])
+        infos = dict(zip(groups, await asyncio.gather(*[self._add_container(
+            new_id, sid, slices_of(group), {}, {s: [(group[0].host, self.handles[group[0].host])]
+                                                for s in slices_of(group)})
+            for new_id, group in groups.items()])))
+        await asyncio.gather(*[self.handles[g[0].host].set_extra_window.remote(i, 64) for i, g in groups.items()])
+        await asyncio.gather(*[self.handles[g[0].host].start.remote([i]) for i, g in groups.items()])
         # 3. DUAL: producers send the slices to both copies, replaying to the new one.
         reroutes, who = [], []
-        for t, info in zip(transfers, infos):
-            t.resume = info["resume"]
+        for new_id, group in groups.items():
+            info, host = infos[new_id], group[0].host
             for c, producer in self._producers(sid, live_only=False):
                 reroutes.append(producer.reroute.remote(
-                    c, sid, t.slices, t.new_id, self.handles[t.host], info["progress"], info["resume"], True))
-                who.append((t, c))
-            t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
-                      restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
-        for (t, c), caught_up in zip(who, await asyncio.gather(*reroutes)):
-            t.catch_up[c] = caught_up  # producer -> epochs replayed and rounds before joining live
+                    c, sid, slices_of(group), new_id, self.handles[host], info["progress"], info["resume"], True))
+                who.append((group, c))
+            for t in group:
+                t.resume = {s: info["resume"][s] for s in t.slices}
+                t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
+                          restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
+        for (group, c), caught_up in zip(who, await asyncio.gather(*reroutes)):
+            for t in group:
+                t.catch_up[c] = caught_up  # producer -> epochs replayed and rounds before joining live
         if not stop_copy:
             await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
                               or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
-        # 4. RELEASING: producers switch to the new copy and mark the switch to the source.
-        for t in transfers:
-            await self._release_routes(sid, t)
-            t.advance(P.RELEASING)
+        # 4. RELEASING: producers switch to the new copy and mark the switch to the sources, in one
+        # call per new container (its sources then release at one epoch).
+        for group in groups.values():
+            await self._release_routes(sid, group)
+            for t in group:
+                t.advance(P.RELEASING)
         if stop_copy:
             await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
                                    for t in transfers])
@@ -707,10 +718,14 @@ class JobMaster:
         return [(c, self.handles[self.host_of[c]]) for u in self.plan.upstream_stages(stage_id)
                 for c in self.placement.containers[u] if not live_only or self.host_of[c] in self.alive - dead]
 
-    async def _release_routes(self, sid: int, t: Transfer) -> None:
-        calls = [producer.release_route.remote(c, sid, t.slices, t.new_id) for c, producer in self._producers(sid)]
-        if self.plan.stages[sid].kind == "source" and self.host_of[t.source] in self.alive:
-            calls.append(self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices))
+    async def _release_routes(self, sid: int, group: list[Transfer]) -> None:
+        """Every producer switches the slices of one new container's transfers (``group``) in one
+        call: their sources see the first marked epoch alike (``master.migration``)."""
+        calls = [producer.release_route.remote(c, sid, slices_of(group), group[0].new_id)
+                 for c, producer in self._producers(sid)]
+        if self.plan.stages[sid].kind == "source":
+            calls += [self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices)
+                      for t in group if self.host_of[t.source] in self.alive]
         await asyncio.gather(*calls)
 
     async def _complete(self, sid: int, t: Transfer) -> None:
@@ -754,26 +769,32 @@ class JobMaster:
         await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
                                for t in transfers if self.host_of[t.source] not in dead],
                              return_exceptions=True)  # (a stop-copy baseline may have paused them)
-        for t in transfers:
-            if t.phase in (P.DONE, P.ABORTED):
+        for group in by_destination(transfers).values():
+            live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
+            if not live:
                 continue
-            dst_ok = t.host is not None and t.host not in dead
-            if t.phase is P.RELEASING or (t.phase is P.DUAL and dst_ok):
-                if t.phase is P.DUAL:
-                    await self._release_routes(sid=t.stage_id, t=t)
-                    t.advance(P.RELEASING)
-                await self._complete(t.stage_id, t)
+            t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
+            dst_ok = t0.host is not None and t0.host not in dead
+            if t0.phase is P.RELEASING or (t0.phase is P.DUAL and dst_ok):
+                dual = [t for t in live if t.phase is P.DUAL]
+                if dual:
+                    await self._release_routes(t0.stage_id, dual)
+                    for t in dual:
+                        t.advance(P.RELEASING)
+                for t in live:
+                    await self._complete(t.stage_id, t)
                 continue
-            await asyncio.gather(*[producer.drop_dual.remote(c, t.stage_id, t.slices)
-                                   for c, producer in self._producers(t.stage_id, dead)], return_exceptions=True)
-            if dst_ok and t.host in self.handles and self.handles[t.host] is not None:
+            await asyncio.gather(*[producer.drop_dual.remote(c, t0.stage_id, slices_of(live))
+                                   for c, producer in self._producers(t0.stage_id, dead)], return_exceptions=True)
+            if dst_ok and t0.host in self.handles and self.handles[t0.host] is not None:
                 try:
-                    await self.handles[t.host].remove_container.remote(t.new_id)
+                    await self.handles[t0.host].remove_container.remote(t0.new_id)
                 except RayActorError:
                     pass
-            self.host_of.pop(t.new_id, None)
-            self.placement.stage_of.pop(t.new_id, None)
-            t.advance(P.ABORTED, reason="a host died or a phase got stuck")
+            self.host_of.pop(t0.new_id, None)
+            self.placement.stage_of.pop(t0.new_id, None)
+            for t in live:
+                t.advance(P.ABORTED, reason="a host died or a phase got stuck")
 
     async def _release_idle_hosts(self) -> list[int]:
         """Hosts running no container of the placement any more (scale-in): keep their sink rows, stop them."""

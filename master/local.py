@@ -29,8 +29,9 @@ from containers.backup_store import BackupStore
 from containers.core import ContainerCore, SinkParts, add_sink_parts
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
-from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, container_of_slices,
-                              group_transfers, migration_pauses, stage_hosts, stage_id_of)
+from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
+                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
+                              stage_id_of)
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -285,7 +286,7 @@ class LocalCluster:
         sid = self.stage_id(stage)
         layout = stage_hosts(self.placement, self.hosts, sid)
         new = [-(i + 1) for i in range(n)]  # placeholders for hosts still to be created
-        moves = balanced_moves(layout, list(layout) + new)
+        moves = balanced_moves(layout, list(layout) + new, container_of=container_of_slices(self.placement, sid))
         return self._start(sid, moves, {h: None for h in new})
 
     def scale_in(self, stage: str | int, n: int = 1) -> list[Transfer]:
@@ -313,7 +314,8 @@ class LocalCluster:
         if not self.logged:
             raise MigrationError("migration replays upstream output logs: create the cluster with "
                                  "output_logs=True or checkpoints")
-        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts)
+        transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
+                                    shared_destination=self.plan.stages[sid].kind != "source")
         if not transfers:
             return []
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
@@ -327,70 +329,87 @@ class LocalCluster:
         if not self.migrations:
             return False
         before = [t.phase for t in self.migrations]
-        for t in self.migrations:
-            self._advance(t)
+        for group in by_destination(self.migrations).values():
+            self._advance(group)
         moved = before != [t.phase for t in self.migrations]
         if all(t.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED) for t in self.migrations):
             self._finish_migrations()
         return moved
 
-    def _advance(self, t: Transfer) -> None:
+    def _advance(self, group: list[Transfer]) -> None:
+        """Move the transfers to one new container on by one phase. They go phase by phase together
+        up to RELEASING (the new container is one: restored once, rerouted and released once,
+        see ``master.migration``); each then completes when its source released its slices."""
         P = MigrationPhase
-        src = self.cores.get(t.source)
-        if t.phase is P.PREPARING:
-            if t.host is None:  # transfers to one placeholder share the new host
-                if t.target not in self._placeholders:
-                    self._placeholders[t.target] = self._new_host()
-                t.host = self._placeholders[t.target]
-            t.advance(P.WARMING)
-        elif t.phase is P.WARMING:
-            store = self._store(t.host)
-            newest = {s: max((st.epochs().get((t.stage_id, s), -1) for st in self.stores.values()), default=-1)
-                      for s in t.slices}
-            missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
-            if missing:
-                for b in src.migration_snapshot(missing):
-                    store.put(b)
-            t.snapshot = missing
-            t.advance(P.REBUILDING, src.next_epoch - 1, snapshot=missing, local=sorted(set(t.slices) - set(missing)))
-        elif t.phase is P.REBUILDING:
-            self.placement.stage_of[t.new_id] = t.stage_id
-            self.hosts[t.new_id] = t.host
-            cov = frozenset((t.stage_id, s) for s in t.slices)
-            for d in self.plan.downstream_stages(t.stage_id):
+        phase = min((t.phase for t in group), key=list(P).index)
+        if phase is P.PREPARING:
+            for t in group:
+                if t.host is None:  # transfers to one placeholder share the new host
+                    if t.target not in self._placeholders:
+                        self._placeholders[t.target] = self._new_host()
+                    t.host = self._placeholders[t.target]
+                t.advance(P.WARMING)
+        elif phase is P.WARMING:
+            for t in group:
+                src = self.cores.get(t.source)
+                store = self._store(t.host)
+                newest = {s: max((st.epochs().get((t.stage_id, s), -1) for st in self.stores.values()), default=-1)
+                          for s in t.slices}
+                missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
+                if missing:
+                    for b in src.migration_snapshot(missing):
+                        store.put(b)
+                t.snapshot = missing
+                t.advance(P.REBUILDING, src.next_epoch - 1, snapshot=missing,
+                          local=sorted(set(t.slices) - set(missing)))
+        elif phase is P.REBUILDING:
+            t0, slices = group[0], slices_of(group)
+            self.placement.stage_of[t0.new_id] = t0.stage_id
+            self.hosts[t0.new_id] = t0.host
+            cov = frozenset((t0.stage_id, s) for s in slices)
+            for d in self.plan.downstream_stages(t0.stage_id):
                 for c in self.placement.containers[d]:
                     if c in self.cores:
-                        self.cores[c].add_senders({t.new_id: cov})
-            core = self._core(t.new_id, t.slices, None)
-            core.restore_slices({s: self._load_backup(t.stage_id, s, [t.host]) for s in t.slices})
-            self.cores[t.new_id] = core
-            t.resume = {s: core.slices[s].last_epoch + 1 for s in t.slices}
-            for c, producer in self._producers(t.stage_id):
-                replay = producer.reroute(t.stage_id, t.slices, t.new_id, {s: core.progress_of(s) for s in t.slices},
-                                          t.resume, dual=True)
-                self.in_flight += [(t.new_id, e, c, m) for e, m in replay.items()]
-            t.advance(P.DUAL, core.next_epoch, resume=t.resume)
-        elif t.phase is P.DUAL:
-            dst = self.cores[t.new_id]
-            if src is not None and not src.done and dst.next_epoch < src.next_epoch:
-                return  # catching up
-            self._release_routes(t)
-            if src is not None and src.reader is not None:
-                src.request_release(t.slices)  # a source stage has no upstream marker to tell it
-            t.advance(P.RELEASING, dst.next_epoch)
-        elif t.phase is P.RELEASING:
-            if src is not None and not src.done and not set(t.slices) <= set(src.released):
-                return  # the source has not reached a marked epoch yet
-            self._complete(t)
+                        self.cores[c].add_senders({t0.new_id: cov})
+            core = self._core(t0.new_id, slices, None)
+            core.restore_slices({s: self._load_backup(t0.stage_id, s, [t0.host]) for s in slices})
+            self.cores[t0.new_id] = core
+            resume = {s: core.slices[s].last_epoch + 1 for s in slices}
+            for c, producer in self._producers(t0.stage_id):
+                replay = producer.reroute(t0.stage_id, slices, t0.new_id, {s: core.progress_of(s) for s in slices},
+                                          resume, dual=True)
+                self.in_flight += [(t0.new_id, e, c, m) for e, m in replay.items()]
+            for t in group:
+                t.resume = {s: resume[s] for s in t.slices}
+                t.advance(P.DUAL, core.next_epoch, resume=t.resume)
+        elif phase is P.DUAL:
+            dst = self.cores[group[0].new_id]
+            sources = [self.cores.get(t.source) for t in group]
+            if any(src is not None and not src.done and dst.next_epoch < src.next_epoch for src in sources):
+                return  # catching up (with every source: they release at one epoch)
+            self._release_routes(group)
+            for t, src in zip(group, sources):
+                if src is not None and src.reader is not None:
+                    src.request_release(t.slices)  # a source stage has no upstream marker to tell it
+                t.advance(P.RELEASING, dst.next_epoch)
+        else:
+            for t in group:
+                src = self.cores.get(t.source)
+                if t.phase is not P.RELEASING or (src is not None and not src.done
+                                                  and not set(t.slices) <= set(src.released)):
+                    continue  # done, or the source has not reached a marked epoch yet
+                self._complete(t)
 
     def _producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
         """The live containers of every stage feeding ``stage_id``."""
         return [(c, self.cores[c]) for u in self.plan.upstream_stages(stage_id)
                 for c in self.placement.containers[u] if c in self.cores]
 
-    def _release_routes(self, t: Transfer) -> None:
-        for _, producer in self._producers(t.stage_id):
-            producer.release_route(t.stage_id, t.slices, t.new_id)
+    def _release_routes(self, group: list[Transfer]) -> None:
+        """Every producer switches the slices of one new container's transfers in one call: their
+        sources see the first marked epoch alike (``master.migration``)."""
+        for _, producer in self._producers(group[0].stage_id):
+            producer.release_route(group[0].stage_id, slices_of(group), group[0].new_id)
 
     def _complete(self, t: Transfer) -> None:
         src, dst = self.cores.get(t.source), self.cores.get(t.new_id)
@@ -421,21 +440,26 @@ class LocalCluster:
         """Hosts died mid-migration: finish what can finish (the destination has the slices),
         abort what cannot (the destination died before the source let go)."""
         P = MigrationPhase
-        for t in self.migrations:
-            if t.phase in (P.DONE, P.ABORTED):
+        for group in by_destination(self.migrations).values():
+            live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
+            if not live:
                 continue
-            dst_dead = t.host in dead
-            if t.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t.phase is P.RELEASING):
-                if t.phase is P.DUAL:
-                    self._release_routes(t)
-                    t.advance(P.RELEASING)
-                self._complete(t)
+            t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
+            dst_dead = t0.host in dead
+            if t0.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t0.phase is P.RELEASING):
+                if t0.phase is P.DUAL:
+                    self._release_routes(live)
+                    for t in live:
+                        t.advance(P.RELEASING)
+                for t in live:
+                    self._complete(t)
             else:
-                for _, producer in self._producers(t.stage_id):
-                    producer.drop_dual(t.stage_id, t.slices)
-                if t.new_id in self.cores:
-                    self.cores.pop(t.new_id).close()
-                t.advance(P.ABORTED, reason=f"hosts {sorted(dead)} died")
+                for _, producer in self._producers(t0.stage_id):
+                    producer.drop_dual(t0.stage_id, slices_of(live))
+                if t0.new_id in self.cores:
+                    self.cores.pop(t0.new_id).close()
+                for t in live:
+                    t.advance(P.ABORTED, reason=f"hosts {sorted(dead)} died")
         if self.migrations:
             self._finish_migrations()
 

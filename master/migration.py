@@ -20,14 +20,24 @@ way (paper III-C; docs/design.md section 7f):
 5. ``DONE``: the placement moves, backups are re-planned. ``ABORTED`` when a
    host involved dies: the source keeps the slices, dual copies stop.
 
-A migration always creates a *new* container for the destination (one per
-source container and destination host). Its id is higher than every other,
-which keeps consumers' choice of one copy per epoch simple (see
-``ContainerCore._epoch_messages``).
+A migration always creates a *new* container for the destination: one per
+destination host, which takes the slices of every source container moving
+there (a ``Transfer`` per source container, sharing the new container's
+id: ``by_destination``). Its id is higher than every other, which keeps
+consumers' choice of one copy per epoch simple (see
+``ContainerCore._epoch_messages``): they take senders in id order and skip
+one whose coverage overlaps what is taken, so the new container's
+messages are used from the epoch on which *every* source of its slices has
+released them. Its sources release at one epoch because each producer
+switches all the new container's slices in one call (``release_route``)
+and marks that epoch to each source. A source stage has no producers to
+mark it (each source releases at its own next step): there, one new
+container per source container and host, as before.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
@@ -138,16 +148,21 @@ def stage_hosts(placement: Any, host_of: dict[int, int], stage_id: int) -> dict[
 
 def balanced_moves(layout: dict[int, list[int]], targets: list[int],
                    load: dict[int, float] | None = None,
-                   holders: dict[int, set[int]] | None = None) -> list[tuple[int, int, int]]:
+                   holders: dict[int, set[int]] | None = None,
+                   container_of: dict[int, int] | None = None) -> list[tuple[int, int, int]]:
     """Moves (slice, from host, to host) that even out slice counts over ``layout`` + ``targets``.
 
     ``layout``: host -> its slices now (hosts leaving have been removed by the
     caller and their slices are listed under key -1). ``targets``: hosts that
     may receive (new or remaining). The most loaded host gives first, its
-    heaviest slice by ``load`` (default: the highest slice id) to the least
-    loaded target; among equally loaded targets, one holding the slice's
-    backup (``holders[slice]``: it rebuilds the slice locally, no snapshot).
-    Deterministic.
+    heaviest slice by ``load``; among equally heavy slices (all of them
+    without ``load``), one of the container with the fewest slices left on
+    that host (``container_of``: slice -> container), so that small
+    containers empty and retire instead of every container shrinking (a host
+    collects containers: recoveries and scale-ins each add one); then the
+    highest slice id. It goes to the least loaded target; among equally
+    loaded targets, one holding the slice's backup (``holders[slice]``: it
+    rebuilds the slice locally, no snapshot). Deterministic.
 
     >>> balanced_moves({0: [0, 1, 2, 3]}, [0, 1])
     [(3, 0, 1), (2, 0, 1)]
@@ -155,6 +170,8 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
     [(5, -1, 0), (4, -1, 1)]
     >>> balanced_moves({-1: [4, 5], 0: [0, 2], 1: [1, 3]}, [0, 1], holders={5: {1}, 4: {0}})
     [(5, -1, 1), (4, -1, 0)]
+    >>> balanced_moves({0: [0, 1, 2, 3, 4, 5]}, [0, 1], container_of={0: 9, 1: 9, 2: 8, 3: 8, 4: 8, 5: 8})
+    [(1, 0, 1), (0, 0, 1), (5, 0, 1)]
     """
     weight = load or {}
     have = {h: list(v) for h, v in layout.items()}
@@ -173,7 +190,8 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
         if not givers or not takers:
             return moves
         g = max(givers, key=lambda h: (h not in cap, len(have[h]) - cap.get(h, 0), -h))
-        s = max(have[g], key=lambda s: (weight.get(s, 0.0), s))
+        left = collections.Counter(container_of[x] for x in have[g]) if container_of else {}
+        s = max(have[g], key=lambda s: (weight.get(s, 0.0), -left.get((container_of or {}).get(s), 0), s))
         held_by = (holders or {}).get(s, set())
         t = min(takers, key=lambda t: (len(have[t]) - cap[t], t not in held_by, t))
         have[g].remove(s)
@@ -214,22 +232,51 @@ def warm_up_goals(stage_id: int, transfers: list[Transfer], peers: dict[int, dic
 
 
 def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, int], stage_id: int,
-                    next_id: int, new_hosts: dict[int, int | None] | None = None) -> list[Transfer]:
-    """One ``Transfer`` per (source container, destination host), with new container ids from ``next_id``.
+                    next_id: int, new_hosts: dict[int, int | None] | None = None,
+                    shared_destination: bool = True) -> list[Transfer]:
+    """One ``Transfer`` per (source container, destination host); new container ids from ``next_id``,
+    one per destination host (``shared_destination``, see the module docstring), else one per transfer.
 
     ``moves``: (slice, from host, to host); ``container_of``: slice -> its
     container now; ``new_hosts`` maps placeholder host ids of hosts still to
     be created to None.
+
+    >>> ts = group_transfers([(0, 5, 7), (1, 5, 7), (2, 6, 7), (3, 6, 8)], {0: 1, 1: 1, 2: 2, 3: 2}, 0, 20)
+    >>> [(t.source, t.new_id, t.slices) for t in ts]
+    [(1, 20, [0, 1]), (2, 20, [2]), (2, 21, [3])]
+    >>> [t.new_id for t in group_transfers([(0, 5, 7), (2, 6, 7)], {0: 1, 2: 2}, 0, 20, shared_destination=False)]
+    [20, 21]
     """
     groups: dict[tuple[int, int], Transfer] = {}
+    new_ids: dict[int, int] = {}
     for s, _frm, to in sorted(moves, key=lambda m: (container_of[m[0]], m[2], m[0])):
         key = (container_of[s], to)
         if key not in groups:
             host = None if new_hosts and to in new_hosts else to
-            groups[key] = Transfer(next_id, container_of[s], stage_id, host, [], target=to)
-            next_id += 1
+            if not shared_destination or to not in new_ids:
+                new_ids[to] = next_id
+                next_id += 1
+            groups[key] = Transfer(new_ids[to], container_of[s], stage_id, host, [], target=to)
         groups[key].slices.append(s)
     return list(groups.values())
+
+
+def by_destination(transfers: list[Transfer]) -> dict[int, list[Transfer]]:
+    """New container id -> its transfers (one per source container), in the transfers' order.
+
+    The steps that act on the new container (consumers accepting it, creating and
+    restoring it, producers rerouting and releasing its slices) are one per new
+    container, with the slices of all its transfers (``slices_of``).
+    """
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        out.setdefault(t.new_id, []).append(t)
+    return out
+
+
+def slices_of(transfers: list[Transfer]) -> list[int]:
+    """Every slice the ``transfers`` move, sorted."""
+    return sorted(s for t in transfers for s in t.slices)
 
 
 def stage_id_of(plan: Any, stage: str | int) -> int:

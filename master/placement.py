@@ -56,7 +56,8 @@ class Placement:
         arr[slices] = new_id
         self.slice_to_container[stage] = arr
         ids = self.containers[stage]
-        ids.append(new_id)
+        if new_id not in ids:  # (a migration's new container takes the slices of several sources)
+            ids.append(new_id)
         if not np.any(arr == dead) and dead in ids:
             ids.remove(dead)
 

@@ -119,6 +119,73 @@ def test_scaling_in_a_grouped_aggregate_empties_a_container_and_gives_the_serial
     assert_equals_serial("long_words", cl)
 
 
+def test_slices_of_several_containers_moving_to_one_host_land_in_one_new_container():
+    """Scale-in from three hosts to one: the two drained containers' slices go to one new
+    container (not one per source container), whose sources release at one epoch (the consumers
+    take the new container's messages once no source covers its slices). The sink equals the
+    serial run."""
+    cl = cluster("long_sum", containers=3, slices=6)
+    stage = operator_stage(cl)
+    faults, pending = script(lambda cl: cl.scale_in(stage, 2))
+    cl.run(faults=faults)
+    assert not pending
+    sid = cl.stage_id(stage)
+    assert len(cl.migrated) == 2 and len({t.source for t in cl.migrated}) == 2
+    assert len({t.new_id for t in cl.migrated}) == 1, "one new container on the one destination host"
+    assert len(cl.placement.containers[sid]) == 2, "the staying container and the new one"
+    assert len({e for t in cl.migrated for e in t.released_at.values()}) == 1, "both sources released at one epoch"
+    assert_equals_serial("long_sum", cl)
+
+
+def test_repeated_scale_out_and_in_keeps_at_most_two_containers_a_host():
+    """Each scale-out gives the new host one container; each scale-in one per staying host: five
+    rounds of out and in leave no host with more than two containers of the stage (one per
+    source container and destination host made 3 on each new host here)."""
+    cl = cluster("long_sum", containers=3, slices=12)
+    stage = operator_stage(cl)
+    sid = cl.stage_id(stage)
+    most = []
+
+    def note(cl):
+        per_host: dict[int, int] = {}
+        for c in cl.placement.containers[sid]:
+            per_host[cl.hosts[c]] = per_host.get(cl.hosts[c], 0) + 1
+        most.append(max(per_host.values()))
+
+    steps = []
+    for _ in range(5):
+        steps += [lambda cl: cl.scale_out(stage, 1), note, lambda cl: cl.scale_in(stage, 1), note]
+    faults, pending = script(*steps)
+    cl.run(faults=faults)
+    assert not pending
+    assert len(most) == 10 and max(most) <= 2, most
+    assert_equals_serial("long_sum", cl)
+
+
+def test_a_scale_out_empties_a_hosts_smallest_container_first_so_that_it_retires():
+    """A host that runs a big container and a one-slice container (a migration put slice 1
+    there) gives the scale-out that slice first: that container retires, the big one stays
+    whole; without the preference the highest slice ids (of the big one) went and both stayed."""
+    cl = cluster("long_sum", containers=2, slices=8)
+    stage = operator_stage(cl)
+    sid = cl.stage_id(stage)
+    first = {}
+
+    def move_slice_1(cl):
+        host_of_0 = cl.hosts[cl.placement.slice_to_container[sid][0]]
+        (t,) = cl.migrate(stage, [1], to_host=host_of_0)
+        first["small"] = t.new_id
+
+    faults, pending = script(move_slice_1, lambda cl: cl.scale_out(stage, 1))
+    cl.run(faults=faults)
+    assert not pending
+    moved_out = sorted(s for t in cl.migrated[1:] for s in t.slices)  # (cl.migrated[0]: the move of slice 1)
+    assert 1 in moved_out, moved_out
+    assert first["small"] not in cl.placement.containers[sid], "the one-slice container retired"
+    assert len(cl.placement.containers[sid]) == 3
+    assert_equals_serial("long_sum", cl)
+
+
 def test_a_source_stage_scales_out_and_in_too():
     cl = cluster("rekey", containers=1)
     source = next(st.name for st in cl.plan.stages if st.kind == "source")

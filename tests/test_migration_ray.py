@@ -44,6 +44,8 @@ def test_scale_out_one_to_two_to_four_then_in_to_one_gives_the_serial_output(ray
     assert len(report.applied) == 4, "every rescale landed mid-stream"
     done = migrations(report)
     assert [len({t["host"] for t in m["transfers"]}) for m in done] == [1, 2, 1]
+    assert [len({t["to"] for t in m["transfers"]}) for m in done] == [1, 2, 1], "one new container a host"
+    assert len(done[2]["transfers"]) == 3, "the scale-in drained three containers into one"
     assert all(t["phase"] == "done" for m in done for t in m["transfers"])
     assert len(done[2]["released_hosts"]) == 3, "scale-in released the drained hosts"
     print(report.format_timeline())
