@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 KINDS = ("kill", "kill_two", "kill_master", "delay", "corrupt_backup", "truncate_backup",
-         "scale_out", "scale_in", "migrate")
+         "scale_out", "scale_in", "migrate", "compact")
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ class Fault:
     see the other replica used). ``stage`` picks the stage (any stateful
     one when None); ``index`` which of its containers (by sorted id).
     Not faults but scheduled the same way: ``scale_out`` / ``scale_in``
-    (``n`` hosts) and ``migrate`` (the first slice of container ``index``
-    to a new host), so a campaign can mix rescaling with failures.
+    (``n`` hosts), ``migrate`` (the first slice of container ``index``
+    to a new host) and ``compact`` (``Job.compact``), so a campaign can mix
+    rescaling with failures.
     """
 
     kind: str
@@ -61,7 +62,7 @@ class Fault:
         what = {"kill": "kill a container", "kill_two": "kill two containers", "delay": f"delay a container by "
                 f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
                 "truncate a backup", "scale_out": f"add {self.n} host(s)", "scale_in": f"remove {self.n} host(s)",
-                "migrate": "migrate a slice"}[self.kind]
+                "migrate": "migrate a slice", "compact": "merge the containers on each host"}[self.kind]
         return f"{what} of stage {self.stage!r} at epoch {self.at_epoch}"
 
 
@@ -107,8 +108,9 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
         ray.kill(job.master, no_restart=False)
         return {"master": True}
     stage = fault.stage or _stateful_stages(job)[0]
-    if fault.kind in ("scale_out", "scale_in"):
-        done = (job.scale_out if fault.kind == "scale_out" else job.scale_in)(stage, fault.n)
+    if fault.kind in ("scale_out", "scale_in", "compact"):
+        done = job.compact(stage) if fault.kind == "compact" else \
+            (job.scale_out if fault.kind == "scale_out" else job.scale_in)(stage, fault.n)
         return {"stage": stage, "moved": sorted(s for t in done["transfers"] for s in t["slices"]),
                 "seconds": done.get("seconds")}
     ids = _containers_of(job, stage)

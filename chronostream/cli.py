@@ -2,7 +2,7 @@
 
 Running jobs (on the same Ray cluster, found with ``--address``, default
 ``auto``): ``jobs``, ``placement``, ``metrics``, ``scale-out``,
-``scale-in``, ``migrate``, ``scale-up``, ``scale-down``; and offline,
+``scale-in``, ``migrate``, ``compact``, ``scale-up``, ``scale-down``; and offline,
 ``autoscale-sim`` replays a recorded metrics trace through a policy.
 
 Owns: argument parsing and the printing of summaries. Everything it does
@@ -124,6 +124,8 @@ def cmd_control(args: argparse.Namespace) -> int:
         out = job.scale_in(args.stage, args.n)
     elif args.command == "migrate":
         out = job.migrate(args.stage, args.slices, args.to)
+    elif args.command == "compact":
+        out = job.compact(args.stage)
     elif args.command == "scale-up":
         out = job.scale_up(args.container, args.threads)
     else:
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("scale-out", "add hosts to a stage of a running job"),
                         ("scale-in", "remove hosts from a stage of a running job"),
                         ("migrate", "move slices of a stage of a running job"),
+                        ("compact", "merge a stage's containers on each host of a running job into one"),
                         ("scale-up", "give a container of a running job more threads"),
                         ("scale-down", "take threads from a container of a running job")]:
         p = sub.add_parser(name, help=help_)
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "jobs":
             continue
         p.add_argument("job", help="the job's key (chronostream jobs)")
-        if name in ("scale-out", "scale-in", "migrate"):
+        if name in ("scale-out", "scale-in", "migrate", "compact"):
             p.add_argument("stage")
         if name in ("scale-out", "scale-in"):
             p.add_argument("-n", type=int, default=1, help="hosts to add or remove (default 1)")
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
     a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
-    if args.command in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "scale-up", "scale-down"):
+    if args.command in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "compact", "scale-up",
+                        "scale-down"):
         return cmd_control(args)
     if args.command == "autoscale-sim":
         return cmd_autoscale_sim(args)

@@ -214,6 +214,19 @@ class Job:
         slices to the others, then release them."""
         return self._control(self.master.scale_in.remote(stage, n, "requested", uuid.uuid4().hex))
 
+    def compact(self, stage: str) -> dict[str, Any]:
+        """Merge ``stage``'s containers on each host into one, while the job runs.
+
+        Recoveries and scale-ins leave several containers of a stage on a
+        host (each its own epoch loop, messages and slice group). This moves
+        every slice of such a host into one new container there, by the
+        migration protocol (dual mode, then release): the slices are rebuilt
+        from snapshots their containers take in-process, a copy of their
+        state. Returns what moved, as ``scale_out`` does; no transfers when
+        every host runs one container of the stage.
+        """
+        return self._control(self.master.compact.remote(stage, "requested", uuid.uuid4().hex))
+
     def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None,
                 baseline: str | None = None) -> dict[str, Any]:
         """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host).

@@ -93,10 +93,13 @@ def _migration_lines(timeline: list) -> list[tuple[str, str]]:
         hosts = sorted({tr["host"] for tr in info["transfers"]})
         what = info["reason"].split(":")[0]
         released = f", released hosts {info['released_hosts']}" if info.get("released_hosts") else ""
-        lines.append((what, f"slices {moved} -> host(s) {hosts} in {info['seconds']:.1f} s{released}"))
+        which = f"slices {moved}" if len(moved) <= 12 else f"{len(moved)} slices"
+        lines.append((what, f"{which} -> host(s) {hosts} in {info['seconds']:.1f} s{released}"))
         if pauses:
+            # (a compaction moves every slice of the hosts it merges: no others to speak of)
+            others = "" if what == "compact" else " (others kept running)"
             lines.append(("  pause per slice", f"median {sorted(pauses)[len(pauses) // 2]:.0f} ms, "
-                                               f"max {max(pauses):.0f} ms (others kept running)"))
+                                               f"max {max(pauses):.0f} ms{others}"))
     return lines or [("scaling", "none applied: the job finished first")]
 
 
@@ -110,7 +113,8 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
     if kill:
         print("  (a route-statistics container is killed a third of the way through)")
     if scale:
-        print("  (the route-statistics stage scales out by one host half way, and back in at two thirds)")
+        print("  (the route-statistics stage scales out by one host half way, back in at two thirds,")
+        print("   and its containers on each host are merged into one at five sixths)")
     if out.exists():
         shutil.rmtree(out)
     log_dir, out_dir = out / "source-log", out / "route_delays"
@@ -140,7 +144,8 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
             schedule.append(Fault("kill", at_epoch=max(1, epochs // 3), stage="route_delays"))
         if scale:
             schedule += [Fault("scale_out", at_epoch=max(2, epochs // 2), stage="route_delays"),
-                         Fault("scale_in", at_epoch=max(3, 2 * epochs // 3), stage="route_delays")]
+                         Fault("scale_in", at_epoch=max(3, 2 * epochs // 3), stage="route_delays"),
+                         Fault("compact", at_epoch=max(4, 5 * epochs // 6), stage="route_delays")]
         applied = [a for a in apply_schedule(job, schedule) if a[1].kind == "kill"]
         while True:
             info = job.progress()

@@ -32,8 +32,8 @@ from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
-                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
-                              stage_id_of, warm_up_goals)
+                              check_compactable, compaction_moves, container_of_slices, group_transfers,
+                              migration_pauses, slices_of, stage_hosts, stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -79,6 +79,7 @@ class JobMaster:
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
+        self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
         self._watching = False
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
@@ -464,6 +465,29 @@ class JobMaster:
             moves = [(s, self.host_of[where[s]], t) for s, _, t in moves]
             return await self._migrate(sid, moves, {}, f"scale_in {n}: {reason}", request=request)
 
+    async def compact(self, stage: str | int, reason: str = "requested",
+                      request: str | None = None) -> dict[str, Any]:
+        """Merge ``stage``'s containers on each host into one (``master.migration.compaction_moves``);
+        a no-op when every host runs one."""
+        async with self.recovery_lock:
+            if (done := await self._replayed(request)) is not None:
+                return done
+            self._check_can_migrate()
+            sid = stage_id_of(self.plan, stage)
+            check_compactable(self.plan, sid)
+            moves = compaction_moves(self.placement, self.host_of, sid)
+            where = container_of_slices(self.placement, sid)
+            # A merged container keeps the most threads any of its containers had or was asked for
+            # (a scale-up takes effect at the container's next epoch; a restarted master knows only those).
+            threads = {c: max(self.threads_asked.get(c, 1), await self.threads_of(c))
+                       for c in sorted({where[s] for s, _, _ in moves})}
+            summary = await self._migrate(sid, moves, {}, f"compact: {reason}", request=request)
+            for new_id in sorted({t["to"] for t in summary["transfers"] if t["phase"] == "done"}):
+                most = max(threads[t["from"]] for t in summary["transfers"] if t["to"] == new_id)
+                if most > 1:
+                    await self.set_threads(new_id, most)
+            return summary
+
     async def migrate(self, stage: str | int, slices: list[int], to_container: int | None = None,
                       reason: str = "requested", baseline: str | None = None,
                       request: str | None = None) -> dict[str, Any]:
@@ -497,6 +521,7 @@ class JobMaster:
             raise MigrationError(f"a container needs at least 1 thread, got {threads}")
         self._check_live(container)
         out = await self.handles[self.host_of[container]].set_threads.remote(container, threads)
+        self.threads_asked[container] = threads
         self._event("threads_set", container=container, threads=threads, from_epoch=out["from_epoch"])
         return out
 

@@ -30,8 +30,8 @@ from containers.core import ContainerCore, SinkParts, add_sink_parts
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
-                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
-                              stage_id_of)
+                              check_compactable, compaction_moves, container_of_slices, group_transfers,
+                              migration_pauses, slices_of, stage_hosts, stage_id_of)
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -307,6 +307,12 @@ class LocalCluster:
                                staying, holders=holders)
         where = container_of_slices(self.placement, sid)
         return self._start(sid, [(s, self.hosts[where[s]], t) for s, _, t in moves], {})
+
+    def compact(self, stage: str | int) -> list[Transfer]:
+        """Merge ``stage``'s containers on each host into one (``master.migration.compaction_moves``)."""
+        sid = self.stage_id(stage)
+        check_compactable(self.plan, sid)
+        return self._start(sid, compaction_moves(self.placement, self.hosts, sid), {})
 
     def _start(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None]) -> list[Transfer]:
         if self.migrations:

@@ -199,6 +199,36 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
         moves.append((s, g, t))
 
 
+def compaction_moves(placement: Any, host_of: dict[int, int], stage_id: int) -> list[tuple[int, int, int]]:
+    """Moves (slice, host, same host) that merge every host's containers of ``stage_id`` into one:
+    all slices of each host that runs two or more of them (recoveries, migrations and scale-ins
+    leave several). One migration to the same host: the new container takes them all
+    (``group_transfers``), rebuilt from snapshots the containers ship in-process (a host never
+    holds chained backups of its own slices), while the old ones run them in dual mode.
+
+    >>> import numpy as np
+    >>> from master.placement import Placement
+    >>> p = Placement()
+    >>> p.slice_to_container[0] = np.array([1, 2, 3, 1])
+    >>> p.containers[0], p.stage_of = [1, 2, 3], {1: 0, 2: 0, 3: 0}
+    >>> compaction_moves(p, {1: 7, 2: 7, 3: 8}, 0)
+    [(0, 7, 7), (1, 7, 7), (3, 7, 7)]
+    """
+    by_host: dict[int, set[int]] = {}
+    for c in placement.containers[stage_id]:
+        by_host.setdefault(host_of[c], set()).add(c)
+    return sorted((s, h, h) for h, cs in by_host.items() if len(cs) > 1 for c in cs for s in placement.slices_of(c))
+
+
+def check_compactable(plan: Any, stage_id: int) -> None:
+    """``MigrationError`` for a source stage: its containers release at their own next steps (no
+    producer marks one epoch for all), so their slices cannot share a new container."""
+    st = plan.stages[stage_id]
+    if st.kind == "source":
+        raise MigrationError(f"stage {st.name!r} is a source stage: its containers cannot be merged "
+                             "(each releases its slices at its own next epoch)")
+
+
 def warm_up_goals(stage_id: int, transfers: list[Transfer], peers: dict[int, dict[int, list[int]]],
                   held: dict[int, dict[tuple[int, int], int]],
                   sources: dict[int, dict[str, Any]]) -> dict[int, tuple[list[int], int]]:

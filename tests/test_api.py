@@ -125,17 +125,19 @@ def test_cli_run_executes_a_query_file(tmp_path):
 
 
 def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
-    """The demo's job, run on 40,000 flights (paced), kills a container, scales out and in,
-    and passes its own validation."""
+    """The demo's job, run on 60,000 flights (paced), kills a container, scales out and in,
+    merges the containers on each host into one, and passes its own validation."""
     from chronostream.demo import run_demo
 
-    assert run_demo(containers=2, rows=40_000, out=tmp_path / "demo", pace_s=1.0) == 0
+    assert run_demo(containers=2, rows=60_000, out=tmp_path / "demo", pace_s=1.0) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s*validation\s+PASS", out, re.M), out
     assert re.search(r"^\s*fault\s+killed container", out, re.M), out
     assert re.search(r"^\s*scale_out 1\s+slices \[", out, re.M), out
     assert re.search(r"^\s*pause per slice\s+median \d+ ms", out, re.M), out
     assert re.search(r"^\s*scale_in 1\s+slices \[.*released hosts", out, re.M), out
+    assert re.search(r"^\s*compact\s+(slices \[|\d+ slices)", out, re.M), out
+    assert re.search(r"^\s*containers\s+.*route_delays: 2 \(at the end\)", out, re.M), out
 
 
 def test_one_stream_as_both_inputs_of_a_join_matches_serial():

@@ -186,6 +186,45 @@ def test_a_scale_out_empties_a_hosts_smallest_container_first_so_that_it_retires
     assert_equals_serial("long_sum", cl)
 
 
+def containers_per_host(cl: LocalCluster, stage: str) -> list[int]:
+    sid = cl.stage_id(stage)
+    per_host: dict[int, int] = {}
+    for c in cl.placement.containers[sid]:
+        per_host[cl.hosts[c]] = per_host.get(cl.hosts[c], 0) + 1
+    return [per_host[h] for h in sorted(per_host)]
+
+
+def test_compaction_merges_each_hosts_containers_into_one_and_gives_the_serial_output():
+    """A scale-out and a scale-in leave two containers of the stage on each staying host;
+    ``compact`` moves each host's slices into one new container there (dual mode, snapshots
+    taken in-process), its sources releasing at one epoch. The sink equals the serial run."""
+    cl = cluster("long_sum", containers=3, slices=12)
+    stage = operator_stage(cl)
+    seen, merged = [], []
+    faults, pending = script(lambda cl: cl.scale_out(stage, 1), lambda cl: cl.scale_in(stage, 1),
+                             lambda cl: seen.append(containers_per_host(cl, stage)),
+                             lambda cl: merged.extend(cl.compact(stage)),
+                             lambda cl: seen.append(containers_per_host(cl, stage)))
+    cl.run(faults=faults)
+    assert not pending, "every step ran mid-stream"
+    assert seen == [[2, 2, 2], [1, 1, 1]]
+    assert len(merged) == 6 and all(t.phase is MigrationPhase.DONE for t in merged)
+    assert all(t.host == cl.hosts[t.source] for t in merged), "each host's slices stay on it"
+    by_new: dict[int, set[int]] = {}
+    for t in merged:
+        by_new.setdefault(t.new_id, set()).update(t.released_at.values())
+    assert len(by_new) == 3 and all(len(e) == 1 for e in by_new.values()), "each host's sources released at one epoch"
+    assert_equals_serial("long_sum", cl)
+
+
+def test_compaction_with_one_container_a_host_moves_nothing_and_a_source_stage_is_refused():
+    cl = cluster("long_sum", containers=2, slices=6)
+    assert cl.compact(operator_stage(cl)) == []
+    source = next(st.name for st in cl.plan.stages if st.kind == "source")
+    with pytest.raises(MigrationError, match="source stage"):
+        cl.compact(source)
+
+
 def test_a_source_stage_scales_out_and_in_too():
     cl = cluster("rekey", containers=1)
     source = next(st.name for st in cl.plan.stages if st.kind == "source")

@@ -187,6 +187,43 @@ def test_a_moved_slices_seeded_backup_chain_recovers_it_when_its_new_host_dies(r
         job.stop()
 
 
+def test_compaction_after_a_recovery_leaves_one_container_a_host_and_its_backups_recover_it(ray_session):
+    """A kill leaves the dead container's slices in new containers beside the survivors'
+    (two on each host); ``compact`` merges them into one per host while the job runs, keeping
+    a scaled-up container's threads; a later kill of one merged container is recovered from
+    the backups it made. Output exact."""
+    import time
+
+    job = cs.run(query(12000), containers={"payments": 1, "running_sum": 3, "stats": 1}, checkpoint_every=2)
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("kill", 10, "running_sum")])
+
+        def per_host() -> list[int]:
+            view = job.placement()
+            hosts = [view["hosts"][c] for c in view["stages"]["running_sum"]]
+            return sorted(hosts.count(h) for h in set(hosts))
+
+        assert per_host() == [2, 2], "the recovery put a new container beside each survivor"
+        scaled_up = min(job.placement()["stages"]["running_sum"])
+        job.scale_up(scaled_up, threads=1)  # (compact may come before it takes effect: it is asked for)
+        done = job.compact("running_sum")
+        assert {t["phase"] for t in done["transfers"]} == {"done"} and len(done["transfers"]) == 4
+        assert per_host() == [1, 1]
+        heir = next(t["to"] for t in done["transfers"] if t["from"] == scaled_up)
+        deadline = time.monotonic() + 10  # (a thread table takes effect at the next epoch barrier)
+        while job.statistics()[heir].threads != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.statistics()[heir].threads == 2, "the merged container keeps the scaled-up threads"
+        assert job.compact("running_sum")["transfers"] == [], "nothing left to merge"
+        apply_schedule(job, [Fault("kill", job.progress()["min_epoch"] + 10, "running_sum")])
+        job.wait(timeout_s=300)
+        assert [k for _, k, _ in job.timeline()].count("recovery_end") == 2
+        mismatches, _ = compare_with_serial(job, query(12000))
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
 def test_scaling_requested_while_a_container_dies_still_gives_the_serial_output(ray_session):
     """A kill and a scale-out at once: the master runs one after the other (one control
     operation at a time); whichever comes first, the output is exact."""
@@ -241,7 +278,8 @@ def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_sessio
 
 
 def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
-    """``chronostream jobs`` / ``scale-out`` / ``placement`` from another process, against a running job."""
+    """``chronostream jobs`` / ``scale-out`` / ``placement`` / ``compact`` from another process, against a
+    running job."""
     import json
     import subprocess
     import sys
@@ -259,6 +297,7 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
         moved = cli("scale-out", job.key, "stats", "-n", "1")
         assert moved["transfers"] and all(t["phase"] == "done" for t in moved["transfers"])
         assert len(set(cli("placement", job.key)["hosts"].values())) >= 4
+        assert cli("compact", job.key, "stats")["transfers"] == [], "one container a host: nothing to merge"
         job.wait(timeout_s=300)
         mismatches, _ = compare_with_serial(job, query(4000))
         assert not mismatches, mismatches
