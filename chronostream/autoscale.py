@@ -25,7 +25,11 @@ Built-ins:
 - ``ScheduledPolicy``: given actions at given job times (manual schedules);
 - ``HotSliceRule``: a slice with ``ratio`` times the mean input rate of
   its stage, on a host busier than the others, moves to the least loaded
-  container of the stage. Combine with ``Policies(a, b, ...)``.
+  container of the stage;
+- ``CompactionRule``: a stage running ``extra`` or more containers beyond
+  one per host (recoveries and scale-ins leave them) is compacted
+  (``Job.compact``: each host's containers merged into one). Combine
+  with ``Policies(a, b, ...)``.
 
 >>> from chronostream.metrics import MetricsSnapshot, StageMetrics
 >>> snap = MetricsSnapshot(5.0, {"count": StageMetrics("count", 1, (1,), 8, input_rate=9000,
@@ -43,7 +47,7 @@ from typing import Any, Iterable, Protocol
 
 from chronostream.metrics import MetricsSnapshot, StageMetrics
 
-ACTION_KINDS = ("scale_out", "scale_in", "migrate", "set_threads")
+ACTION_KINDS = ("scale_out", "scale_in", "migrate", "set_threads", "compact")
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,8 @@ class ScalingAction:
         """``scale_out count by 2: <reason>``."""
         what = {"scale_out": f"by {self.n}", "scale_in": f"by {self.n}",
                 "migrate": f"slice {self.slice} to container {self.to_container}",
-                "set_threads": f"container {self.container} to {self.threads} threads"}[self.kind]
+                "set_threads": f"container {self.container} to {self.threads} threads",
+                "compact": "(one container a host)"}[self.kind]
         return f"{self.kind} {self.stage} {what}: {self.reason}"
 
     def to_plain(self) -> dict[str, Any]:
@@ -255,6 +260,50 @@ class HotSliceRule:
                                      f"is {hot.input_rate / max(mean, 1e-9):.1f}x the mean {mean:.0f}; container "
                                      f"{hot.container} carries {load[hot.container]:.0f}, {target} {load[target]:.0f}",
                                      slice=hot.slice_id, to_container=target))
+        return out
+
+
+@dataclass
+class CompactionRule:
+    """Compact a stage (``Job.compact``) that runs ``extra`` or more containers beyond one per host.
+
+    Every recovery and scale-in leaves a new container beside the old ones on
+    the hosts that take slices: each is one more epoch loop, one more message
+    from every producer each epoch, a smaller slice group. A compaction copies
+    the merged slices' state (snapshots) while they keep running (dual mode),
+    so it waits ``cooldown_s`` after the stage's last compaction, and
+    ``quiet_s`` after the stage's host count last changed (a scale-out right
+    after would undo it).
+
+    >>> from chronostream.metrics import StageMetrics
+    >>> st = StageMetrics("count", 2, (3, 4, 7, 8), 16, 0.0, 0.0, 0.0, 0, 0, 1)
+    >>> r = CompactionRule(quiet_s=0)
+    >>> [a.describe() for a in r.decide(MetricsSnapshot(1.0, {"count": st}))]
+    ['compact count (one container a host): 4 containers on 2 hosts']
+    >>> r.decide(MetricsSnapshot(2.0, {"count": st}))  # cooling down
+    []
+    """
+
+    extra: int = 1
+    cooldown_s: float = 60.0
+    quiet_s: float = 10.0
+    stages: list[str] | None = None
+    _last_action_t: dict[str, float] = field(default_factory=dict)
+    _hosts: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (hosts, since when)
+
+    def decide(self, snapshot: MetricsSnapshot) -> list[ScalingAction]:
+        out = []
+        for st in _stages(snapshot, self.stages):
+            hosts, since = self._hosts.get(st.name, (st.hosts, snapshot.t))
+            if hosts != st.hosts:
+                since = snapshot.t
+            self._hosts[st.name] = (st.hosts, since)
+            if len(st.containers) - st.hosts < self.extra or snapshot.t - since < self.quiet_s \
+                    or snapshot.t - self._last_action_t.get(st.name, -math.inf) < self.cooldown_s:
+                continue
+            self._last_action_t[st.name] = snapshot.t
+            out.append(ScalingAction("compact", st.name, 0,
+                                     f"{len(st.containers)} containers on {st.hosts} hosts"))
         return out
 
 

@@ -152,7 +152,11 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
 
     Kills are capped so every stage keeps 2 containers (``containers`` per
     stage at the start): with backup factor 2 a copy of each slice then
-    survives; a kind that would exceed the cap becomes a ``delay``.
+    survives; a kind that would exceed the cap becomes a ``delay``. So does
+    a ``scale_in`` that would leave a stage on fewer than 2 hosts (counted
+    from ``containers``: a scale-out or a migration to a new host adds one,
+    a kill or a scale-in takes one; the master refuses to remove a stage's
+    last host).
 
     >>> [(f.kind, f.at_epoch) for f in random_faults(0, 3, ["count"], 40, 4, ("kill", "corrupt_backup"))]
     [('corrupt_backup', 1), ('kill', 13), ('corrupt_backup', 38)]
@@ -167,13 +171,17 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
         if all(abs(e - x) >= min_gap for x in epochs):
             epochs.append(e)
     kills: dict[str, int] = {}
+    hosts = {st: containers for st in stages}
     faults = []
     for e in sorted(epochs):
         stage, kind = rng.choice(stages), rng.choice(kinds)
         cost = {"kill": 1, "kill_two": 2}.get(kind, 0)
         if cost and kills.get(stage, 0) + cost > containers - 2:
             kind = "delay"
+        if kind == "scale_in" and hosts[stage] - 1 < 2:
+            kind = "delay"
         kills[stage] = kills.get(stage, 0) + cost * (kind != "delay")
+        hosts[stage] += {"scale_out": 1, "migrate": 1, "scale_in": -1}.get(kind, -cost)
         faults.append(Fault(kind, e, stage, rng.randrange(containers), 0.01 if kind == "delay" else 0.0))
     return faults
 

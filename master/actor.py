@@ -905,6 +905,8 @@ class JobMaster:
             return await self.scale_in(a.stage, a.n, reason=a.reason)
         if a.kind == "migrate":
             return await self.migrate(a.stage, [a.slice], a.to_container, reason=a.reason)
+        if a.kind == "compact":
+            return await self.compact(a.stage, reason=a.reason)
         return await self.set_threads(a.container, a.threads)
 
     # -- reports from hosts ------------------------------------------------------------

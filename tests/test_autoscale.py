@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 import chronostream as cs
-from chronostream.autoscale import (Decision, HotSliceRule, LatencyPolicy, Policies, RatePolicy, ScalingAction,
-                                    ScheduledPolicy, UtilizationPolicy, read_trace, simulate, write_trace)
+from chronostream.autoscale import (CompactionRule, Decision, HotSliceRule, LatencyPolicy, Policies, RatePolicy,
+                                    ScalingAction, ScheduledPolicy, UtilizationPolicy, read_trace, simulate,
+                                    write_trace)
 from chronostream.metrics import MetricsSnapshot, SliceMetrics, StageMetrics
 from chronostream.sourcelog import SourceLogWriter
 
@@ -79,6 +80,20 @@ def test_hot_slice_rule_moves_the_hot_slice_to_the_least_loaded_container():
     assert (a.kind, a.slice, a.to_container) == ("migrate", 2, 1)
     alone = [SliceMetrics(s, 0 if s < 4 else 1, 0, 0.0, 0, 0, 0, input_rate=1000.0 if s == 2 else 10.0) for s in range(8)]
     assert HotSliceRule(ratio=3).decide(snap(1, hosts=2, per=alone)) == [], "moving it alone would not help"
+
+
+def test_compaction_rule_compacts_a_stage_with_extra_containers_once_its_host_count_is_quiet():
+    def with_containers(t, hosts, containers):
+        return MetricsSnapshot(t, {"s": StageMetrics("s", hosts, tuple(range(containers)), 8, 0.0, 0.0, 0.0, 0, 0, 1)})
+
+    r = CompactionRule(extra=2, quiet_s=5, cooldown_s=30)
+    assert r.decide(with_containers(0, 2, 3)) == [], "one extra container: below extra=2"
+    assert r.decide(with_containers(1, 3, 6)) == [], "the host count just changed (a scale-out)"
+    assert r.decide(with_containers(5, 2, 5)) == [], "and again (a scale-in): quiet for 5 s first"
+    (a,) = r.decide(with_containers(10, 2, 5))
+    assert (a.kind, a.stage) == ("compact", "s") and "5 containers on 2 hosts" in a.reason
+    assert r.decide(with_containers(20, 2, 5)) == [], "cooldown"
+    assert kinds(r.decide(with_containers(40, 2, 4))) == [("compact", 0)]
 
 
 def test_the_simulator_replays_a_trace_to_the_same_decisions(tmp_path):

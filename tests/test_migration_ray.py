@@ -224,6 +224,27 @@ def test_compaction_after_a_recovery_leaves_one_container_a_host_and_its_backups
         job.stop()
 
 
+def test_the_compaction_rule_compacts_after_a_recovery_in_the_autoscaler_loop(ray_session):
+    """With ``autoscale=CompactionRule()``, the master's loop compacts the stage once a kill left
+    two containers on each host; the decision is in the timeline and the output is exact."""
+    from chronostream.autoscale import CompactionRule
+
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 3, "stats": 1}, checkpoint_every=2,
+                 autoscale=CompactionRule(quiet_s=0, cooldown_s=1000), autoscale_interval_s=0.3)
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("kill", 10, "running_sum")])
+        job.wait(timeout_s=300)
+        decisions = [i["action"] for _, k, i in job.timeline() if k == "autoscale_decision"]
+        assert any(d.startswith("compact running_sum") for d in decisions), decisions
+        view = job.placement()
+        hosts = [view["hosts"][c] for c in view["stages"]["running_sum"]]
+        assert len(hosts) == len(set(hosts)) == 2, view
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
 def test_scaling_requested_while_a_container_dies_still_gives_the_serial_output(ray_session):
     """A kill and a scale-out at once: the master runs one after the other (one control
     operation at a time); whichever comes first, the output is exact."""

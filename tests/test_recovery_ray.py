@@ -119,6 +119,14 @@ def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
 
 
 @pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(300, 310))
+def test_large_seeded_campaign_of_faults_rescaling_and_compaction(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, rescalings and compactions (``compact``
+    merges the containers kills and scale-ins leave on a host, by snapshots and dual mode)."""
+    campaign(seed, 6, ELASTIC_KINDS + ("compact", "compact"), source_delay_s=0.15)
+
+
+@pytest.mark.campaign
 @pytest.mark.parametrize("seed", range(1, 9))
 def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed):
     """Opt-in (``pytest -m campaign``): the re-key pipeline (the built-in count, run as slice
