@@ -273,7 +273,9 @@ class CompactionRule:
     the merged slices' state (snapshots) while they keep running (dual mode),
     so it waits ``cooldown_s`` after the stage's last compaction, and
     ``quiet_s`` after the stage's host count last changed (a scale-out right
-    after would undo it).
+    after would undo it), and leaves a stage whose slices hold more than
+    ``max_state_mb`` alone (copying 300 MB of state stalled a whole job's
+    output for 0.6-2 s on 2 vCPUs; docs/design.md section 7f).
 
     >>> from chronostream.metrics import StageMetrics
     >>> st = StageMetrics("count", 2, (3, 4, 7, 8), 16, 0.0, 0.0, 0.0, 0, 0, 1)
@@ -287,6 +289,7 @@ class CompactionRule:
     extra: int = 1
     cooldown_s: float = 60.0
     quiet_s: float = 10.0
+    max_state_mb: float = 256.0
     stages: list[str] | None = None
     _last_action_t: dict[str, float] = field(default_factory=dict)
     _hosts: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (hosts, since when)
@@ -298,8 +301,10 @@ class CompactionRule:
             if hosts != st.hosts:
                 since = snapshot.t
             self._hosts[st.name] = (st.hosts, since)
+            state_mb = sum(x.state_bytes for x in st.per_slice) / 1e6
             if len(st.containers) - st.hosts < self.extra or snapshot.t - since < self.quiet_s \
-                    or snapshot.t - self._last_action_t.get(st.name, -math.inf) < self.cooldown_s:
+                    or snapshot.t - self._last_action_t.get(st.name, -math.inf) < self.cooldown_s \
+                    or state_mb > self.max_state_mb:
                 continue
             self._last_action_t[st.name] = snapshot.t
             out.append(ScalingAction("compact", st.name, 0,
