@@ -31,9 +31,10 @@ from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
-from master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
-                              check_compactable, compaction_moves, container_of_slices, group_transfers,
-                              migration_pauses, slices_of, stage_hosts, stage_id_of, warm_up_goals)
+from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, balanced_moves,
+                              by_destination, check_compactable, compaction_moves, container_of_slices,
+                              group_transfers, migration_pauses, placement_after, slices_of, stage_hosts,
+                              stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
@@ -222,10 +223,11 @@ class JobMaster:
     def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
                        restore_from: dict[int, list[tuple[int, Any]]] | None = None):
         src = self.source_refs.get(stage_id, [None])[0]
+        hosts = {**self._stage_hosts(stage_id), **{h: self.handles[h] for ps in backup_peers.values() for h in ps}}
         return self.handles[self.host_of[c]].add_container.remote(
             c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
             self.placement.sender_coverage(self.plan, stage_id), self._peers_of(stage_id),
-            self._stage_hosts(stage_id), src, self.opts.output_log, backup_peers, restore_from)
+            hosts, src, self.opts.output_log, backup_peers, restore_from)
 
     # -- watching ------------------------------------------------------------------
 
@@ -621,9 +623,16 @@ class JobMaster:
                 for c in self.placement.containers[d]:
                     calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {new_id: cov}))
         await asyncio.gather(*calls)
+        # Backup peers as after the move from the start: the moved slices' first checkpoints reach a
+        # peer before their sources release them (``_await_off_host_backups``).
+        peers_after: dict[int, dict[int, list[int]]] = {}
+        if self.opts.checkpointing and self.opts.backup_factor and not stop_copy:
+            peers_after = host_backup_peers(placement_after(self.placement, transfers),
+                                            {**self.host_of, **{t.new_id: t.host for t in transfers}}, sid,
+                                            self.opts.backup_factor)
         infos = dict(zip(groups, await asyncio.gather(*[self._add_container(
-            new_id, sid, slices_of(group), {}, {s: [(group[0].host, self.handles[group[0].host])]
-                                                for s in slices_of(group)})
+            new_id, sid, slices_of(group), peers_after.get(new_id, {}),
+            {s: [(group[0].host, self.handles[group[0].host])] for s in slices_of(group)})
             for new_id, group in groups.items()])))
         await asyncio.gather(*[self.handles[g[0].host].set_extra_window.remote(i, 64) for i, g in groups.items()])
         await asyncio.gather(*[self.handles[g[0].host].start.remote([i]) for i, g in groups.items()])
@@ -645,6 +654,8 @@ class JobMaster:
         if not stop_copy:
             await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
                               or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
+        if peers_after:
+            await self._await_off_host_backups(transfers)
         # 4. RELEASING: producers switch to the new copy and mark the switch to the sources, in one
         # call per new container (its sources then release at one epoch).
         for group in groups.values():
@@ -720,6 +731,25 @@ class JobMaster:
         log.info("migration of stage %s: waited %.2f s for fresh backups%s", self.plan.stages[sid].name,
                  waited, f" (still old: transfers {sorted(goals)})" if goals else "")
         return waited
+
+    async def _await_off_host_backups(self, transfers: list[Transfer], timeout_s: float = 60.0) -> None:
+        """Before the sources release: wait until every moved slice has a backup at least as new as
+        its restore point on a live host other than its new one (``backed_up_off_host``), or the
+        job's end, or ``timeout_s`` (then go on, with a warning)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            hosts = sorted(self.alive)
+            held = dict(zip(hosts, await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])))
+            if all(backed_up_off_host(t, held) for t in transfers):
+                return
+            st = await self._states(transfers)
+            if any(st.get(t.new_id, {"done": True})["done"] for t in transfers):
+                return
+            if time.monotonic() > deadline:
+                log.warning("migration: the moved slices have no backup off their new host after %.0f s; "
+                            "releasing anyway: %s", timeout_s, "; ".join(t.describe() for t in transfers))
+                return
+            await asyncio.sleep(0.05)
 
     async def _until(self, transfers: list[Transfer], ok, what: str, timeout_s: float = 120.0) -> None:
         """Poll the transfers' containers until ``ok(t, states)`` holds for every transfer."""

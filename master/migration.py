@@ -38,6 +38,7 @@ container per source container and host, as before.
 from __future__ import annotations
 
 import collections
+import copy
 import enum
 import itertools
 import logging
@@ -289,6 +290,32 @@ def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, i
             groups[key] = Transfer(new_ids[to], container_of[s], stage_id, host, [], target=to)
         groups[key].slices.append(s)
     return list(groups.values())
+
+
+def placement_after(placement: Any, transfers: list[Transfer]) -> Any:
+    """A copy of ``placement`` with every transfer done (the new containers' slices moved)."""
+    after = copy.deepcopy(placement)
+    for t in transfers:
+        after.rehost(t.source, t.new_id, t.slices)
+    return after
+
+
+def backed_up_off_host(t: Transfer, held: dict[int, dict[tuple[int, int], int]]) -> bool:
+    """Whether every slice of ``t`` has a backup at least as new as its restore point on a live
+    host other than its new one (``held``: live host -> (stage, slice) -> epoch).
+
+    Until then the slice lives only on the destination host: the backup it was rebuilt from is
+    often that host's own chained copy, and the source drops its copy at the release. Releasing
+    before the new container's first checkpoint reached a peer lost the slice when that host
+    died in the next epochs (two hosts; ``BackupsLost``).
+
+    >>> t = Transfer(9, 1, 0, 4, [3])
+    >>> t.resume = {3: 11}
+    >>> backed_up_off_host(t, {4: {(0, 3): 10}}), backed_up_off_host(t, {4: {}, 5: {(0, 3): 10}})
+    (False, True)
+    """
+    return all(any(h != t.host and own.get((t.stage_id, s), -1) >= t.resume.get(s, 0) - 1
+                   for h, own in held.items()) for s in t.slices)
 
 
 def by_destination(transfers: list[Transfer]) -> dict[int, list[Transfer]]:

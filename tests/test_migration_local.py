@@ -334,6 +334,83 @@ def test_the_destination_host_dying_during_a_migration_gives_the_serial_output(w
     assert_equals_serial("running_sum", cl)
 
 
+@pytest.mark.parametrize("rounds_after", [1, 2, 3])
+def test_the_destination_dying_right_after_a_migration_loses_no_slice(rounds_after):
+    """Two hosts: the moved slice was rebuilt from its destination's own backup, the only one,
+    and the source drops its copy at the release. The sources release only once the new
+    container's first checkpoints reached a peer, so the destination dying in the epochs
+    right after the move is recovered (it raised ``BackupsLost`` before) and exact."""
+    cl = cluster("running_sum", containers=2, checkpoint_every=2)
+    stage = operator_stage(cl)
+    state = {"host": None, "rounds": 0}
+
+    def move_one(cl):
+        (_a, slices), (b, _) = sorted(hosts_of(cl, stage).items())
+        cl.migrate(stage, slices[:1], to_host=b)
+        state["host"] = b
+
+    steps, pending = script(move_one)
+    scripted = steps[2]
+
+    def step(cl):
+        if state["host"] is None:
+            scripted(cl)
+        elif not cl.migrations and state["rounds"] < rounds_after:
+            state["rounds"] += 1
+            if state["rounds"] == rounds_after:
+                cl.kill([state["host"]])
+
+    cl.run(faults={r: step for r in range(2, 10_000)})
+    assert not pending and state["rounds"] == rounds_after
+    assert [t.phase for t in cl.migrated] == [MigrationPhase.DONE]
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert_equals_serial("running_sum", cl)
+
+
+@pytest.mark.parametrize("when", [1, 2, 3, 4])
+def test_the_host_dying_during_a_compaction_gives_the_serial_output(when):
+    """A compaction's sources and destination share a host: killed after ``when`` phases, before
+    release the compaction aborts with them and recovery rebuilds the sources' slices from their
+    backups on the other host; during release it completes and recovery rebuilds the merged one."""
+    cl = cluster("running_sum", containers=2, checkpoint_every=2)
+    stage = operator_stage(cl)
+    sid = cl.stage_id(stage)
+    state = {"compacting": None, "rounds": 0, "phase": None, "host": None}
+
+    def first_slice_to_the_other_host(cl):
+        by_host = hosts_of(cl, stage)
+        (a, slices), (b, _) = sorted(by_host.items())
+        cl.migrate(stage, slices[:1], to_host=b)
+        state["host"] = b
+
+    def compact(cl):
+        state["compacting"] = cl.compact(stage)
+
+    steps, pending = script(first_slice_to_the_other_host, compact)
+    scripted = steps[2]  # (one function: the next step, once no migration runs)
+
+    def step(cl):
+        if state["compacting"] is None:
+            scripted(cl)
+        elif state["phase"] is None:
+            state["rounds"] += 1
+            if state["rounds"] == when:
+                state["phase"] = state["compacting"][0].phase
+                cl.kill([state["host"]])
+
+    faults = {r: step for r in range(2, 10_000)}
+    cl.run(faults=faults)
+    assert not pending and state["phase"] is not None, "the kill landed during the compaction"
+    merged = state["compacting"]
+    assert len(merged) == 2 and all(t.host == state["host"] for t in merged)
+    expect = MigrationPhase.DONE if state["phase"] is MigrationPhase.RELEASING else MigrationPhase.ABORTED
+    assert {t.phase for t in merged} == {expect}, state["phase"]
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert len(hosts_of(cl, stage)) == 1, "the other host runs every slice"
+    assert all(c in cl.placement.containers[sid] for c in cl.placement.slice_to_container[sid].tolist())
+    assert_equals_serial("running_sum", cl)
+
+
 @pytest.mark.parametrize("when", [1, 2, 3, 4])
 def test_the_source_host_dying_during_a_migration_gives_the_serial_output(when):
     cl = cluster("running_sum", containers=2, checkpoint_every=2)
