@@ -125,11 +125,11 @@ def test_cli_run_executes_a_query_file(tmp_path):
 
 
 def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
-    """The demo's job, run on 60,000 flights (paced), kills a container, scales out and in,
+    """The demo's job, run on 240,000 flights (paced), kills a container, scales out and in,
     merges the containers on each host into one, and passes its own validation."""
     from chronostream.demo import run_demo
 
-    assert run_demo(containers=2, rows=60_000, out=tmp_path / "demo", pace_s=1.0) == 0
+    assert run_demo(containers=2, rows=240_000, out=tmp_path / "demo", pace_s=0.4) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s*validation\s+PASS", out, re.M), out
     assert re.search(r"^\s*fault\s+killed container", out, re.M), out
