@@ -22,7 +22,8 @@ import time
 
 import chronostream as cs
 from benchmarks.common import emit, median, parser
-from chronostream.datasets import split_words, zipf_text
+from benchmarks.slices import word_count
+from chronostream.datasets import zipf_text
 
 SLICES = 16
 COUNTS = (1, 2, 4, 8, 16)
@@ -30,11 +31,8 @@ COUNTS = (1, 2, 4, 8, 16)
 
 def one_run(table, containers: int, epoch: int) -> float:
     """Seconds for the whole job with the counting stage in ``containers`` containers."""
-    q = cs.Query(epoch_events=epoch)
-    q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
-        .count(slices=SLICES, name="count").sink(name="counts")
     t0 = time.perf_counter()
-    job = cs.run(q, executor="local", containers={"lines": 1, "count": containers})
+    job = cs.run(word_count(table, SLICES, epoch), executor="local", containers={"lines": 1, "count": containers})
     elapsed = time.perf_counter() - t0
     assert job.results("counts").num_rows > 0
     return elapsed

@@ -31,10 +31,17 @@ from containers.core import ContainerCore
 COUNTS = (1, 2, 4, 8, 16, 64)
 
 
-def one_run(table, slices: int, epoch: int, grouped: bool = True) -> float:
+def word_count(table, slices: int, epoch: int) -> cs.Query:
+    """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
+    the built-in ``count`` in ``slices`` slices (stage ``count``), into the memory sink ``counts``."""
     q = cs.Query(epoch_events=epoch)
     q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
         .count(slices=slices, name="count").sink(name="counts")
+    return q
+
+
+def one_run(table, slices: int, epoch: int, grouped: bool = True) -> float:
+    q = word_count(table, slices, epoch)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()

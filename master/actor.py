@@ -31,9 +31,9 @@ from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
-from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, balanced_moves,
-                              by_destination, check_compactable, compaction_moves, container_of_slices,
-                              group_transfers, migration_pauses, placement_after, slices_of, stage_hosts,
+from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
+                              balanced_moves, by_destination, check_compactable, compaction_moves,
+                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
@@ -627,9 +627,7 @@ class JobMaster:
         # peer before their sources release them (``_await_off_host_backups``).
         peers_after: dict[int, dict[int, list[int]]] = {}
         if self.opts.checkpointing and self.opts.backup_factor and not stop_copy:
-            peers_after = host_backup_peers(placement_after(self.placement, transfers),
-                                            {**self.host_of, **{t.new_id: t.host for t in transfers}}, sid,
-                                            self.opts.backup_factor)
+            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor)
         infos = dict(zip(groups, await asyncio.gather(*[self._add_container(
             new_id, sid, slices_of(group), peers_after.get(new_id, {}),
             {s: [(group[0].host, self.handles[group[0].host])] for s in slices_of(group)})

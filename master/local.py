@@ -29,9 +29,9 @@ from containers.backup_store import BackupStore
 from containers.core import ContainerCore, SinkParts, add_sink_parts
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
-from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, balanced_moves,
-                              by_destination, check_compactable, compaction_moves, container_of_slices,
-                              group_transfers, migration_pauses, placement_after, slices_of, stage_hosts,
+from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
+                              balanced_moves, by_destination, check_compactable, compaction_moves,
+                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of)
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
@@ -380,9 +380,8 @@ class LocalCluster:
                         self.cores[c].add_senders({t0.new_id: cov})
             # Backup peers as after the move from the start: the moved slices' first checkpoints
             # reach a peer before the sources release them (see the DUAL step).
-            hosts = {**self.hosts, **{t.new_id: t.host for t in self.migrations}}
-            peers = host_backup_peers(placement_after(self.placement, self.migrations), hosts,
-                                      t0.stage_id, self.backup_factor).get(t0.new_id) if self.fault_tolerant else None
+            peers = backup_peers_after(self.placement, self.hosts, self.migrations, t0.stage_id,
+                                       self.backup_factor).get(t0.new_id) if self.fault_tolerant else None
             core = self._core(t0.new_id, slices, peers)
             core.restore_slices({s: self._load_backup(t0.stage_id, s, [t0.host]) for s in slices})
             self.cores[t0.new_id] = core
@@ -399,10 +398,10 @@ class LocalCluster:
             sources = [self.cores.get(t.source) for t in group]
             if any(src is not None and not src.done and dst.next_epoch < src.next_epoch for src in sources):
                 return  # catching up (with every source: they release at one epoch)
-            held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive}
-            if self.fault_tolerant and self.backup_factor and not dst.done \
-                    and not all(backed_up_off_host(t, held) for t in group):
-                return  # the new container's first checkpoints have not reached a peer yet
+            if self.fault_tolerant and self.backup_factor and not dst.done:
+                held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive}
+                if not all(backed_up_off_host(t, held) for t in group):
+                    return  # the new container's first checkpoints have not reached a peer yet
             self._release_routes(group)
             for t, src in zip(group, sources):
                 if src is not None and src.reader is not None:

@@ -174,7 +174,7 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
     >>> balanced_moves({0: [0, 1, 2, 3, 4, 5]}, [0, 1], container_of={0: 9, 1: 9, 2: 8, 3: 8, 4: 8, 5: 8})
     [(1, 0, 1), (0, 0, 1), (5, 0, 1)]
     """
-    weight = load or {}
+    weight, owner = load or {}, container_of or {}
     have = {h: list(v) for h, v in layout.items()}
     for t in targets:
         have.setdefault(t, [])
@@ -191,8 +191,8 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
         if not givers or not takers:
             return moves
         g = max(givers, key=lambda h: (h not in cap, len(have[h]) - cap.get(h, 0), -h))
-        left = collections.Counter(container_of[x] for x in have[g]) if container_of else {}
-        s = max(have[g], key=lambda s: (weight.get(s, 0.0), -left.get((container_of or {}).get(s), 0), s))
+        left = collections.Counter(owner.get(x) for x in have[g])  # slices per container on the giver
+        s = max(have[g], key=lambda s: (weight.get(s, 0.0), -left[owner.get(s)] if owner else 0, s))
         held_by = (holders or {}).get(s, set())
         t = min(takers, key=lambda t: (len(have[t]) - cap[t], t not in held_by, t))
         have[g].remove(s)
@@ -292,12 +292,16 @@ def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, i
     return list(groups.values())
 
 
-def placement_after(placement: Any, transfers: list[Transfer]) -> Any:
-    """A copy of ``placement`` with every transfer done (the new containers' slices moved)."""
+def backup_peers_after(placement: Any, host_of: dict[int, int], transfers: list[Transfer], stage_id: int,
+                       backup_factor: int) -> dict[int, dict[int, list[int]]]:
+    """``master.recovery.host_backup_peers`` of the placement as it will be once every transfer is done:
+    what each new container's slices get as backup peers from the start (``backed_up_off_host``)."""
+    from master.recovery import host_backup_peers
+
     after = copy.deepcopy(placement)
     for t in transfers:
         after.rehost(t.source, t.new_id, t.slices)
-    return after
+    return host_backup_peers(after, {**host_of, **{t.new_id: t.host for t in transfers}}, stage_id, backup_factor)
 
 
 def backed_up_off_host(t: Transfer, held: dict[int, dict[tuple[int, int], int]]) -> bool:
