@@ -30,8 +30,23 @@ _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarr
 RAY_NAMESPACE = "chronostream"
 
 
+#: Ray settings a cluster that runs jobs should have (``ensure_ray`` starts Ray with them; set
+#: them as ``RAY_<name>`` environment variables of ``ray start`` for a cluster of your own).
+#: ``oom_grace_period_s`` = 0: when the object store is full and spilling cannot free room (the
+#: objects are mapped by readers: a source's input table is, for the job's life), Ray waits this
+#: long before it allocates the object from the filesystem instead. Its default, 2 s, stalled
+#: every container of a job: a 100 MB migration seed or checkpoint put waited 2.0-2.3 s, and
+#: every push between containers waited behind it (``benchmarks.migration`` 100 MB rows, 2 runs
+#: of 3; docs/design.md section 7c).
+RAY_SYSTEM_CONFIG = {"oom_grace_period_s": 0}
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Start Ray in this process (default) or connect to ``address`` / ``$RAY_ADDRESS``."""
+    """Start Ray in this process (default) or connect to ``address`` / ``$RAY_ADDRESS``.
+
+    Ray started here gets ``RAY_SYSTEM_CONFIG`` and an object store of
+    ``$CHRONOSTREAM_OBJECT_STORE_BYTES`` (default 1 GiB); a cluster you connect to keeps its own.
+    """
     import ray
 
     if ray.is_initialized():
@@ -43,7 +58,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, logging_level="WARNING",
              namespace=RAY_NAMESPACE,
              object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
-             log_to_driver=True)
+             log_to_driver=True, _system_config=dict(RAY_SYSTEM_CONFIG))
 
 
 def _pickle_user_code_by_value(plan: JobPlan) -> None:

@@ -528,9 +528,11 @@ class KeyedAggregate(Operator):
         # leaves the state untouched, so it can be retried row by row.
         updates.append(("count", running_count))
         for op, segs, slots in per_op:
-            fresh = slots[~op._dirty_mask[slots]]
-            op._dirty_mask[fresh] = True
-            op._dirty_slots.append(fresh)
+            listed = op._dirty_mask[slots]
+            if not listed.all():  # (all listed: the usual case once the keys are warm, or with no checkpoints)
+                fresh = slots[~listed]
+                op._dirty_mask[fresh] = True
+                op._dirty_slots.append(fresh)
             rows = last_rows[segs]
             for name, values in updates:
                 op.arrays[name][slots] = values[rows]

@@ -47,7 +47,8 @@ def kill_a_node(cluster: Cluster) -> None:
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 150 * 2**20})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 150 * 2**20,
+                                                            "_system_config": dict(cs.client.RAY_SYSTEM_CONFIG)})
     for _ in range(2):
         cluster.add_node(num_cpus=1, object_store_memory=150 * 2**20)
     cluster.wait_for_nodes()

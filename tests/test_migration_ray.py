@@ -150,39 +150,81 @@ def test_a_scale_in_right_after_a_scale_out_does_not_wait_for_a_chain_no_round_e
     assert t["warm_wait_s"] < 20.0, t  # not timed out
 
 
+def move_one_slice_to_the_other_host(job) -> tuple[dict, int, int]:
+    """Two containers of ``running_sum`` on two hosts: move the first one's first slice to the
+    second one's host, mid-stream. Returns (the transfer, the moved slice, the source's host)."""
+    apply_schedule(job, [SLOW_SOURCE])
+    placement = job.placement()["stages"]["running_sum"]
+    src, dst = sorted(placement)
+    moved = placement[src][0]
+    apply_schedule(job, [Fault("delay", 20, "payments", seconds=0.05)])
+    (t,) = job.migrate("running_sum", moved, to_container=dst)["transfers"]
+    return t, moved, job.placement()["hosts"][src]
+
+
+def backup_epochs_held(job, host: int, slice_id: int) -> list[int]:
+    """Epochs of the backups of ``running_sum``'s slice ``slice_id`` that ``host`` holds."""
+    import ray
+
+    sid = next(st.stage_id for st in compile_query(query())[0].stages if st.name == "running_sum")
+    held = ray.get(job.master.backup_catalog.remote()).get(host, [])
+    return [e for st, sl, e in held if (st, sl) == (sid, slice_id)]
+
+
+def kill_the_new_host_and_expect_the_serial_output(job, t: dict) -> None:
+    import ray
+
+    handles = ray.get(job.master.container_handles.remote())
+    ray.kill(handles[t["to"]], no_restart=True)
+    job.wait(timeout_s=300)
+    assert "recovery_end" in [k for _, k, _ in job.timeline()]
+    mismatches, _ = compare_with_serial(job, query())
+    assert not mismatches, mismatches
+
+
 def test_a_moved_slices_seeded_backup_chain_recovers_it_when_its_new_host_dies(ray_session):
     """After the move, the destination backs the slice up as the chain it restored from plus
     deltas (no full checkpoint) on the old source's host, the only other host of the stage;
     killing the destination then restores the slice from that seeded chain, exactly."""
     import time
 
-    import ray
-
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2)
     try:
-        apply_schedule(job, [SLOW_SOURCE])
-        placement = job.placement()["stages"]["running_sum"]
-        src, dst = sorted(placement)
-        moved = placement[src][0]
-        apply_schedule(job, [Fault("delay", 20, "payments", seconds=0.05)])
-        (t,) = job.migrate("running_sum", moved, to_container=dst)["transfers"]
+        t, moved, src_host = move_one_slice_to_the_other_host(job)
         restored_at = t["resume"][moved] - 1
-        src_host = job.placement()["hosts"][src]
-        sid = next(st.stage_id for st in compile_query(query())[0].stages if st.name == "running_sum")
         deadline = time.monotonic() + 60
         while True:  # the seed and a delta reached the old host: its chain ends after the restore point
-            held = ray.get(job.master.backup_catalog.remote()).get(src_host, [])
-            epochs = [e for st, sl, e in held if (st, sl) == (sid, moved)]
+            epochs = backup_epochs_held(job, src_host, moved)
             if job.statistics()[t["to"]].checkpoints_seeded >= 1 and epochs and max(epochs) > restored_at:
                 break
-            assert time.monotonic() < deadline, (held, restored_at)
+            assert time.monotonic() < deadline, (epochs, restored_at)
             time.sleep(0.1)
-        handles = ray.get(job.master.container_handles.remote())
-        ray.kill(handles[t["to"]], no_restart=True)
-        job.wait(timeout_s=300)
-        assert "recovery_end" in [k for _, k, _ in job.timeline()]
-        mismatches, _ = compare_with_serial(job, query())
-        assert not mismatches, mismatches
+        kill_the_new_host_and_expect_the_serial_output(job, t)
+    finally:
+        job.stop()
+
+
+def test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full(ray_session):
+    """``ensure_ray`` starts Ray without the 2 s wait before a filesystem allocation, which
+    stalled every container of a job when a seed did not fit the store (``RAY_SYSTEM_CONFIG``).
+    Read from the node this session started (a private Ray attribute: no public API exposes it)."""
+    node = ray_session._private.worker._global_node
+    assert node._ray_params._system_config["oom_grace_period_s"] == 0
+
+
+def test_a_migration_returns_only_once_the_moved_slice_is_backed_up_off_its_new_host(ray_session):
+    """Two hosts: the sources release a moved slice only once a backup of it at least as new as
+    its restore point sits on the other host (``_await_off_host_backups``), so when the call
+    returns that backup is in the master's catalog, and killing the new host at once (no wait)
+    recovers the slice from it, exactly. Before (backup peers given at DONE), the other host held
+    no backup of the slice when the call returned. (With the early peers but no wait, the
+    backup arrives in time here by timing alone; the wait is what guarantees it.)"""
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2)
+    try:
+        t, moved, src_host = move_one_slice_to_the_other_host(job)
+        epochs = backup_epochs_held(job, src_host, moved)
+        assert epochs and max(epochs) >= t["resume"][moved] - 1, (epochs, t["resume"])
+        kill_the_new_host_and_expect_the_serial_output(job, t)
     finally:
         job.stop()
 
