@@ -270,18 +270,18 @@ def test_a_delta_lists_each_changed_slot_once_and_only_since_the_last_capture(ba
     assert op.checkpoint_state(delta=True)["__op__aggregate"]["frozen"].num_rows == 0
 
 
-
 def test_batches_of_keys_already_listed_add_nothing_to_the_delta_bookkeeping():
     """Without checkpoints nothing ever clears the changed-slot list: batches that touch only
     listed keys must not add to it (each batch appended an empty array: one per epoch and slice
     for the job's life)."""
     op, ctx = make(["k"], [("count", None)])
-    for i in range(50):
+    for _ in range(50):
         op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k} for k in (1, 2, 3)])))
         ctx.take_outputs({})
     assert len(op._dirty_slots) == 1
     op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": 4}, {"k": 1}])))
     assert len(op._dirty_slots) == 2 and op._dirty_slots[-1].tolist() == [3]
+
 
 def test_an_int_columns_checkpoint_carries_no_float_variants():
     """sum/min/max of an int column live in int arrays only: the state, its checkpoints and so

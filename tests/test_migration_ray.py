@@ -347,14 +347,18 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
     import subprocess
     import sys
 
-    job = cs.run(query(4000), containers={"payments": 1, "running_sum": 1, "stats": 1})
+    # 300 epochs of at least 50 ms: four CLI processes (each starts Python and connects to Ray)
+    # and a scale-out that waits for an off-host backup fit before the job ends (at 100 epochs
+    # the compaction call once came after the job's end and failed).
+    job = cs.run(query(12000), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
         apply_schedule(job, [SLOW_SOURCE, Fault("delay", 5, "payments", seconds=0.05)])
 
         def cli(*args: str) -> object:
-            out = subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
-                                 timeout=120, check=True).stdout
-            return json.loads(out.strip().splitlines()[-1])
+            run = subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
+                                 timeout=120)
+            assert run.returncode == 0, (args, run.stderr[-2000:])
+            return json.loads(run.stdout.strip().splitlines()[-1])
 
         assert job.key in cli("jobs")
         moved = cli("scale-out", job.key, "stats", "-n", "1")
@@ -362,7 +366,7 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
         assert len(set(cli("placement", job.key)["hosts"].values())) >= 4
         assert cli("compact", job.key, "stats")["transfers"] == [], "one container a host: nothing to merge"
         job.wait(timeout_s=300)
-        mismatches, _ = compare_with_serial(job, query(4000))
+        mismatches, _ = compare_with_serial(job, query(12000))
         assert not mismatches, mismatches
     finally:
         job.stop()
