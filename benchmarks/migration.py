@@ -44,6 +44,7 @@ migration in steady state.
     python -m benchmarks.migration --json                    # 10 and 100 MB per slice
     python -m benchmarks.migration --json --sizes 10,100,500,1000
     python -m benchmarks.migration --json --sizes 1000 --steady-s 40
+    python -m benchmarks.migration --json --sizes 1000 --rate 100000 --no-stop-copy   # more CPU headroom
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from chronostream.chaos import Fault, apply_schedule
 SLICES = 4
 EPOCH = 10_000
 UPDATE_EPOCHS = 2000  # the job outlives any migration: it is stopped once measured
-PACE_S = 0.05  # 200,000 updates/s: the 2-core machine keeps headroom for the migration itself
+RATE = 200_000  # updates/s (``--rate``): the 2-core machine keeps headroom for the migration itself
 SETTLE_S = 3.0  # gaps ending this long after the call returned still count (the re-planned backups' full checkpoints)
 
 
@@ -94,15 +95,17 @@ def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
     return float(during.max()), normal, float(ends[int(np.argmax(during))] - t0)
 
 
-def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0) -> dict:
+def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0, rate: int = RATE) -> dict:
     """One job, one measurement: ``mode`` is ``reconstruct``, ``stop_copy`` or ``none`` (the
-    control: the same job at the same point, no call, ``window_s`` of waiting instead)."""
+    control: the same job at the same point, no call, ``window_s`` of waiting instead); the
+    updates come at ``rate`` a second (one epoch every ``EPOCH / rate`` s)."""
+    pace_s = EPOCH / rate
     n_keys = state_mb * 1_000_000 * SLICES // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
     try:
-        apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=PACE_S)])
-        apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=PACE_S)])
+        apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=pace_s)])
+        apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=pace_s)])
         time.sleep(steady_s)
         placement = job.placement()["stages"]["agg"]
         src = next(c for c, sl in placement.items() if 0 in sl)
@@ -146,29 +149,35 @@ def main() -> None:
     p.add_argument("--sizes", default="10,100", help="slice state sizes in MB, comma-separated")
     p.add_argument("--steady-s", type=float, default=0.0,
                    help="seconds of steady updates between the state load and the call (default 0)")
+    p.add_argument("--rate", type=int, default=RATE,
+                   help=f"updates a second after the load (default {RATE:,}; the source waits EPOCH / rate per epoch)")
+    p.add_argument("--no-stop-copy", action="store_true",
+                   help="skip the stop-copy baseline (its fields are null): the reconstruction and the control only")
     args = p.parse_args()
     sizes = [5] if args.quick else [int(x) for x in args.sizes.split(",")]
     cs.ensure_ray(num_cpus=2)
     rows = []
     for mb in sizes:
-        runs = {m: [one_run(mb, m, args.steady_s) for _ in range(1 if args.quick else args.repeat)]
-                for m in ("reconstruct", "stop_copy")}
+        repeat = 1 if args.quick else args.repeat
+        modes = ("reconstruct",) if args.no_stop_copy else ("reconstruct", "stop_copy")
+        runs = {m: [one_run(mb, m, args.steady_s, rate=args.rate) for _ in range(repeat)] for m in modes}
         # The control: as long a window at the same point of the same job, with no migration.
         window_s = median([r["migrate_s"] for r in runs["reconstruct"]])
-        runs["none"] = [one_run(mb, "none", args.steady_s, window_s) for _ in range(1 if args.quick else args.repeat)]
+        runs["none"] = [one_run(mb, "none", args.steady_s, window_s, rate=args.rate) for _ in range(repeat)]
+        stop_copy = runs.get("stop_copy")
         rows.append({
             "state_mb": mb,
             "reconstruct_delay_ms": round(median([r["delay_ms"] for r in runs["reconstruct"]]), 1),
-            "stop_copy_delay_ms": round(median([r["delay_ms"] for r in runs["stop_copy"]]), 1),
+            "stop_copy_delay_ms": round(median([r["delay_ms"] for r in stop_copy]), 1) if stop_copy else None,
             "reconstruct_runs_ms": [r["delay_ms"] for r in runs["reconstruct"]],
-            "stop_copy_runs_ms": [r["delay_ms"] for r in runs["stop_copy"]],
+            "stop_copy_runs_ms": [r["delay_ms"] for r in stop_copy] if stop_copy else None,
             "normal_gap_ms": round(median([r["normal_gap_ms"] for r in runs["reconstruct"]]), 1),
             "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
             "reconstruct_phases_s": runs["reconstruct"][0]["phases_s"],
             "reconstruct_gap_at_s": [r["gap_at_s"] for r in runs["reconstruct"]],
             "reconstruct_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["reconstruct"]],
             "reconstruct_window_frozen_ms": [r["window_frozen_ms"] for r in runs["reconstruct"]],
-            "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["stop_copy"]],
+            "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in stop_copy] if stop_copy else None,
             "unmoved_slice_delay_ms": round(median([r["still_delay_ms"] for r in runs["reconstruct"]]), 1),
             "no_migration_delay_ms": round(median([r["delay_ms"] for r in runs["none"]]), 1),
             "no_migration_runs_ms": [r["delay_ms"] for r in runs["none"]],
@@ -181,9 +190,10 @@ def main() -> None:
             "no_migration_window_steal_pct": [r["window_steal_pct"] for r in runs["none"]],
             "no_migration_gap_steal_ms": [r["gap_steal_ms"] for r in runs["none"]],
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
-            "stop_copy_migrate_s": round(median([r["migrate_s"] for r in runs["stop_copy"]]), 3),
+            "stop_copy_migrate_s": round(median([r["migrate_s"] for r in stop_copy]), 3) if stop_copy else None,
         })
-    emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rows": rows}, args.json)
+    emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rate": args.rate, "rows": rows},
+         args.json)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,30 @@ def _attach(args: argparse.Namespace) -> "cs.Job":
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    """Commands against a running job: print the master's answer as JSON."""
+    """Commands against a running job: print the master's answer as JSON.
+
+    A refused request (the job has ended, no such job, stage or slice, a
+    scale-in below one host) prints one line, ``chronostream COMMAND: why``,
+    on stderr and returns 1; a Python traceback is for defects, not for a
+    job that finished a moment before the call.
+    """
+    import ray
+
+    from chronostream.errors import ChronoStreamError
+    from master.migration import MigrationError
+
+    try:
+        return _control(args)
+    except (ChronoStreamError, MigrationError, KeyError, ValueError) as exc:
+        why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"chronostream {args.command}: {why}", file=sys.stderr)
+    except ray.exceptions.RayActorError:
+        print(f"chronostream {args.command}: the job's master is gone (the job was stopped or its "
+              f"driver exited); `chronostream jobs` lists the running ones", file=sys.stderr)
+    return 1
+
+
+def _control(args: argparse.Namespace) -> int:
     from chronostream.client import jobs
 
     if args.command == "jobs":

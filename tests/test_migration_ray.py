@@ -372,6 +372,31 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
         job.stop()
 
 
+def test_the_cli_refuses_to_rescale_a_finished_or_unknown_job_in_one_line_naming_why(ray_session):
+    """A control command against a job that has ended (or never ran) exits 1 with
+    ``chronostream COMMAND: why`` on stderr, not a traceback."""
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    job = cs.run(query(400), containers={"payments": 1, "running_sum": 1, "stats": 1})
+    try:
+        job.wait(timeout_s=120)
+        ended = cli("compact", job.key, "stats")
+        assert ended.returncode == 1, ended.stderr[-2000:]
+        assert ended.stderr.strip().splitlines()[-1] == \
+            "chronostream compact: the job is finished: nothing to rescale", ended.stderr[-2000:]
+        assert "Traceback" not in ended.stderr
+    finally:
+        job.stop()
+    unknown = cli("placement", "no-such-job")
+    assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
+    assert unknown.stderr.strip().splitlines()[-1].startswith("chronostream placement: no running job 'no-such-job'")
+
+
 def test_job_metrics_report_rates_backlog_state_and_latency_percentiles(ray_session):
     job = cs.run(query(4000), containers={"payments": 1, "running_sum": 2, "stats": 1})
     try:
