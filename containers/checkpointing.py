@@ -140,7 +140,8 @@ class SliceCheckpointer:
             self._seeds.pop(s, None)
             self.schedule.since_full.pop(s, None)
             self.schedule.last_epoch.pop(s, None)
-            full.append(s)
+            if s in backup_peers:  # (a slice left out has left this container: no more checkpoints of it here)
+                full.append(s)
         if full:
             log.info("checkpoint slices %s: new backup peers, next checkpoint full", full)
         return changed

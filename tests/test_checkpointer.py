@@ -94,6 +94,19 @@ def test_new_backup_peers_force_a_full_checkpoint_only_for_the_slices_whose_peer
     assert [k for e, s, k in kinds if s == 1] == ["full", "delta", "delta", "full", "delta", "delta"]
 
 
+
+def test_a_slice_that_left_the_container_is_not_logged_as_due_for_a_full_checkpoint(caplog):
+    """After a migration the source container's new peer map lacks the released slice: its
+    timeline must not claim a full checkpoint of a slice it no longer runs."""
+    rts = {0: _Slice(), 1: _Slice()}
+    rts[1].slice_id = 1
+    ck = SliceCheckpointer(rts, {0: [7], 1: [7]}, every_epochs=1, async_encode=False)
+    with caplog.at_level("INFO", logger="chronostream.checkpoint"):
+        assert ck.retarget({1: [8]}) == [0, 1]
+    ck.close()
+    assert [r.getMessage() for r in caplog.records if "new backup peers" in r.getMessage()] == \
+        ["checkpoint slices [1]: new backup peers, next checkpoint full"]
+
 def test_a_captured_checkpoint_holds_the_state_of_its_epoch_though_encoded_later(monkeypatch):
     """The CAPTURE phase takes a frozen copy: updates made while the encoder waits do not leak in."""
     gate = threading.Event()
