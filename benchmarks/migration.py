@@ -21,7 +21,10 @@ is part of it), minus the median gap before the call (the sink's write
 times). The same measure
 for a slice of the source container that does not move
 (``unmoved_slice_delay_ms``) tells a gap of the move from one everybody
-saw; ``reconstruct_gap_at_s`` says when the largest gap ended, and
+saw; ``reconstruct_gap_at_s`` says when the largest gap ended,
+``reconstruct_gap_phase`` in which protocol phase it began (``before``:
+before the call; ``done``: once the call was over, while backups are
+re-planned), and
 ``*_gap_frozen_ms`` how much of that gap the whole machine did not run at
 all (``benchmarks.common.FreezeMeter``: on the 2-vCPU VM the figures come
 from, the hypervisor stops both vCPUs for 100-500 ms several times a
@@ -95,14 +98,17 @@ def output_gap_ms(times: dict[tuple[int, int], float], slice_id: int, t0: float,
     return float(during.max()), normal, float(ends[int(np.argmax(during))] - t0)
 
 
-def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0, rate: int = RATE) -> dict:
+def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 10.0, rate: int = RATE,
+            **run_options) -> dict:
     """One job, one measurement: ``mode`` is ``reconstruct``, ``stop_copy`` or ``none`` (the
     control: the same job at the same point, no call, ``window_s`` of waiting instead); the
-    updates come at ``rate`` a second (one epoch every ``EPOCH / rate`` s)."""
+    updates come at ``rate`` a second (one epoch every ``EPOCH / rate`` s); ``run_options`` go to
+    ``cs.run``."""
     pace_s = EPOCH / rate
     n_keys = state_mb * 1_000_000 * SLICES // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
-    job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
+    job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1,
+                 **run_options)
     try:
         apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=pace_s)])
         apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=pace_s)])
@@ -129,9 +135,13 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 1
         still_gap, still_normal, _ = output_gap_ms(times, stays, t0, t1)
         tr = summary["transfers"][0] if summary is not None else {"phase": "none", "pause_ms": {}}
         gap_end = t0 + gap_at
+        # The protocol phase the largest gap began in (phases_s: when each began, s after the call).
+        began = gap_at - gap / 1000
+        entered = [p for p, at in sorted(tr.get("phases_s", {}).items(), key=lambda kv: kv[1]) if at <= began]
+        gap_phase = entered[-1] if entered else ("before" if summary is not None else "none")
         window = meter.cpu_shares(t0, t1 + SETTLE_S)
         return {"delay_ms": round(max(0.0, gap - normal), 1), "gap_ms": round(gap, 1), "normal_gap_ms": round(normal, 1),
-                "gap_at_s": round(gap_at, 3), "gap_frozen_ms": meter.frozen_ms(gap_end - gap / 1000, gap_end),
+                "gap_at_s": round(gap_at, 3), "gap_phase": gap_phase, "gap_frozen_ms": meter.frozen_ms(gap_end - gap / 1000, gap_end),
                 "window_frozen_ms": meter.frozen_ms(t0, t1 + SETTLE_S),
                 "window_idle_pct": round(100 * window.get("idle", 0.0), 1),
                 "window_system_pct": round(100 * window.get("system", 0.0), 1),
@@ -175,6 +185,7 @@ def main() -> None:
             "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
             "reconstruct_phases_s": runs["reconstruct"][0]["phases_s"],
             "reconstruct_gap_at_s": [r["gap_at_s"] for r in runs["reconstruct"]],
+            "reconstruct_gap_phase": [r["gap_phase"] for r in runs["reconstruct"]],
             "reconstruct_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["reconstruct"]],
             "reconstruct_window_frozen_ms": [r["window_frozen_ms"] for r in runs["reconstruct"]],
             "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in stop_copy] if stop_copy else None,
