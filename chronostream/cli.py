@@ -121,7 +121,7 @@ def cmd_control(args: argparse.Namespace) -> int:
 
     try:
         return _control(args)
-    except (ChronoStreamError, MigrationError, KeyError, ValueError) as exc:
+    except (ChronoStreamError, MigrationError, KeyError) as exc:
         why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"chronostream {args.command}: {why}", file=sys.stderr)
     except ray.exceptions.RayActorError:
