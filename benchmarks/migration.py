@@ -175,12 +175,15 @@ def main() -> None:
         window_s = median([r["migrate_s"] for r in runs["reconstruct"]])
         runs["none"] = [one_run(mb, "none", args.steady_s, window_s, rate=args.rate) for _ in range(repeat)]
         stop_copy = runs.get("stop_copy")
+
+        def of_stop_copy(figure):  # the baseline's figures, null when it was skipped (--no-stop-copy)
+            return figure(stop_copy) if stop_copy else None
         rows.append({
             "state_mb": mb,
             "reconstruct_delay_ms": round(median([r["delay_ms"] for r in runs["reconstruct"]]), 1),
-            "stop_copy_delay_ms": round(median([r["delay_ms"] for r in stop_copy]), 1) if stop_copy else None,
+            "stop_copy_delay_ms": of_stop_copy(lambda rs: round(median([r["delay_ms"] for r in rs]), 1)),
             "reconstruct_runs_ms": [r["delay_ms"] for r in runs["reconstruct"]],
-            "stop_copy_runs_ms": [r["delay_ms"] for r in stop_copy] if stop_copy else None,
+            "stop_copy_runs_ms": of_stop_copy(lambda rs: [r["delay_ms"] for r in rs]),
             "normal_gap_ms": round(median([r["normal_gap_ms"] for r in runs["reconstruct"]]), 1),
             "reconstruct_migrate_s": round(median([r["migrate_s"] for r in runs["reconstruct"]]), 3),
             "reconstruct_phases_s": runs["reconstruct"][0]["phases_s"],
@@ -188,7 +191,7 @@ def main() -> None:
             "reconstruct_gap_phase": [r["gap_phase"] for r in runs["reconstruct"]],
             "reconstruct_gap_frozen_ms": [r["gap_frozen_ms"] for r in runs["reconstruct"]],
             "reconstruct_window_frozen_ms": [r["window_frozen_ms"] for r in runs["reconstruct"]],
-            "stop_copy_gap_frozen_ms": [r["gap_frozen_ms"] for r in stop_copy] if stop_copy else None,
+            "stop_copy_gap_frozen_ms": of_stop_copy(lambda rs: [r["gap_frozen_ms"] for r in rs]),
             "unmoved_slice_delay_ms": round(median([r["still_delay_ms"] for r in runs["reconstruct"]]), 1),
             "no_migration_delay_ms": round(median([r["delay_ms"] for r in runs["none"]]), 1),
             "no_migration_runs_ms": [r["delay_ms"] for r in runs["none"]],
@@ -201,7 +204,7 @@ def main() -> None:
             "no_migration_window_steal_pct": [r["window_steal_pct"] for r in runs["none"]],
             "no_migration_gap_steal_ms": [r["gap_steal_ms"] for r in runs["none"]],
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
-            "stop_copy_migrate_s": round(median([r["migrate_s"] for r in stop_copy]), 3) if stop_copy else None,
+            "stop_copy_migrate_s": of_stop_copy(lambda rs: round(median([r["migrate_s"] for r in rs]), 3)),
         })
     emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rate": args.rate, "rows": rows},
          args.json)

@@ -340,12 +340,19 @@ def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_sessio
         job.stop()
 
 
+def run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
+    """``chronostream ARGS`` in a new process (as a user's shell runs it), its output captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
     """``chronostream jobs`` / ``scale-out`` / ``placement`` / ``compact`` from another process, against a
     running job."""
     import json
-    import subprocess
-    import sys
 
     # 300 epochs of at least 50 ms: four CLI processes (each starts Python and connects to Ray)
     # and a scale-out that waits for an off-host backup fit before the job ends (at 100 epochs
@@ -355,8 +362,7 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
         apply_schedule(job, [SLOW_SOURCE, Fault("delay", 5, "payments", seconds=0.05)])
 
         def cli(*args: str) -> object:
-            run = subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
-                                 timeout=120)
+            run = run_cli(*args)
             assert run.returncode == 0, (args, run.stderr[-2000:])
             return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -375,24 +381,17 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
 def test_the_cli_refuses_to_rescale_a_finished_or_unknown_job_in_one_line_naming_why(ray_session):
     """A control command against a job that has ended (or never ran) exits 1 with
     ``chronostream COMMAND: why`` on stderr, not a traceback."""
-    import subprocess
-    import sys
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
-                              timeout=120)
-
     job = cs.run(query(400), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
         job.wait(timeout_s=120)
-        ended = cli("compact", job.key, "stats")
+        ended = run_cli("compact", job.key, "stats")
         assert ended.returncode == 1, ended.stderr[-2000:]
         assert ended.stderr.strip().splitlines()[-1] == \
             "chronostream compact: the job is finished: nothing to rescale", ended.stderr[-2000:]
         assert "Traceback" not in ended.stderr
     finally:
         job.stop()
-    unknown = cli("placement", "no-such-job")
+    unknown = run_cli("placement", "no-such-job")
     assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
     assert unknown.stderr.strip().splitlines()[-1].startswith("chronostream placement: no running job 'no-such-job'")
 
