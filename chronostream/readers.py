@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.sourcelog import STREAM_SEQ, SourceLog, rows_in_order_range
+from chronostream.sources import dense_order_start, with_system_columns
 from chronostream.types import SUB
 
 
@@ -51,11 +52,14 @@ class SourceReader:
 
 
 class TableReader(SourceReader):
-    """An in-memory table with ``_order`` already assigned."""
+    """A compiled in-memory source table (``chronostream.sources.assign_global_order``): with an
+    ``_order`` column, or dense (one source: the column is made for the rows an epoch reads).
+    ``_sub`` (0) is added to the rows read."""
 
     def __init__(self, table: pa.Table, end_order: int) -> None:
         self.table = table
         self._end = end_order
+        self._dense_start = dense_order_start(table)
 
     def end_order(self) -> int | None:
         return self._end
@@ -64,7 +68,14 @@ class TableReader(SourceReader):
         return self._end
 
     def rows(self, lo: int, hi: int) -> pa.Table:
-        return rows_in_order_range(self.table, lo, hi)
+        start = self._dense_start
+        if start is not None:
+            n = self.table.num_rows
+            a = min(max(lo - start, 0), n)
+            b = min(max(hi - start, a), n)
+            return with_system_columns(self.table.slice(a, b - a), start + a)
+        t = rows_in_order_range(self.table, lo, hi)
+        return t.append_column(SUB, pa.array(np.zeros(t.num_rows, dtype=np.int64)))
 
 
 class LogReader(SourceReader):
@@ -109,7 +120,7 @@ class LogReader(SourceReader):
 
 
 def make_reader(source: pa.Table | LogSource, end_order: int | None) -> SourceReader:
-    """The reader of a compiled source (a table with ``_order``, or a log spec)."""
+    """The reader of a compiled source (a table from ``assign_global_order``, or a log spec)."""
     if isinstance(source, LogSource):
         return LogReader(source)
     assert end_order is not None

@@ -24,6 +24,7 @@ from chronostream.hashing import slice_of_scalar
 from chronostream.operators import Operator, OperatorContext
 from chronostream.readers import LogReader, LogSource
 from chronostream.sinks import MemorySink, sort_output
+from chronostream.sources import source_orders
 from chronostream.types import ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
 
 
@@ -142,7 +143,7 @@ class _SerialRun:
             if isinstance(table, LogSource):
                 table = _read_log_source(table)
             user = table.select([c for c in table.schema.names if not c.startswith("_")]).to_pylist()
-            for o, ev in zip(table.column(ORDER).to_pylist(), user):
+            for o, ev in zip(source_orders(table).tolist(), user):
                 feed.append((o, stage_id, ev))
         feed.sort(key=lambda x: x[0])
         for order, stage_id, ev in feed:

@@ -79,6 +79,41 @@ def test_global_order_interleaves_sources_by_event_time():
     assert sorted(job.results("b")["_order"].to_pylist()) == [1, 3, 4]
 
 
+def test_a_single_source_stores_no_order_or_sub_column_and_its_epochs_read_as_before():
+    """One source's compiled table holds the user's columns only (its order is its row number);
+    the reader gives each epoch's rows ``_order`` and ``_sub`` as a stored column would."""
+    from chronostream.readers import make_reader
+
+    user = pa.table({"t": [5, 1, 4, 1, 3]}).replace_schema_metadata({"mine": "kept"})
+    q = cs.Query(epoch_events=2)
+    q.source("a", user, order_by="t").sink(name="a")
+    plan, sources = cs.compile_query(q)
+    table = sources[0]
+    assert table.column_names == ["t"]
+    assert table["t"].to_pylist() == [1, 1, 3, 4, 5]  # sorted by t, ties in row order
+    reader = make_reader(table, plan.order_end)
+    epochs = [reader.rows(e * 2, e * 2 + 2) for e in range(3)]
+    assert [t.to_pydict() for t in epochs] == [
+        {"t": [1, 1], "_order": [0, 1], "_sub": [0, 0]},
+        {"t": [3, 4], "_order": [2, 3], "_sub": [0, 0]},
+        {"t": [5], "_order": [4], "_sub": [0]}]
+    assert epochs[0].schema.metadata == {b"mine": b"kept"}  # the marker does not leak into rows
+    assert reader.rows(10, 12).num_rows == 0
+
+
+def test_several_sources_keep_an_order_column_and_no_sub_column():
+    """With two sources the interleaved order is stored per source; ``_sub`` is added by the reader."""
+    from chronostream.readers import make_reader
+
+    q = cs.Query(epoch_events=3)
+    q.source("a", pa.table({"t": [1, 3, 5]}), order_by="t").sink(name="a")
+    q.source("b", pa.table({"t": [2, 3, 4]}), order_by="t").sink(name="b")
+    plan, sources = cs.compile_query(q)
+    assert [t.column_names for t in sources.values()] == [["t", "_order"], ["t", "_order"]]
+    rows = make_reader(sources[0], plan.order_end).rows(0, 3)
+    assert rows.to_pydict() == {"t": [1, 3], "_order": [0, 2], "_sub": [0, 0]}
+
+
 def test_unknown_executor_is_refused():
     """run() names the valid executors when given an unknown one."""
     q = cs.Query()
