@@ -269,13 +269,12 @@ class CompactionRule:
 
     Every recovery and scale-in leaves a new container beside the old ones on
     the hosts that take slices: each is one more epoch loop, one more message
-    from every producer each epoch, a smaller slice group. A compaction copies
-    the merged slices' state (snapshots) while they keep running (dual mode),
-    so it waits ``cooldown_s`` after the stage's last compaction, and
-    ``quiet_s`` after the stage's host count last changed (a scale-out right
-    after would undo it), and leaves a stage whose slices hold more than
-    ``max_state_mb`` alone (copying 300 MB of state stalled a whole job's
-    output for 0.6-2 s on 2 vCPUs; docs/design.md section 7f).
+    from every producer each epoch. A compaction hands the merged slices over
+    in process (no copy: its cost does not grow with their state,
+    ``benchmarks.compaction``); it waits ``cooldown_s`` after the stage's last
+    compaction and ``quiet_s`` after the stage's host count last changed (a
+    scale-out right after would undo it). ``max_state_mb`` (None: no limit)
+    leaves a stage whose slices hold more than that alone.
 
     >>> from chronostream.metrics import StageMetrics
     >>> st = StageMetrics("count", 2, (3, 4, 7, 8), 16, 0.0, 0.0, 0.0, 0, 0, 1)
@@ -289,7 +288,7 @@ class CompactionRule:
     extra: int = 1
     cooldown_s: float = 60.0
     quiet_s: float = 10.0
-    max_state_mb: float = 256.0
+    max_state_mb: float | None = None
     stages: list[str] | None = None
     _last_action_t: dict[str, float] = field(default_factory=dict)
     _hosts: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (hosts, since when)
@@ -304,7 +303,7 @@ class CompactionRule:
             state_mb = sum(x.state_bytes for x in st.per_slice) / 1e6
             if len(st.containers) - st.hosts < self.extra or snapshot.t - since < self.quiet_s \
                     or snapshot.t - self._last_action_t.get(st.name, -math.inf) < self.cooldown_s \
-                    or state_mb > self.max_state_mb:
+                    or (self.max_state_mb is not None and state_mb > self.max_state_mb):
                 continue
             self._last_action_t[st.name] = snapshot.t
             out.append(ScalingAction("compact", st.name, 0,

@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import pyarrow as pa
@@ -73,6 +74,15 @@ class SinkWriter:
         """
         return {}
 
+    def give_parts(self, slices: set[int]) -> Any:
+        """Hand over what this writer holds of ``slices`` to another writer of the same sink in
+        this process (a compaction moves the slices to another container: ``take_in`` there).
+        Memory sinks move their parts; files already written stay where they are."""
+        return None
+
+    def take_in(self, given: Any) -> None:
+        """Hold what another writer's ``give_parts`` handed over."""
+
     def close(self) -> None:
         """Flush and release resources."""
 
@@ -121,6 +131,22 @@ class _MemoryWriter(SinkWriter):
             self.untaken[key] = None
         self.parts[key] = table  # idempotent on replay
         self.written_at.setdefault(key, time.time())
+
+    def give_parts(self, slices: set[int]) -> tuple[dict, set, dict]:
+        keys = [k for k in self.parts if k[0] in slices]
+        given = ({k: self.parts.pop(k) for k in keys}, {k for k in keys if k in self.untaken},
+                 {k: self.written_at.pop(k) for k in keys if k in self.written_at})
+        for k in given[1]:
+            del self.untaken[k]
+        return given
+
+    def take_in(self, given: tuple[dict, set, dict] | None) -> None:
+        if given is None:
+            return
+        parts, untaken, written_at = given
+        self.parts.update(parts)
+        self.untaken.update(dict.fromkeys(k for k in parts if k in untaken))
+        self.written_at.update(written_at)
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
         due = [k for k in self.untaken if k[1] <= upto_epoch]

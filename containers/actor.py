@@ -48,7 +48,8 @@ from containers.frame_assembly import FrameAssembly
 from containers.gc_pacing import CollectorPacing
 from containers.spill import SpillStore
 from containers.thread_priority import background_pool, set_background_niceness, thread_niceness
-from containers.core import END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot
+from containers.core import (END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot,
+                             hand_over)
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
 from slices.checkpoint import RestorePoint
@@ -71,6 +72,15 @@ def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
 PIECE_BYTES = 64 << 20
 #: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default).
 HOST_WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
+class _Handover:
+    """A compaction in progress on this host: its sources, the epoch, and whether it happened."""
+
+    def __init__(self, sources: list[int], epoch: int) -> None:
+        self.sources = sources
+        self.epoch = epoch
+        self.state = "pending"  # then "done" or "cancelled"
 
 
 class _Fetched(NamedTuple):
@@ -136,6 +146,10 @@ class ResourceContainer:
         self._piece_seq = 0  # frames this host shipped in pieces (_send_in_pieces)
         self._assembling = FrameAssembly()  # frames arriving in pieces (receive_backup_piece)
         self.gc_pacing: CollectorPacing | None = None
+        # Compactions in progress here (containers.core.hand_over): new container -> its sources
+        # and the handover epoch, and source -> new container.
+        self._handovers: dict[int, _Handover] = {}
+        self._handover_of: dict[int, int] = {}
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
         """Set the job-wide parameters and open the backup store. Returns the node id."""
@@ -161,13 +175,16 @@ class ResourceContainer:
                             routes: dict[int, OutputRoute], senders: dict[int, frozenset], peers: dict[int, Any],
                             hosts: dict[int, Any], source_table: pa.Table | None, output_log: bool,
                             backup_peers: dict[int, list[int]] | None = None,
-                            restore_from: dict[int, list[tuple[int, Any]]] | None = None) -> dict[str, Any]:
+                            restore_from: dict[int, list[tuple[int, Any]]] | None = None,
+                            hand_over_from: list[int] | None = None) -> dict[str, Any]:
         """Create a container of ``stage_id`` here; with ``restore_from``, rebuild its slices from backups.
 
         ``restore_from[s]`` lists (host id, actor) holding a backup of slice
         ``s``, best first; an empty list rebuilds the slice from the start.
         Returns the restored progress vectors and resume epochs (and when
-        each slice's restore began and ended).
+        each slice's restore began and ended). With ``hand_over_from`` (a
+        compaction: containers of the stage hosted here) it starts with no
+        slice and waits for theirs (``hand_over``).
         """
         plan = self.plan
         assert plan is not None, "configure() first"
@@ -197,6 +214,10 @@ class ResourceContainer:
                         resume={s: core.slices[s].last_epoch + 1 for s in slices},
                         progress={s: core.progress_of(s) for s in slices},
                         epochs={s: core.slices[s].last_epoch for s in slices})
+        if hand_over_from is not None:
+            core.awaiting_handover = True
+            # (its inbox window starts where its sources are: producers may send it their rows now)
+            core.next_epoch = min(self.cores[c].next_epoch for c in hand_over_from)
         core.gc_pacing = self.gc_pacing
         self.cores[container_id] = core
         self.conds[container_id] = asyncio.Condition()
@@ -297,6 +318,8 @@ class ResourceContainer:
                     messages = core.step()
                     core.busy_s += time.perf_counter() - t0
                     cond.notify_all()  # next_epoch moved: blocked pushes may proceed
+                if cid in self._handover_of:  # a compaction's source: at the handover epoch now?
+                    await self._try_hand_over(self._handover_of[cid])
                 pause = self.delay_s or (self.opts.source_pace_s if core.reader is not None else 0.0)
                 if pause:
                     await asyncio.sleep(pause)
@@ -554,6 +577,74 @@ class ResourceContainer:
             await self._send_backups(to_host, blobs)
         return {"epoch": epoch, "bytes": sum(len(b) for b in blobs)}
 
+    async def begin_dual(self, container_id: int, stage_id: int, slices: list[int], target: int,
+                         target_host: Any) -> int:
+        """A producer sends ``slices`` of ``stage_id`` to ``target`` besides their owner from its next
+        epoch on, with no replay (a compaction: ``target`` takes the slices' state in process at
+        an epoch at or after this one). Returns that epoch."""
+        core, cond = self.cores[container_id], self.conds[container_id]
+        async with cond:  # between two steps: an epoch boundary
+            self.peers[target] = target_host
+            self.unreachable.discard(target)
+            core.switch_route(stage_id, slices, target, dual=True)
+            return core.next_epoch
+
+    async def hand_over(self, container_id: int, sources: list[int], not_before: int) -> int:
+        """Compaction: every slice of the hosted containers ``sources`` goes to the hosted container
+        ``container_id`` (made with ``hand_over_from``) at one epoch, the first at or after
+        ``not_before`` that no source has reached; each source stops before it. Returns the epoch;
+        the handover itself happens once every source is there (``handover_state``)."""
+        epoch = max([not_before] + [self.cores[c].next_epoch for c in sources])
+        self._handovers[container_id] = _Handover(list(sources), epoch)
+        for c in sources:
+            self.cores[c].stop_before = epoch
+            self._handover_of[c] = container_id
+        log.info("host %s: containers %s hand their slices to container %s at epoch %s", self.host_id, sources,
+                 container_id, epoch)
+        await self._try_hand_over(container_id)
+        return epoch
+
+    async def _try_hand_over(self, container_id: int) -> None:
+        """Hand over once every source stands at the epoch; give up if one finished first (the
+        input ended before it). Synchronous up to the notifications: no step runs in between."""
+        plan = self._handovers.get(container_id)
+        if plan is None or plan.state != "pending":
+            return
+        sources = [self.cores[c] for c in plan.sources]
+        if any(src.done for src in sources):
+            self._cancel_handover(container_id, "a source finished before the handover epoch")
+        elif all(src.next_epoch >= plan.epoch for src in sources):
+            hand_over(sources, self.cores[container_id], plan.epoch)
+            plan.state = "done"
+        else:
+            return
+        for c in [*plan.sources, container_id]:
+            if c in self.conds:
+                async with self.conds[c]:
+                    self.conds[c].notify_all()
+
+    def _cancel_handover(self, container_id: int, why: str) -> None:
+        plan = self._handovers[container_id]
+        plan.state = "cancelled"
+        for c in plan.sources:
+            if c in self.cores:
+                self.cores[c].stop_before = None
+        log.info("host %s: handover to container %s cancelled: %s", self.host_id, container_id, why)
+
+    async def handover_state(self, container_id: int, cancel: bool = False) -> str:
+        """``pending``, ``done`` or ``cancelled``; with ``cancel``, a pending handover is cancelled
+        first (its sources go on with their slices). Atomic against the handover itself."""
+        plan = self._handovers.get(container_id)
+        if plan is None:
+            return "cancelled"
+        if cancel and plan.state == "pending":
+            self._cancel_handover(container_id, "the master undid the compaction")
+            for c in plan.sources:
+                if c in self.conds:
+                    async with self.conds[c]:
+                        self.conds[c].notify_all()
+        return plan.state
+
     async def release_route(self, container_id: int, stage_id: int, slices: list[int], target: int) -> int:
         """End dual mode in a producer: the slices go to ``target`` only; returns the switch epoch."""
         async with self.conds[container_id]:
@@ -606,6 +697,7 @@ class ResourceContainer:
             core = self.cores.get(c)
             if core is not None:
                 out[c] = {"next_epoch": core.next_epoch, "done": core.done, "released": dict(core.released),
+                          "awaiting_handover": core.awaiting_handover,
                           "epoch_done_at": dict(core.epoch_done_at) if with_times else {}}
         return out
 

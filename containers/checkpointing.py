@@ -55,6 +55,20 @@ CarryOutputs = Callable[[int, bool, int, int], "CarriedOutputs | None"]
 
 
 @dataclass
+class ChainHandover:
+    """What a checkpointer hands over with its slices (``give_chains``, then ``take_chains``): per
+    slice its backup peers, schedule and seed, and the rounds captured and not yet handed out
+    (they must reach the peers before the receiver's next deltas)."""
+
+    peers: dict[int, list[int]]
+    last_epoch: dict[int, int]
+    since_full: dict[int, int]
+    seeds: dict[int, list[bytes]]
+    encoded: list
+    pending: deque
+
+
+@dataclass
 class CheckpointSchedule:
     """Per-slice bookkeeping: last checkpoint epoch and deltas since the last full one."""
 
@@ -79,6 +93,7 @@ class SliceCheckpointer:
         self.full_every = max(0, full_every)
         self.schedule = CheckpointSchedule()
         self.taken = 0
+        self.full_taken = 0  # of them full checkpoints (the others deltas)
         self.bytes_out = 0
         self.encode_s = 0.0  # time spent encoding (in the background thread when async)
         # Rounds handed to the shell and not yet accepted by the peers (the shell keeps
@@ -145,6 +160,39 @@ class SliceCheckpointer:
         if full:
             log.info("checkpoint slices %s: new backup peers, next checkpoint full", full)
         return changed
+
+    def give_chains(self, slices: list[int]) -> ChainHandover:
+        """Hand over ``slices``' backup chains and every round not handed out yet (the giver
+        hands over all its slices: a compaction; its own later rounds would have none)."""
+        sch = self.schedule
+        out = ChainHandover({s: list(self.backup_peers.get(s, [])) for s in slices},
+                            {s: sch.last_epoch.pop(s) for s in slices if s in sch.last_epoch},
+                            {s: sch.since_full.pop(s) for s in slices if s in sch.since_full},
+                            {s: self._seeds.pop(s) for s in slices if s in self._seeds},
+                            self._encoded, self._pending)
+        self._encoded, self._pending = [], deque()
+        return out
+
+    def take_chains(self, given: ChainHandover) -> list[int]:
+        """Go on with chains another checkpointer gave (``give_chains``): a slice whose backup
+        peers here are the ones it had goes on with deltas (its dirty sets moved with its
+        state); one whose peers changed follows ``retarget``'s rule (its seed still goes out
+        first, else its next checkpoint is full). The giver's rounds are handed out before
+        this one's. Returns the slices whose next checkpoint is full."""
+        self._encoded[:0] = given.encoded
+        self._pending.extendleft(reversed(given.pending))
+        full = []
+        for s, peers in given.peers.items():
+            same = sorted(self.backup_peers.get(s, [])) == sorted(peers)
+            if s in given.seeds and self.backup_peers.get(s):
+                self._seeds[s] = given.seeds[s]
+            elif not same:
+                full.append(s)
+                continue
+            if s in given.last_epoch:
+                self.schedule.last_epoch[s] = given.last_epoch[s]
+                self.schedule.since_full[s] = given.since_full.get(s, 0)
+        return full
 
     def force_full(self, slices: list[int]) -> None:
         """The next checkpoint of each of ``slices`` is a full one (a backup refused a delta)."""
@@ -215,6 +263,7 @@ class SliceCheckpointer:
             sch.last_epoch[s] = ckpt.epoch
             sch.since_full[s] = sch.since_full.get(s, 0) + 1 if delta else 0
             self.taken += 1
+            self.full_taken += not delta
             seed = self._seeds.pop(s, [])
             if seed:
                 self.seeded += 1

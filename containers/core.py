@@ -15,6 +15,9 @@ strictly in epoch order. Processing one epoch:
    and to the sinks;
 4. route: each produced stream is split by destination container, giving
    exactly one message per downstream container.
+
+Between two epochs a core can also hand every slice it runs to another core
+of its stage in the same process (``hand_over``: compaction, no copy).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
-from containers.threads import SliceThreads
+from containers.threads import SliceThreads, ThreadControlTable
 from slices.group import fuses, process_parts, reads_key_codes
 from slices.slice import SliceRuntime
 
@@ -216,6 +219,11 @@ class ContainerCore:
         self.released: dict[int, int] = {}
         self.pending_release: set[int] = set()
         self._retired = False
+        # Compaction (``hand_over`` below): a container whose slices are handed to another
+        # one in this process stops before epoch ``stop_before``; the receiver processes
+        # nothing while ``awaiting_handover``.
+        self.stop_before: int | None = None
+        self.awaiting_handover = False
         self.epoch_done_at: collections.OrderedDict[int, float] = collections.OrderedDict()  # last 256 epochs
         # End-to-end latency: when the epoch being processed was ingested (None: unknown,
         # e.g. a replayed epoch), and the histogram of sink writes.
@@ -243,7 +251,8 @@ class ContainerCore:
 
     def ready(self) -> bool:
         """True when the next epoch can be processed."""
-        if self.done:
+        if self.done or self.awaiting_handover or (self.stop_before is not None
+                                                   and self.next_epoch >= self.stop_before):
             return False
         if self.reader is not None:
             return self._source_ready()
@@ -708,6 +717,48 @@ class ContainerCore:
             out.append((ck, carried))
         return out
 
+    # -- compaction: slices handed over in process (hand_over below) ------------------
+
+    def give_all_to(self, dest: "ContainerCore") -> list[int]:
+        """Hand every local slice, as it is after the last processed epoch, to ``dest`` (another
+        container of this stage in this process, which goes on from this core's next epoch):
+        the runtimes (state, progress vectors, out_seq counters), their logged outputs, memory-
+        sink parts, backup chains and the checkpoint rounds not shipped yet. Nothing is copied
+        but the logged outputs (moved as stored). This core then counts them as released at
+        its next epoch and retires. Returns the slices. Call it between two epochs."""
+        epoch = self.next_epoch
+        slices = sorted(self.slices)
+        for s in slices:
+            if self.output_log is not None and dest.output_log is not None:
+                for sid in self._logged_streams():
+                    self.output_log.move_to(dest.output_log, sid, s)
+            dest.log_start[s] = self.log_start.pop(s, epoch)
+            for sid in self._logged_streams():
+                if (s, sid) in self.carried_seq:
+                    dest.carried_seq[(s, sid)] = self.carried_seq.pop((s, sid))
+        mine, theirs = self._all_writers(), dest._all_writers()
+        for k, w in mine.items():
+            if k in theirs:
+                theirs[k].take_in(w.give_parts(set(slices)))
+        add_sink_parts(dest.outgoing_sink_parts, self.take_sink_parts())
+        for peer, blobs in self.outgoing_backups.items():
+            dest.outgoing_backups[peer] = blobs + dest.outgoing_backups.get(peer, [])
+        self.outgoing_backups = {}
+        if self.checkpointer is not None and dest.checkpointer is not None:
+            full = dest.checkpointer.take_chains(self.checkpointer.give_chains(slices))
+            if full:
+                log.info("compaction: stage %s slices %s have other backup peers in container %s: "
+                         "next checkpoint full", self.stage.name, full, dest.container_id)
+        for s in slices:
+            dest.slices[s] = self.slices.pop(s)  # (dest's checkpointer shares its dict: it captures s now)
+            self.released[s] = epoch
+        dest.low_water = max(dest.low_water, self.low_water)  # (a stage-wide mark: every consumer has it)
+        self.inbox.clear()
+        self.stop_before = None
+        log.info("compaction: stage %s slices %s handed over by container %s to container %s at epoch %s",
+                 self.stage.name, slices, self.container_id, dest.container_id, epoch)
+        return slices
+
     def _logged_since(self, stream_id: int, slice_id: int, first_epoch: int) -> pa.Table:
         """Logged outputs of (stream, slice) derived from epochs >= ``first_epoch``."""
         assert self.output_log is not None
@@ -906,6 +957,36 @@ class ContainerCore:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
         return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
                    for k, part in msg.items() if k >= 0)
+
+
+def hand_over(sources: list[ContainerCore], dest: ContainerCore, epoch: int) -> dict[int, list[int]]:
+    """Compaction's step without a copy: every slice of ``sources`` goes to ``dest``, all
+    containers of one stage in this process, at the boundary before ``epoch``.
+
+    Every source must have processed exactly the epochs before ``epoch`` (each stops there:
+    ``stop_before``) and ``dest`` must be waiting for them (``awaiting_handover``); producers
+    have sent ``dest`` the slices' rows (dual mode) since an epoch at or before ``epoch``, so
+    it holds every epoch it needs. ``dest`` then processes from ``epoch`` on; epochs before it
+    in its inbox are dropped. Returns source container -> the slices it gave.
+    """
+    for src in sources:
+        if src.next_epoch != epoch or src.done:
+            raise ValueError(f"container {src.container_id} is at epoch {src.next_epoch} (done: {src.done}), "
+                             f"not at the handover epoch {epoch}")
+    if not dest.awaiting_handover:
+        raise ValueError(f"container {dest.container_id} is not waiting for a handover")
+    # The groups the sources ran (one per thread, or their own cohorts) stay groups: a new group
+    # over all the slices would be built at the first epoch, a sort of every key they hold.
+    cohorts = [c for src in sources for g in src.threads.table.groups(list(src.slices))
+               for c in src.threads.table.cohorts(g) if c]
+    threads = max([dest.threads.planned_threads()] + [src.threads.planned_threads() for src in sources])
+    given = {src.container_id: src.give_all_to(dest) for src in sources}
+    dest.next_epoch = epoch
+    for e in [e for e in dest.inbox if e < epoch]:
+        del dest.inbox[e]
+    dest.threads.install(ThreadControlTable.of_cohorts(cohorts, threads))
+    dest.awaiting_handover = False
+    return given
 
 
 def encode_snapshot(captured: list[tuple[Any, Any]]) -> list[bytes]:

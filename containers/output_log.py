@@ -130,6 +130,23 @@ class OutputLog:
                     txn.delete(key)
         return len(dead)
 
+    def move_to(self, other: "OutputLog", stream_id: int, slice_id: int) -> int:
+        """Move every logged batch of (stream, slice) into ``other`` as stored (no decoding): a
+        compaction hands the slice to another container of the same process. Returns how many."""
+        prefix = struct.pack(">II", stream_id, slice_id)
+        with self._resize_lock, self.env.begin() as txn:
+            cur = txn.cursor()
+            items = []
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not key.startswith(prefix):
+                        break
+                    items.append((bytes(key), bytes(value)))
+        if items:
+            put_all(other.env, items, other._resize_lock)
+            self.drop(stream_id, slice_id)
+        return len(items)
+
     def entries(self) -> int:
         """Number of logged batches (for GC statistics and tests)."""
         return int(self.env.stat()["entries"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -40,6 +40,9 @@ class ThreadControlTable:
 
     threads: int
     thread_of: dict[int, int]
+    #: Slice -> cohort: a thread runs each cohort's slices as a group of its own (a compaction
+    #: keeps the groups the merged containers had; empty: one group a thread).
+    cohort_of: dict[int, int] = field(default_factory=dict)
 
     @staticmethod
     def spread(slices: list[int], threads: int) -> "ThreadControlTable":
@@ -47,6 +50,29 @@ class ThreadControlTable:
         if threads < 1:
             raise ValueError(f"a container needs at least 1 thread, got {threads}")
         return ThreadControlTable(threads, {s: i % threads for i, s in enumerate(sorted(slices))})
+
+    @staticmethod
+    def of_cohorts(cohorts: list[list[int]], threads: int) -> "ThreadControlTable":
+        """Each of ``cohorts`` on one thread, round-robin over ``threads``, kept apart as groups.
+
+        >>> t = ThreadControlTable.of_cohorts([[1, 4], [2], [0]], 2)
+        >>> t.groups([0, 1, 2, 4]), t.cohorts([0, 2])
+        ([[0, 1, 4], [2]], [[0], [2]])
+        """
+        if threads < 1:
+            raise ValueError(f"a container needs at least 1 thread, got {threads}")
+        return ThreadControlTable(threads, {s: i % threads for i, c in enumerate(cohorts) for s in c},
+                                  {s: i for i, c in enumerate(cohorts) for s in c})
+
+    def cohorts(self, slices: list[int]) -> list[list[int]]:
+        """One thread's ``slices`` split into the groups it runs: by cohort, in order of each
+        cohort's first slice (all of them when the table has no cohorts)."""
+        if not self.cohort_of:
+            return [sorted(slices)]
+        out: dict[int, list[int]] = {}
+        for s in sorted(slices):
+            out.setdefault(self.cohort_of.get(s, -1), []).append(s)
+        return list(out.values())
 
     def groups(self, slices: list[int]) -> list[list[int]]:
         """``slices`` grouped by thread index (a slice the table does not know goes to thread 0);
@@ -116,8 +142,20 @@ class SliceThreads:
         return self.latch.write(table)
 
     def resize(self, slices: list[int], threads: int) -> int:
-        """Install a table spreading ``slices`` over ``threads`` threads."""
+        """Install a table spreading ``slices`` over ``threads`` threads. A table of cohorts (a
+        compaction's) with that many threads for these slices stays: its groups stand, where a
+        new table would make the thread's slices one group, built anew over all their keys."""
+        version, table = self.latch.read()
+        assert isinstance(table, ThreadControlTable)
+        if table.cohort_of and table.threads == threads and set(table.thread_of) == set(slices):
+            return version
         return self.install(ThreadControlTable.spread(slices, threads))
+
+    def planned_threads(self) -> int:
+        """Threads of the newest table (in effect from the next epoch barrier)."""
+        table = self.latch.read()[1]
+        assert isinstance(table, ThreadControlTable)
+        return table.threads
 
     def _barrier(self, epoch: int) -> ThreadControlTable:
         if self.latch.version != self._seen:
@@ -144,10 +182,16 @@ class SliceThreads:
         table = self._barrier(epoch)
         if not slices:
             return {}
+
+        def run_thread(group: list[int]) -> dict[int, T]:
+            out: dict[int, T] = {}
+            for cohort in table.cohorts(group):
+                out.update(work(cohort))
+            return out
         groups = table.groups(slices)
         if not self._pool or sum(1 for g in groups if g) <= 1:
-            return dict(sorted(work(slices).items()))
-        futures: list[Future] = [self._pool[i].submit(work, g) for i, g in enumerate(groups) if g]
+            return dict(sorted(run_thread(slices).items()))
+        futures: list[Future] = [self._pool[i].submit(run_thread, g) for i, g in enumerate(groups) if g]
         results: dict[int, T] = {}
         errors = []
         for f in futures:  # wait for every thread, even after an error (no thread outlives the epoch)

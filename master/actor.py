@@ -221,13 +221,14 @@ class JobMaster:
         return self.placement.as_dict(self.plan)
 
     def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
-                       restore_from: dict[int, list[tuple[int, Any]]] | None = None):
+                       restore_from: dict[int, list[tuple[int, Any]]] | None = None,
+                       hand_over_from: list[int] | None = None):
         src = self.source_refs.get(stage_id, [None])[0]
         hosts = {**self._stage_hosts(stage_id), **{h: self.handles[h] for ps in backup_peers.values() for h in ps}}
         return self.handles[self.host_of[c]].add_container.remote(
             c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
             self.placement.sender_coverage(self.plan, stage_id), self._peers_of(stage_id),
-            hosts, src, self.opts.output_log, backup_peers, restore_from)
+            hosts, src, self.opts.output_log, backup_peers, restore_from, hand_over_from)
 
     # -- watching ------------------------------------------------------------------
 
@@ -483,7 +484,7 @@ class JobMaster:
             # (a scale-up takes effect at the container's next epoch; a restarted master knows only those).
             threads = {c: max(self.threads_asked.get(c, 1), await self.threads_of(c))
                        for c in sorted({where[s] for s, _, _ in moves})}
-            summary = await self._migrate(sid, moves, {}, f"compact: {reason}", request=request)
+            summary = await self._migrate(sid, moves, {}, f"compact: {reason}", request=request, handover=True)
             for new_id in sorted({t["to"] for t in summary["transfers"] if t["phase"] == "done"}):
                 most = max(threads[t["from"]] for t in summary["transfers"] if t["to"] == new_id)
                 if most > 1:
@@ -539,12 +540,16 @@ class JobMaster:
         return stats[container].threads
 
     async def _migrate(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
-                       reason: str, stop_copy: bool = False, request: str | None = None) -> dict[str, Any]:
-        """Run one migration (every transfer in parallel, phase by phase); under the control lock."""
+                       reason: str, stop_copy: bool = False, request: str | None = None,
+                       handover: bool = False) -> dict[str, Any]:
+        """Run one migration (every transfer in parallel, phase by phase); under the control lock.
+        ``handover``: a compaction, whose slices stay in their processes (``_handover_phases``)."""
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
                                     shared_destination=self.plan.stages[sid].kind != "source")
         if not transfers:
             return {"transfers": [], "reason": reason}
+        for t in transfers:
+            t.handover = handover
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
         self._save_layout()  # (next_id: a restarted master never reuses the new ids)
         for t in transfers:  # every phase change is in the catalog: a restarted master settles it
@@ -554,7 +559,10 @@ class JobMaster:
         self._event("migration_start", stage=self.plan.stages[sid].name, reason=reason,
                     transfers=[{"from": t.source, "to": t.new_id, "slices": t.slices} for t in transfers])
         try:
-            await self._migration_phases(sid, transfers, stop_copy)
+            if handover:
+                await self._handover_phases(sid, transfers)
+            else:
+                await self._migration_phases(sid, transfers, stop_copy)
         except (RayActorError, MigrationError, asyncio.TimeoutError) as exc:
             log.warning("migration interrupted: %s", exc)
             self._event("migration_interrupted", error=str(exc))
@@ -566,6 +574,7 @@ class JobMaster:
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
                                   "phase": t.phase.value, "resume": t.resume, "released_at": t.released_at,
                                   "pause_ms": t.pause_ms, "catch_up": t.catch_up,
+                                  "hand_over_epoch": t.hand_over_epoch,
                                   "warm_wait_s": next((info.get("warm_wait_s", 0.0) for _, p, _, info in t.story
                                                        if p == "rebuilding"), 0.0),
                                   "phases_s": {p: round(info["at"] - t0, 3) for _, p, _, info in t.story}}
@@ -614,15 +623,7 @@ class JobMaster:
         # 2. REBUILDING: consumers accept the new containers; each restores from its host's store
         # (one new container per destination host takes the slices of all its transfers).
         groups = by_destination(transfers)
-        calls = []
-        for new_id, group in groups.items():
-            self.placement.stage_of[new_id] = sid
-            self.host_of[new_id] = group[0].host
-            cov = frozenset((sid, s) for s in slices_of(group))
-            for d in self.plan.downstream_stages(sid):
-                for c in self.placement.containers[d]:
-                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {new_id: cov}))
-        await asyncio.gather(*calls)
+        await self._accept_new_senders(sid, groups)
         # Backup peers as after the move from the start: the moved slices' first checkpoints reach a
         # peer before their sources release them (``_await_off_host_backups``).
         peers_after: dict[int, dict[int, list[int]]] = {}
@@ -666,6 +667,63 @@ class JobMaster:
         await self._until(transfers, lambda t, st: set(t.slices) <= set(st[t.source]["released"])
                           or st[t.source]["done"], "releasing")
         # 5. DONE.
+        for t in transfers:
+            await self._complete(sid, t)
+
+    async def _accept_new_senders(self, sid: int, groups: dict[int, list[Transfer]]) -> None:
+        """Consumers of ``sid`` accept each new container as a sender covering its slices."""
+        calls = []
+        for new_id, group in groups.items():
+            self.placement.stage_of[new_id] = sid
+            self.host_of[new_id] = group[0].host
+            cov = frozenset((sid, s) for s in slices_of(group))
+            for d in self.plan.downstream_stages(sid):
+                for c in self.placement.containers[d]:
+                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {new_id: cov}))
+        await asyncio.gather(*calls)
+
+    async def _handover_phases(self, sid: int, transfers: list[Transfer]) -> None:
+        """A compaction: each host's containers of the stage give their slices to one new container
+        there, in process, at one epoch (``containers.core.hand_over``). Nothing is snapshotted,
+        restored or replayed, so the slices' pause does not grow with their state. The phases are
+        the migration's, with these steps: REBUILDING makes the new container (waiting, accepted
+        by consumers); DUAL has producers send it the slices' rows too and fixes the handover
+        epoch; RELEASING follows the handover; DONE as for a migration."""
+        P = MigrationPhase
+        for t in transfers:
+            t.advance(P.WARMING, host=t.host, handover=True)
+        for t in transfers:
+            t.advance(P.REBUILDING, None, snapshot=[], handover=True)
+        groups = by_destination(transfers)
+        await self._accept_new_senders(sid, groups)
+        peers_after: dict[int, dict[int, list[int]]] = {}
+        if self.opts.checkpointing and self.opts.backup_factor:
+            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor)
+        await asyncio.gather(*[self._add_container(new_id, sid, [], peers_after.get(new_id, {}),
+                                                   hand_over_from=[t.source for t in group])
+                               for new_id, group in groups.items()])
+        await asyncio.gather(*[self.handles[g[0].host].set_extra_window.remote(i, 64) for i, g in groups.items()])
+        await asyncio.gather(*[self.handles[g[0].host].start.remote([i]) for i, g in groups.items()])
+        for new_id, group in groups.items():
+            host = self.handles[group[0].host]
+            dual_from = await asyncio.gather(*[producer.begin_dual.remote(c, sid, slices_of(group), new_id, host)
+                                               for c, producer in self._producers(sid, live_only=False)])
+            epoch = await host.hand_over.remote(new_id, [t.source for t in group], max(dual_from, default=0))
+            for t in group:
+                t.hand_over_epoch = epoch
+                t.advance(P.DUAL, epoch, hand_over_epoch=epoch)
+        deadline = time.monotonic() + 120.0
+        for new_id, group in groups.items():
+            while (state := await self.handles[group[0].host].handover_state.remote(new_id)) == "pending":
+                if time.monotonic() > deadline:
+                    raise MigrationError(f"compaction stuck before the handover epoch {group[0].hand_over_epoch}: "
+                                         + "; ".join(t.describe() for t in group))
+                await asyncio.sleep(0.02)
+            if state != "done":
+                raise MigrationError(f"compaction to container {new_id} undone: the input ended first")
+            await self._release_routes(sid, group)
+            for t in group:
+                t.advance(P.RELEASING, t.hand_over_epoch, handed_over=t.slices)
         for t in transfers:
             await self._complete(sid, t)
 
@@ -819,6 +877,18 @@ class JobMaster:
         (the source may be gone), abort the others (the source keeps its slices)."""
         P = MigrationPhase
         dead = await self._probe(sorted(self.alive))
+        # A compaction's fate is decided first, on its host, atomically against the handover:
+        # cancelled unless it happened already (before any source is let go on below).
+        handed_over: dict[int, bool] = {}
+        for new_id, group in by_destination(transfers).items():
+            t0 = group[0]
+            if t0.handover and t0.host is not None and t0.host not in dead and t0.phase is not P.RELEASING \
+                    and t0.phase not in (P.DONE, P.ABORTED):
+                try:
+                    handed_over[new_id] = await self.handles[t0.host].handover_state.remote(new_id, cancel=True) \
+                        == "done"
+                except RayActorError:
+                    dead.add(t0.host)
         await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
                                for t in transfers if self.host_of[t.source] not in dead],
                              return_exceptions=True)  # (a stop-copy baseline may have paused them)
@@ -828,7 +898,10 @@ class JobMaster:
                 continue
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
             dst_ok = t0.host is not None and t0.host not in dead
-            if t0.phase is P.RELEASING or (t0.phase is P.DUAL and dst_ok):
+            # A compaction completes only once handed over; undone before, the sources keep their slices.
+            finish = t0.phase is P.RELEASING or (handed_over.get(t0.new_id, False) if t0.handover
+                                                 else t0.phase is P.DUAL and dst_ok)
+            if finish:
                 dual = [t for t in live if t.phase is P.DUAL]
                 if dual:
                     await self._release_routes(t0.stage_id, dual)

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from chronostream.dag import JobPlan
 from containers.backup_store import BackupStore
-from containers.core import ContainerCore, SinkParts, add_sink_parts
+from containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
@@ -313,7 +313,10 @@ class LocalCluster:
         """Merge ``stage``'s containers on each host into one (``master.migration.compaction_moves``)."""
         sid = self.stage_id(stage)
         check_compactable(self.plan, sid)
-        return self._start(sid, compaction_moves(self.placement, self.hosts, sid), {})
+        transfers = self._start(sid, compaction_moves(self.placement, self.hosts, sid), {})
+        for t in transfers:
+            t.handover = True  # the slices stay in their process: handed over, not copied
+        return transfers
 
     def _start(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None]) -> list[Transfer]:
         if self.migrations:
@@ -349,6 +352,9 @@ class LocalCluster:
         see ``master.migration``); each then completes when its source released its slices."""
         P = MigrationPhase
         phase = min((t.phase for t in group), key=list(P).index)
+        if group[0].handover and phase in (P.PREPARING, P.WARMING, P.REBUILDING, P.DUAL):
+            self._advance_handover(group, phase)
+            return
         if phase is P.PREPARING:
             for t in group:
                 if t.host is None:  # transfers to one placeholder share the new host
@@ -371,18 +377,9 @@ class LocalCluster:
                           local=sorted(set(t.slices) - set(missing)))
         elif phase is P.REBUILDING:
             t0, slices = group[0], slices_of(group)
-            self.placement.stage_of[t0.new_id] = t0.stage_id
-            self.hosts[t0.new_id] = t0.host
-            cov = frozenset((t0.stage_id, s) for s in slices)
-            for d in self.plan.downstream_stages(t0.stage_id):
-                for c in self.placement.containers[d]:
-                    if c in self.cores:
-                        self.cores[c].add_senders({t0.new_id: cov})
-            # Backup peers as after the move from the start: the moved slices' first checkpoints
-            # reach a peer before the sources release them (see the DUAL step).
-            peers = backup_peers_after(self.placement, self.hosts, self.migrations, t0.stage_id,
-                                       self.backup_factor).get(t0.new_id) if self.fault_tolerant else None
-            core = self._core(t0.new_id, slices, peers)
+            # (backup peers as after the move from the start: the moved slices' first
+            # checkpoints reach a peer before the sources release them, see the DUAL step)
+            core = self._core(t0.new_id, slices, self._accept_new_container(group))
             core.restore_slices({s: self._load_backup(t0.stage_id, s, [t0.host]) for s in slices})
             self.cores[t0.new_id] = core
             resume = {s: core.slices[s].last_epoch + 1 for s in slices}
@@ -414,6 +411,80 @@ class LocalCluster:
                                                   and not set(t.slices) <= set(src.released)):
                     continue  # done, or the source has not reached a marked epoch yet
                 self._complete(t)
+
+    def _accept_new_container(self, group: list[Transfer]) -> dict | None:
+        """REBUILDING's first step for one new container: it joins the placement's books and every
+        consumer accepts it as a sender covering its slices. Returns its backup peers as they will
+        be after the move (None without checkpoints)."""
+        t0 = group[0]
+        self.placement.stage_of[t0.new_id] = t0.stage_id
+        self.hosts[t0.new_id] = t0.host
+        cov = frozenset((t0.stage_id, s) for s in slices_of(group))
+        for d in self.plan.downstream_stages(t0.stage_id):
+            for c in self.placement.containers[d]:
+                if c in self.cores:
+                    self.cores[c].add_senders({t0.new_id: cov})
+        return backup_peers_after(self.placement, self.hosts, self.migrations, t0.stage_id,
+                                  self.backup_factor).get(t0.new_id) if self.fault_tolerant else None
+
+    def _advance_handover(self, group: list[Transfer], phase: MigrationPhase) -> None:
+        """A compaction's transfers to one new container on their own host, one phase on: nothing
+        to snapshot or restore; the new container waits while producers send it the slices' rows
+        too (dual mode, no replay), and the sources stop before the handover epoch; once every
+        source is there, their slices move into it in process (``containers.core.hand_over``)."""
+        P = MigrationPhase
+        t0, slices = group[0], slices_of(group)
+        sources = [self.cores[t.source] for t in group]
+        if phase is P.PREPARING:
+            for t in group:
+                t.advance(P.WARMING, handover=True)
+        elif phase is P.WARMING:
+            for t in group:
+                t.advance(P.REBUILDING, self.cores[t.source].next_epoch - 1, snapshot=[], handover=True)
+        elif phase is P.REBUILDING:
+            core = self._core(t0.new_id, [], self._accept_new_container(group))
+            core.awaiting_handover = True
+            core.next_epoch = min(src.next_epoch for src in sources)
+            self.cores[t0.new_id] = core
+            dual_from = []
+            for _, producer in self._producers(t0.stage_id):
+                producer.switch_route(t0.stage_id, slices, t0.new_id, dual=True)
+                dual_from.append(producer.next_epoch)
+            # Every producer sends the new container these slices from here on: it has all it needs
+            # from the latest of their switch epochs.
+            epoch = max(dual_from + [src.next_epoch for src in sources])
+            for src in sources:
+                src.stop_before = epoch
+            for t in group:
+                t.hand_over_epoch = epoch
+                t.advance(P.DUAL, epoch, hand_over_epoch=epoch)
+        else:  # DUAL
+            epoch = t0.hand_over_epoch
+            assert epoch is not None
+            if any(src.done for src in sources):
+                self._abort_handover(group, "the input ended before the handover epoch")
+                return
+            if any(src.next_epoch < epoch for src in sources):
+                return  # a source is still on its way to the handover epoch
+            hand_over(sources, self.cores[t0.new_id], epoch)
+            self._release_routes(group)
+            for t in group:
+                t.advance(P.RELEASING, epoch, handed_over=t.slices)
+
+    def _abort_handover(self, group: list[Transfer], reason: str) -> None:
+        """Undo a compaction's transfers before the handover: sources go on, the new container goes."""
+        P = MigrationPhase
+        live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
+        for t in live:
+            src = self.cores.get(t.source)
+            if src is not None:
+                src.stop_before = None
+        for _, producer in self._producers(group[0].stage_id):
+            producer.drop_dual(group[0].stage_id, slices_of(live))
+        if group[0].new_id in self.cores:
+            self.cores.pop(group[0].new_id).close()
+        for t in live:
+            t.advance(P.ABORTED, reason=reason)
 
     def _producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
         """The live containers of every stage feeding ``stage_id``."""
@@ -461,6 +532,9 @@ class LocalCluster:
                 continue
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
             dst_dead = t0.host in dead
+            if t0.handover and t0.phase is not P.RELEASING:
+                self._abort_handover(live, f"hosts {sorted(dead)} died before the handover")
+                continue
             if t0.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t0.phase is P.RELEASING):
                 if t0.phase is P.DUAL:
                     self._release_routes(live)

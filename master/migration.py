@@ -33,6 +33,14 @@ switches all the new container's slices in one call (``release_route``)
 and marks that epoch to each source. A source stage has no producers to
 mark it (each source releases at its own next step): there, one new
 container per source container and host, as before.
+
+A compaction (``compaction_moves``: containers of one host merged into a
+new one there) goes through the same phases without a copy
+(``Transfer.handover``): WARMING has nothing to snapshot; REBUILDING makes
+the new container empty and waiting; in DUAL producers send it the slices'
+rows too, with no replay, and the host fixes a handover epoch no source
+has reached; at RELEASING the sources have handed their slice runtimes
+over in process at that epoch (``containers.core.hand_over``).
 """
 
 from __future__ import annotations
@@ -106,17 +114,22 @@ class Transfer:
     released_at: dict[int, int] = field(default_factory=dict)
     pause_ms: dict[int, float] = field(default_factory=dict)
     catch_up: dict[int, dict[str, int]] = field(default_factory=dict)  # producer -> {"epochs", "rounds"} (Ray)
+    # A compaction's transfer: the slices stay in their process and are handed over, not copied
+    # (no snapshot, no restore, no replay; ``hand_over_epoch``: the first epoch the new container runs them).
+    handover: bool = False
+    hand_over_epoch: int | None = None
 
     def to_plain(self) -> dict[str, Any]:
         """What a restarted master needs to settle it (``master.catalog``)."""
         return {"new_id": self.new_id, "source": self.source, "stage_id": self.stage_id, "host": self.host,
-                "slices": list(self.slices), "target": self.target, "phase": self.phase.value}
+                "slices": list(self.slices), "target": self.target, "phase": self.phase.value,
+                "handover": self.handover}
 
     @staticmethod
     def from_plain(d: dict[str, Any]) -> "Transfer":
         """Inverse of ``to_plain``."""
         return Transfer(d["new_id"], d["source"], d["stage_id"], d["host"], list(d["slices"]), d["target"],
-                        MigrationPhase(d["phase"]))
+                        MigrationPhase(d["phase"]), handover=bool(d.get("handover", False)))
 
     def describe(self) -> str:
         """``stage 1 slices [0, 4] container 3 -> 9 (host 5)``: for logs and errors."""
@@ -203,9 +216,8 @@ def balanced_moves(layout: dict[int, list[int]], targets: list[int],
 def compaction_moves(placement: Any, host_of: dict[int, int], stage_id: int) -> list[tuple[int, int, int]]:
     """Moves (slice, host, same host) that merge every host's containers of ``stage_id`` into one:
     all slices of each host that runs two or more of them (recoveries, migrations and scale-ins
-    leave several). One migration to the same host: the new container takes them all
-    (``group_transfers``), rebuilt from snapshots the containers ship in-process (a host never
-    holds chained backups of its own slices), while the old ones run them in dual mode.
+    leave several). One new container a host takes them all (``group_transfers``), handed over
+    in process by the old ones at one epoch (``Transfer.handover``: no snapshot, no copy).
 
     >>> import numpy as np
     >>> from master.placement import Placement

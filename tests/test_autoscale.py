@@ -96,12 +96,13 @@ def test_compaction_rule_compacts_a_stage_with_extra_containers_once_its_host_co
     assert kinds(r.decide(with_containers(40, 2, 4))) == [("compact", 0)]
 
 
-def test_compaction_rule_leaves_a_stage_with_much_state_alone():
+def test_compaction_rule_leaves_a_stage_above_its_state_limit_alone_and_has_none_by_default():
     big = [SliceMetrics(s, s % 4, 0, 0.0, 0, 1000, 100 << 20) for s in range(8)]  # 8 x 100 MB
     st = StageMetrics("s", 2, (0, 1, 2, 3), 8, 0.0, 0.0, 0.0, 0, 0, 1, per_slice=tuple(big))
-    assert CompactionRule(quiet_s=0).decide(MetricsSnapshot(1.0, {"s": st})) == []
+    assert CompactionRule(quiet_s=0, max_state_mb=256).decide(MetricsSnapshot(1.0, {"s": st})) == []
     assert kinds(CompactionRule(quiet_s=0, max_state_mb=1000).decide(MetricsSnapshot(1.0, {"s": st}))) \
         == [("compact", 0)]
+    assert kinds(CompactionRule(quiet_s=0).decide(MetricsSnapshot(1.0, {"s": st}))) == [("compact", 0)]
 
 
 def test_the_simulator_replays_a_trace_to_the_same_decisions(tmp_path):

@@ -95,6 +95,45 @@ def test_new_backup_peers_force_a_full_checkpoint_only_for_the_slices_whose_peer
 
 
 
+def test_chains_handed_to_another_checkpointer_go_on_with_deltas_after_the_givers_rounds():
+    """Compaction: a checkpointer gives its slices' chains to another one in the same process.
+    The giver's rounds still encoding ship first, then the receiver's, deltas on the same chain
+    (the slice's dirty sets moved with its state); a slice whose peers differ there starts anew."""
+    gate = threading.Event()
+    real = checkpointing._encode_round
+    rts, rng = {0: _Slice(), 1: _Slice()}, np.random.default_rng(4)
+    rts[1].slice_id = 1
+    giver = SliceCheckpointer(rts, {0: [7], 1: [7]}, every_epochs=1, async_encode=True)
+    receiver = SliceCheckpointer({}, {0: [7], 1: [8]}, every_epochs=1, async_encode=True)
+    shipped: list[tuple[int, int, str, int]] = []
+
+    def ship(out):
+        shipped.extend((p, decode(b).slice_id, decode(b).kind, decode(b).epoch) for p, bs in out.items() for b in bs)
+    for e in range(2):
+        for rt in rts.values():
+            rt.feed(e, rng)
+        ship(giver.after_epoch(e))
+    import unittest.mock as mock
+    with mock.patch.object(checkpointing, "_encode_round", lambda c: (gate.wait(10), real(c))[1]):
+        for rt in rts.values():
+            rt.feed(2, rng)
+        ship(giver.after_epoch(2))  # captured, still encoding when handed over
+        assert receiver.take_chains(giver.give_chains([0, 1])) == [1], "slice 1's peers differ"
+    receiver.slices.update(rts)
+    gate.set()
+    for e in range(3, 5):
+        for rt in rts.values():
+            rt.feed(e, rng)
+        ship(receiver.after_epoch(e))
+    ship(receiver.ready(wait=True))
+    giver.close()
+    receiver.close()
+    assert [(k, e) for p, s, k, e in shipped if s == 0] == [("full", 0), ("delta", 1), ("delta", 2), ("delta", 3),
+                                                         ("delta", 4)]
+    assert [(p, k, e) for p, s, k, e in shipped if s == 1] == [(7, "full", 0), (7, "delta", 1), (7, "delta", 2),
+                                                            (8, "full", 3), (8, "delta", 4)]
+
+
 def test_a_slice_that_left_the_container_is_not_logged_as_due_for_a_full_checkpoint(caplog):
     """After a migration the source container's new peer map lacks the released slice: its
     timeline must not claim a full checkpoint of a slice it no longer runs."""

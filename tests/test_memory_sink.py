@@ -37,3 +37,19 @@ def test_a_part_rewritten_before_it_was_taken_is_handed_over_once_with_its_last_
     w.write(1, 0, rows(1))
     w.write(1, 0, rows(7))
     assert {k: t["x"].to_pylist() for k, t in w.take_parts(1).items()} == {(0, 1): [7]}
+
+
+def test_parts_handed_to_another_writer_keep_whether_a_checkpoint_took_them():
+    """Compaction moves slices to another container in the process: their parts go with them,
+    those not yet handed to the master still due at the next checkpoint, the others not again."""
+    a, b = MemorySink("s").writer("c0"), MemorySink("s").writer("c1")
+    a.write(1, 0, rows(1))
+    a.take_parts(1)
+    a.write(2, 0, rows(2))
+    a.write(2, 5, rows(5))
+    b.write(2, 3, rows(3))
+    b.take_in(a.give_parts({0}))
+    assert sorted(a.parts) == [(5, 2)] and sorted(b.parts) == [(0, 1), (0, 2), (3, 2)]
+    assert sorted(b.written_at) == [(0, 1), (0, 2), (3, 2)]
+    assert sorted(b.take_parts(9)) == [(0, 2), (3, 2)]
+    assert sorted(a.take_parts(9)) == [(5, 2)]

@@ -196,8 +196,8 @@ def containers_per_host(cl: LocalCluster, stage: str) -> list[int]:
 
 def test_compaction_merges_each_hosts_containers_into_one_and_gives_the_serial_output():
     """A scale-out and a scale-in leave two containers of the stage on each staying host;
-    ``compact`` moves each host's slices into one new container there (dual mode, snapshots
-    taken in-process), its sources releasing at one epoch. The sink equals the serial run."""
+    ``compact`` moves each host's slices into one new container there, its sources handing
+    them over at one epoch. The sink equals the serial run."""
     cl = cluster("long_sum", containers=3, slices=12)
     stage = operator_stage(cl)
     seen, merged = [], []
@@ -214,6 +214,100 @@ def test_compaction_merges_each_hosts_containers_into_one_and_gives_the_serial_o
     for t in merged:
         by_new.setdefault(t.new_id, set()).update(t.released_at.values())
     assert len(by_new) == 3 and all(len(e) == 1 for e in by_new.values()), "each host's sources released at one epoch"
+    assert_equals_serial("long_sum", cl)
+
+
+def two_containers_on_one_host(name: str, **kw):
+    """A cluster of two hosts where, once the first step ran, the second host runs two containers
+    of the operator stage (the first host's first slice migrated to it), and that host."""
+    cl = cluster(name, containers=2, **kw)
+    stage = operator_stage(cl)
+    state: dict = {}
+
+    def first_slice_to_the_other_host(cl):
+        (_a, slices), (b, _) = sorted(hosts_of(cl, stage).items())
+        cl.migrate(stage, slices[:1], to_host=b)
+        state["host"] = b
+    return cl, stage, first_slice_to_the_other_host, state
+
+
+def test_compaction_hands_the_slices_over_in_process_without_a_copy():
+    """The merged containers give their slices to the new container as they are: the same
+    runtime objects (state, progress, out_seq counters), no snapshot, at one epoch; and their
+    backup chains go on: the new container's checkpoints of them are deltas on the chains the
+    old containers shipped (no seed, no full checkpoint). The sink equals the serial run."""
+    cl, stage, migrate_one, state = two_containers_on_one_host("long_sum", checkpoint_every=2)
+    sid = cl.stage_id(stage)
+    before: dict = {}
+
+    def compact(cl):
+        for c in cl.placement.containers[sid]:
+            if cl.hosts[c] == state["host"]:
+                before.update(cl.cores[c].slices)
+        state["merged"] = cl.compact(stage)
+    faults, pending = script(migrate_one, compact)
+    cl.run(faults=faults)
+    assert not pending, "both steps ran mid-stream"
+    merged = state["merged"]
+    (new_id,) = {t.new_id for t in merged}
+    assert len(merged) == 2 and all(t.phase is MigrationPhase.DONE and t.snapshot == [] for t in merged)
+    assert sorted(before) == sorted(s for t in merged for s in t.slices)
+    assert all(cl.cores[new_id].slices[s] is rt for s, rt in before.items()), "the same runtimes, not copies"
+    assert {e for t in merged for e in t.released_at.values()} == {merged[0].hand_over_epoch}
+    ckpt = cl.cores[new_id].checkpointer
+    assert ckpt.taken > 0 and ckpt.full_taken == 0 and ckpt.seeded == 0, "the chains went on with deltas"
+    assert_equals_serial("long_sum", cl)
+
+
+def test_compaction_keeps_the_slice_groups_of_the_containers_it_merges():
+    """A stage run as slice groups (the built-in count): after the handover the new container
+    runs each old container's slices as the group they were (one cohort each), with the same
+    key-index group, instead of one new group whose first epoch sorts every key. The sink equals
+    the serial run."""
+    cl, stage, migrate_one, state = two_containers_on_one_host("long_words", slices=6)
+    sid = cl.stage_id(stage)
+    groups_before: dict = {}
+
+    def compact(cl):
+        for c in cl.placement.containers[sid]:
+            core = cl.cores[c]
+            if cl.hosts[c] == state["host"] and len(core.slices) > 1:  # (one slice: no group)
+                first = core.slices[min(core.slices)].op
+                groups_before[c] = (sorted(core.slices), first._key_group)
+        state["merged"] = cl.compact(stage)
+
+    def look(cl):
+        new = cl.cores[state["merged"][0].new_id]
+        state["cohorts"] = new.threads.table.cohorts(list(new.slices))
+        state["groups"] = {min(c): new.slices[min(c)].op._key_group for c in state["cohorts"]}
+    faults, pending = script(migrate_one, compact, look)
+    cl.run(faults=faults)
+    assert not pending, "every step ran mid-stream"
+    assert groups_before, "the host ran a container of several slices"
+    assert len(state["cohorts"]) == 2
+    for slices, group in groups_before.values():
+        assert slices in state["cohorts"] and group is not None and state["groups"][slices[0]] is group
+    assert_equals_serial("long_words", cl)
+
+
+def test_a_compaction_asked_as_the_input_ends_is_undone_and_the_output_is_exact():
+    """Asked once every producer is past the last epoch, the handover epoch lies beyond the
+    input: the sources finish first, the compaction is aborted, the new container removed,
+    and nothing is lost or duplicated."""
+    cl, stage, migrate_one, state = two_containers_on_one_host("long_sum")
+    sid = cl.stage_id(stage)
+
+    def compact_at_the_end(cl):
+        producers = [core for _, core in cl._producers(sid)]
+        if "merged" not in state and "host" in state and not cl.migrations and all(p.done for p in producers) \
+                and not all(cl.cores[c].done for c in cl.placement.containers[sid]):
+            state["merged"] = cl.compact(stage)
+    faults, pending = script(migrate_one)
+    cl.run(faults={r: (lambda cl, f=faults.get(r): (f(cl) if f else None, compact_at_the_end(cl)))
+                   for r in range(2, 10_000)})
+    assert "merged" in state, "the compaction was asked before the stage finished"
+    assert {t.phase for t in state["merged"]} == {MigrationPhase.ABORTED}
+    assert state["merged"][0].new_id not in cl.cores
     assert_equals_serial("long_sum", cl)
 
 

@@ -250,6 +250,8 @@ def test_compaction_after_a_recovery_leaves_one_container_a_host_and_its_backups
         job.scale_up(scaled_up, threads=1)  # (compact may come before it takes effect: it is asked for)
         done = job.compact("running_sum")
         assert {t["phase"] for t in done["transfers"]} == {"done"} and len(done["transfers"]) == 4
+        for t in done["transfers"]:  # handed over in process at one epoch: no replay, no copy
+            assert t["catch_up"] == {} and set(t["released_at"].values()) == {t["hand_over_epoch"]}, t
         assert per_host() == [1, 1]
         heir = next(t["to"] for t in done["transfers"] if t["from"] == scaled_up)
         deadline = time.monotonic() + 10  # (a thread table takes effect at the next epoch barrier)
@@ -440,6 +442,44 @@ def test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted(
         assert kinds.count("migration_start") == 1, "the retried call did not start a second migration"
         hosts = {job.placement()["hosts"][c] for c in job.placement()["stages"]["running_sum"]}
         assert len(hosts) in (1, 2), hosts
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
+
+
+def test_a_master_killed_while_a_compaction_waits_for_its_handover_undoes_it_once_restarted(ray_session):
+    """One of the merged containers is paused (the stop-copy baseline's ``freeze``), so the
+    compaction waits for its handover epoch; the master dies meanwhile. The restarted master
+    finds the compaction in its catalog and, the handover not having happened, undoes it
+    (cancelled atomically on the host, the sources go on with their slices); the retried call
+    is answered once; a second compaction then merges the host; the output is exact."""
+    import threading
+    import time
+
+    import ray
+
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=4)
+    result: list = []
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
+        view = job.placement()
+        first, second = sorted(view["stages"]["running_sum"])
+        job.migrate("running_sum", view["stages"]["running_sum"][first][0], to_container=second)
+        handle = ray.get(job.master.host_handles.remote())[job.placement()["hosts"][second]]
+        ray.get(handle.freeze.remote(second, True))
+        caller = threading.Thread(target=lambda: result.append(job.compact("running_sum")))
+        caller.start()
+        time.sleep(1.5)
+        ray.kill(job.master, no_restart=False)
+        caller.join(timeout=240)
+        kinds = [k for _, k, _ in job.timeline()]
+        assert "master_restarted" in kinds and "migration_resumed" in kinds, kinds
+        assert result and {t["phase"] for t in result[0]["transfers"]} == {"aborted"}, result
+        assert kinds.count("migration_start") == 2, "the migration and one compaction, not two"
+        again = job.compact("running_sum")
+        assert again["transfers"] and {t["phase"] for t in again["transfers"]} == {"done"}, again
+        job.wait(timeout_s=300)
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches
     finally:

@@ -210,3 +210,16 @@ def test_log_directory_is_created(tmp_path):
         assert path.is_dir()
     finally:
         log.close()
+
+
+def test_a_slice_moved_to_another_log_reads_the_same_there_and_nothing_here(tmp_path):
+    """Compaction hands a slice's logged outputs to the new container's log as stored."""
+    a, b = OutputLog(tmp_path / "a"), OutputLog(tmp_path / "b")
+    a.append_epoch({(0, 3): rows(0, 3, 0, 2), (0, 4): rows(0, 4, 0, 1)})
+    a.append_epoch({(0, 3): rows(0, 3, 2, 1)})
+    before = a.read(0, 3).to_pylist()
+    assert a.move_to(b, 0, 3) == 2
+    assert b.read(0, 3).to_pylist() == before and a.read(0, 3).num_rows == 0
+    assert a.read(0, 4).num_rows == 1 and b.read(0, 4).num_rows == 0
+    a.close()
+    b.close()

@@ -26,6 +26,23 @@ def test_a_table_spreads_slices_round_robin_and_groups_them_by_thread():
         ThreadControlTable.spread([1], 0)
 
 
+def test_a_thread_runs_each_cohort_as_its_own_group_and_a_same_size_resize_keeps_them():
+    """A compaction keeps the merged containers' groups as cohorts: one ``work`` call per cohort
+    (their key-index groups stand); resizing to the same thread count keeps the table, another
+    count spreads the slices anew."""
+    runner = SliceThreads([], threads=1)
+    version = runner.install(ThreadControlTable.of_cohorts([[4, 1], [2]], 1))
+    calls = []
+    out = runner.run_groups(0, [1, 2, 4], lambda g: (calls.append(list(g)), {s: s for s in g})[1])
+    assert calls == [[1, 4], [2]] and list(out) == [1, 2, 4]
+    assert runner.resize([1, 2, 4], 1) == version
+    assert runner.resize([1, 2, 4], 2) != version
+    calls.clear()
+    runner.run_groups(1, [1, 2, 4], lambda g: (calls.append(list(g)), {s: s for s in g})[1])
+    assert sorted(calls) == [[1, 4], [2]]  # (spread over two threads: 1 and 4 on thread 0)
+    runner.close()
+
+
 def test_a_new_table_takes_effect_at_the_next_epoch_barrier_only():
     runner = SliceThreads([0, 1, 2, 3], threads=1)
     seen = []
