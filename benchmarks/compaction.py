@@ -16,7 +16,11 @@ after it returned, minus that slice's median gap before the call, for
 the worst of the 3 (``merged_delay_ms``); the same for the slice on the
 other host, which does not move (``unmoved_delay_ms``: a gap everybody
 saw); and the merged slices' pause (their last epoch in the old
-container to their first in the new one, the master's measure).
+container to their first in the new one, the master's measure). The
+control (``control_*``): the same job at the same point, no call (as long
+a wait as the call took): the gaps those slices show anyway, at 1 GB a
+slice mostly the backups of the migration before (folds and flushes of
+its chains).
 
     python -m benchmarks.compaction --json                    # 10 and 100 MB per slice
     python -m benchmarks.compaction --json --sizes 100 --repeat 5
@@ -32,8 +36,9 @@ from benchmarks.migration import EPOCH, RATE, SETTLE_S, SLICES, make_query, outp
 from chronostream.chaos import Fault, apply_schedule
 
 
-def one_run(state_mb: int, rate: int = RATE) -> dict:
-    """One job: load, move slice 0 to the other host, let it settle, then compact the stage there."""
+def one_run(state_mb: int, rate: int = RATE, compact: bool = True) -> dict:
+    """One job: load, move slice 0 to the other host, let it settle, then compact the stage there
+    (``compact=False``: the control, no call; the window is as long as a small one's)."""
     n_keys = state_mb * 1_000_000 * SLICES // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     job = cs.run(make_query(n_keys), containers={"events": 1, "agg": 2}, checkpoint_every=2, backup_factor=1)
@@ -49,7 +54,11 @@ def one_run(state_mb: int, rate: int = RATE) -> dict:
         merged = sorted(s for c, sl in after.items() if c != src for s in sl)  # the other host's slices
         unmoved = next(s for s in after[src])
         t0 = time.time()
-        summary = job.compact("agg")
+        if compact:
+            summary = job.compact("agg")
+        else:  # the control: as long a window as a compaction's call, no call
+            time.sleep(0.3)
+            summary = {"transfers": []}
         t1 = time.time()
         time.sleep(SETTLE_S + 1.0)
         if job.progress()["state"] != "running":
@@ -63,7 +72,7 @@ def one_run(state_mb: int, rate: int = RATE) -> dict:
         return {"compact_s": round(t1 - t0, 3), "merged": merged,
                 "merged_delay_ms": max(delay_ms(s) for s in merged), "unmoved_delay_ms": delay_ms(unmoved),
                 "pause_ms": round(median(pauses), 1) if pauses else None,
-                "containers_after": len(job.placement()["stages"]["agg"])}
+                "containers_after": len(job.placement()["stages"]["agg"]) if compact else None}
     finally:
         job.stop()
 
@@ -71,12 +80,18 @@ def one_run(state_mb: int, rate: int = RATE) -> dict:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default="10,100", help="slice state sizes in MB, comma-separated")
+    p.add_argument("--no-control", action="store_true", help="skip the control runs (no compaction)")
     args = p.parse_args()
     sizes = [5] if args.quick else [int(x) for x in args.sizes.split(",")]
     cs.ensure_ray(num_cpus=2)
     rows = []
     for mb in sizes:
-        runs = [one_run(mb) for _ in range(1 if args.quick else args.repeat)]
+        repeat = 1 if args.quick else args.repeat
+        runs, control = [], []
+        for _ in range(repeat):  # (interleaved: drift hits both alike)
+            runs.append(one_run(mb))
+            if not args.no_control:
+                control.append(one_run(mb, compact=False))
         rows.append({
             "state_mb": mb,
             "compact_s": round(median([r["compact_s"] for r in runs]), 3),
@@ -85,6 +100,9 @@ def main() -> None:
             "unmoved_delay_ms": round(median([r["unmoved_delay_ms"] for r in runs]), 1),
             "unmoved_runs_ms": [r["unmoved_delay_ms"] for r in runs],
             "pause_ms": round(median([r["pause_ms"] for r in runs if r["pause_ms"] is not None] or [0.0]), 1),
+            "control_merged_delay_ms": round(median([r["merged_delay_ms"] for r in control]), 1) if control else None,
+            "control_merged_runs_ms": [r["merged_delay_ms"] for r in control],
+            "control_unmoved_delay_ms": round(median([r["unmoved_delay_ms"] for r in control]), 1) if control else None,
             "merged_slices": runs[0]["merged"],
             "containers_after": runs[0]["containers_after"],
         })

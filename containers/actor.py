@@ -74,6 +74,11 @@ PIECE_BYTES = 64 << 20
 HOST_WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
+async def _all_of(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        await t
+
+
 class _Handover:
     """A compaction in progress on this host: its sources, the epoch, and whether it happened."""
 
@@ -616,6 +621,11 @@ class ResourceContainer:
         elif all(src.next_epoch >= plan.epoch for src in sources):
             hand_over(sources, self.cores[container_id], plan.epoch)
             plan.state = "done"
+            # The receiver's first shipment (the rounds it took over, then its own) waits for the
+            # sources' shipments in flight: deltas must reach a peer in order.
+            shipping = [self._ship[c] for c in plan.sources if c in self._ship]
+            if shipping:
+                self._ship[container_id] = asyncio.get_running_loop().create_task(_all_of(shipping))
         else:
             return
         for c in [*plan.sources, container_id]:

@@ -713,11 +713,16 @@ class JobMaster:
                 t.hand_over_epoch = epoch
                 t.advance(P.DUAL, epoch, hand_over_epoch=epoch)
         deadline = time.monotonic() + 120.0
+        probed = time.monotonic()
         for new_id, group in groups.items():
             while (state := await self.handles[group[0].host].handover_state.remote(new_id)) == "pending":
                 if time.monotonic() > deadline:
                     raise MigrationError(f"compaction stuck before the handover epoch {group[0].hand_over_epoch}: "
                                          + "; ".join(t.describe() for t in group))
+                if time.monotonic() - probed > 1.0:  # a dead producer would keep the sources from the epoch
+                    probed = time.monotonic()
+                    if dead := await self._probe(sorted(self.alive)):
+                        raise MigrationError(f"hosts {sorted(dead)} died before the handover")
                 await asyncio.sleep(0.02)
             if state != "done":
                 raise MigrationError(f"compaction to container {new_id} undone: the input ended first")
@@ -902,6 +907,9 @@ class JobMaster:
             finish = t0.phase is P.RELEASING or (handed_over.get(t0.new_id, False) if t0.handover
                                                  else t0.phase is P.DUAL and dst_ok)
             if finish:
+                for t in live:  # (a handover the catalog had not seen reach DUAL yet)
+                    if t.phase is P.REBUILDING:
+                        t.advance(P.DUAL, reason="handed over before the master died")
                 dual = [t for t in live if t.phase is P.DUAL]
                 if dual:
                     await self._release_routes(t0.stage_id, dual)

@@ -484,3 +484,37 @@ def test_a_master_killed_while_a_compaction_waits_for_its_handover_undoes_it_onc
         assert not mismatches, mismatches
     finally:
         job.stop()
+
+
+def test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_the_serial_output(ray_session):
+    """The compaction waits for its handover epoch (one merged container paused) when the host
+    of the stage feeding it dies: the master sees the death, undoes the compaction (the sources
+    keep their slices, the new container goes), recovers the producer, and the output is exact."""
+    import threading
+    import time
+
+    import ray
+
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=4)
+    result: list = []
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
+        view = job.placement()
+        first, second = sorted(view["stages"]["running_sum"])
+        job.migrate("running_sum", view["stages"]["running_sum"][first][0], to_container=second)
+        view = job.placement()
+        handles = ray.get(job.master.host_handles.remote())
+        ray.get(handles[view["hosts"][second]].freeze.remote(second, True))
+        caller = threading.Thread(target=lambda: result.append(job.compact("running_sum")))
+        caller.start()
+        time.sleep(1.0)
+        (producer,) = view["stages"]["payments"]
+        ray.kill(handles[view["hosts"][producer]])
+        caller.join(timeout=240)
+        assert result and {t["phase"] for t in result[0]["transfers"]} == {"aborted"}, result
+        job.wait(timeout_s=300)
+        assert "recovery_end" in [k for _, k, _ in job.timeline()]
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()

@@ -122,7 +122,7 @@ def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
 @pytest.mark.parametrize("seed", range(300, 310))
 def test_large_seeded_campaign_of_faults_rescaling_and_compaction(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, rescalings and compactions (``compact``
-    merges the containers kills and scale-ins leave on a host, by snapshots and dual mode)."""
+    merges the containers kills and scale-ins leave on a host, handing their slices over in process)."""
     campaign(seed, 6, ELASTIC_KINDS + ("compact", "compact"), source_delay_s=0.15)
 
 
