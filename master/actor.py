@@ -32,7 +32,7 @@ from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
-                              balanced_moves, by_destination, check_compactable, compaction_moves,
+                              balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
@@ -477,7 +477,6 @@ class JobMaster:
                 return done
             self._check_can_migrate()
             sid = stage_id_of(self.plan, stage)
-            check_compactable(self.plan, sid)
             moves = compaction_moves(self.placement, self.host_of, sid)
             where = container_of_slices(self.placement, sid)
             # A merged container keeps the most threads any of its containers had or was asked for
@@ -544,8 +543,10 @@ class JobMaster:
                        handover: bool = False) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock.
         ``handover``: a compaction, whose slices stay in their processes (``_handover_phases``)."""
+        # (a source stage's migration has no producer to mark one release epoch for several
+        # sources: one new container each; a handover's host fixes one epoch for all)
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
-                                    shared_destination=self.plan.stages[sid].kind != "source")
+                                    shared_destination=handover or self.plan.stages[sid].kind != "source")
         if not transfers:
             return {"transfers": [], "reason": reason}
         for t in transfers:

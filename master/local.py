@@ -30,7 +30,7 @@ from containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
 from containers.output_log import OutputLog
 from containers.spill import SpillStore
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
-                              balanced_moves, by_destination, check_compactable, compaction_moves,
+                              balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of)
 from master.placement import Placement
@@ -312,22 +312,24 @@ class LocalCluster:
     def compact(self, stage: str | int) -> list[Transfer]:
         """Merge ``stage``'s containers on each host into one (``master.migration.compaction_moves``)."""
         sid = self.stage_id(stage)
-        check_compactable(self.plan, sid)
-        transfers = self._start(sid, compaction_moves(self.placement, self.hosts, sid), {})
-        for t in transfers:
-            t.handover = True  # the slices stay in their process: handed over, not copied
-        return transfers
+        return self._start(sid, compaction_moves(self.placement, self.hosts, sid), {}, handover=True)
 
-    def _start(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None]) -> list[Transfer]:
+    def _start(self, sid: int, moves: list[tuple[int, int, int]], new_hosts: dict[int, int | None],
+               handover: bool = False) -> list[Transfer]:
+        """``handover``: a compaction (the slices stay in their process: handed over, not copied)."""
         if self.migrations:
             raise MigrationError("a migration is in progress; one at a time")
         if not self.logged:
             raise MigrationError("migration replays upstream output logs: create the cluster with "
                                  "output_logs=True or checkpoints")
+        # (a source stage's migration has no producer to mark one release epoch for several
+        # sources: one new container each; a handover's host fixes one epoch for all)
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
-                                    shared_destination=self.plan.stages[sid].kind != "source")
+                                    shared_destination=handover or self.plan.stages[sid].kind != "source")
         if not transfers:
             return []
+        for t in transfers:
+            t.handover = handover
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
         self._placeholders.clear()
         self.migrations = transfers

@@ -233,15 +233,6 @@ def compaction_moves(placement: Any, host_of: dict[int, int], stage_id: int) -> 
     return sorted((s, h, h) for h, cs in by_host.items() if len(cs) > 1 for c in cs for s in placement.slices_of(c))
 
 
-def check_compactable(plan: Any, stage_id: int) -> None:
-    """``MigrationError`` for a source stage: its containers release at their own next steps (no
-    producer marks one epoch for all), so their slices cannot share a new container."""
-    st = plan.stages[stage_id]
-    if st.kind == "source":
-        raise MigrationError(f"stage {st.name!r} is a source stage: its containers cannot be merged "
-                             "(each releases its slices at its own next epoch)")
-
-
 def warm_up_goals(stage_id: int, transfers: list[Transfer], peers: dict[int, dict[int, list[int]]],
                   held: dict[int, dict[tuple[int, int], int]],
                   sources: dict[int, dict[str, Any]]) -> dict[int, tuple[list[int], int]]:

@@ -25,7 +25,8 @@ import chronostream as cs
 
 PHASES = ["warming", "rebuilding", "dual", "releasing", "done"]
 BUILDERS = {**SHORT, "long_sum": (lambda s: QUERIES["running_sum"][0](s, n=700), *QUERIES["running_sum"][1:]),
-            "long_words": (lambda s: QUERIES["word_count"][0](s, n_lines=400), *QUERIES["word_count"][1:])}
+            "long_words": (lambda s: QUERIES["word_count"][0](s, n_lines=400), *QUERIES["word_count"][1:]),
+            "long_rekey": (lambda s: QUERIES["rekey"][0](s, n_lines=1200), *QUERIES["rekey"][1:])}
 
 
 _serial: dict = {}
@@ -311,12 +312,33 @@ def test_a_compaction_asked_as_the_input_ends_is_undone_and_the_output_is_exact(
     assert_equals_serial("long_sum", cl)
 
 
-def test_compaction_with_one_container_a_host_moves_nothing_and_a_source_stage_is_refused():
+def test_compaction_with_one_container_a_host_moves_nothing():
     cl = cluster("long_sum", containers=2, slices=6)
     assert cl.compact(operator_stage(cl)) == []
     source = next(st.name for st in cl.plan.stages if st.kind == "source")
-    with pytest.raises(MigrationError, match="source stage"):
-        cl.compact(source)
+    assert cl.compact(source) == []
+
+
+def test_a_source_stage_left_with_two_containers_on_a_host_is_compacted_too():
+    """A source stage's migration leaves the destination host two containers (it makes one
+    per source container: no producer marks one release epoch for several). A compaction
+    merges them: the host fixes one handover epoch for both, and one new container reads on
+    from there. The sinks equal the serial run."""
+    cl = cluster("long_rekey", containers={"lines": 2}, checkpoint_every=2)
+    source = next(st.name for st in cl.plan.stages if st.kind == "source")
+    merged = []
+
+    def first_slice_to_the_other_host(cl):
+        (_a, slices), (b, _) = sorted(hosts_of(cl, source).items())
+        cl.migrate(source, slices[:1], to_host=b)
+    faults, pending = script(first_slice_to_the_other_host, lambda cl: merged.extend(cl.compact(source)))
+    cl.run(faults=faults)
+    assert not pending, "both steps ran mid-stream"
+    assert len({t.new_id for t in merged}) == 1 and len(merged) == 2
+    assert all(t.phase is MigrationPhase.DONE for t in merged), [t.story for t in merged]
+    assert {e for t in merged for e in t.released_at.values()} == {merged[0].hand_over_epoch}
+    assert containers_per_host(cl, source) == [1, 1]
+    assert_equals_serial("long_rekey", cl)
 
 
 def test_a_source_stage_scales_out_and_in_too():

@@ -518,3 +518,26 @@ def test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_
         assert not mismatches, mismatches
     finally:
         job.stop()
+
+
+def test_a_source_stage_migrated_onto_a_host_with_its_sibling_is_compacted_and_exact(ray_session):
+    """A source stage's migration makes one new container per source container, so moving a
+    slice onto the host of another source container leaves that host two; ``compact`` merges
+    them at one handover epoch the host fixes (there is no producer to mark one). Exact."""
+    job = cs.run(query(), containers={"payments": 2, "running_sum": 1, "stats": 1}, checkpoint_every=4)
+    try:
+        apply_schedule(job, [SLOW_SOURCE])
+        view = job.placement()
+        first, second = sorted(view["stages"]["payments"])
+        job.migrate("payments", view["stages"]["payments"][first][0], to_container=second)
+        hosts = job.placement()["hosts"]
+        assert sorted(hosts[c] for c in job.placement()["stages"]["payments"]).count(hosts[second]) == 2
+        done = job.compact("payments")
+        assert {t["phase"] for t in done["transfers"]} == {"done"} and len({t["to"] for t in done["transfers"]}) == 1
+        after = job.placement()
+        assert len({after["hosts"][c] for c in after["stages"]["payments"]}) == len(after["stages"]["payments"]) == 2
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, query())
+        assert not mismatches, mismatches
+    finally:
+        job.stop()
