@@ -118,6 +118,14 @@ def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
     campaign(seed, 6, ELASTIC_KINDS, source_delay_s=0.15)
 
 
+def test_a_seeded_campaign_of_kills_rescaling_and_compactions_ends_with_exact_output(ray_session):
+    """One run of 6: a kill, three compactions, a scale-in and a migration (seed 311), so the
+    compactions' handovers merge containers a kill and a scale-in left, between other faults."""
+    report = campaign(311, 6, ELASTIC_KINDS + ("compact", "compact"), source_delay_s=0.15)
+    merged = [i for _, k, i in report.timeline if k == "migration_end" and i["reason"].startswith("compact")]
+    assert len(merged) >= 2 and all(t["phase"] == "done" for i in merged for t in i["transfers"]), merged
+
+
 @pytest.mark.campaign
 @pytest.mark.parametrize("seed", range(300, 310))
 def test_large_seeded_campaign_of_faults_rescaling_and_compaction(ray_session, seed):
