@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-KINDS = ("kill", "kill_two", "kill_master", "delay", "corrupt_backup", "truncate_backup",
+KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "delay", "corrupt_backup", "truncate_backup",
          "scale_out", "scale_in", "migrate", "compact")
 
 
@@ -32,6 +32,9 @@ class Fault:
     Kinds: ``kill`` (one container's host dies: ``ray.kill``), ``kill_two``
     (two hosts of the stage at once), ``kill_master`` (the job master's
     process dies; Ray restarts it and it resumes from its catalog),
+    ``kill_master_in_recovery`` (a ``kill``, and the master's process dies
+    at recovery step ``step`` of it, one of ``master.recovery.RECOVERY_STEPS``:
+    the restarted master finishes that recovery from its catalog),
     ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
@@ -50,16 +53,23 @@ class Fault:
     index: int = 0
     seconds: float = 0.0
     n: int = 1
+    step: str = "restored"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; kinds: {KINDS}")
+        if self.kind == "kill_master_in_recovery":
+            from master.recovery import RECOVERY_STEPS
+
+            if self.step not in RECOVERY_STEPS:
+                raise ValueError(f"unknown recovery step {self.step!r}; steps: {RECOVERY_STEPS}")
 
     def describe(self) -> str:
         """``kill a container of stage 'count' at epoch 5``."""
         if self.kind == "kill_master":
             return f"kill the job master at epoch {self.at_epoch}"
-        what = {"kill": "kill a container", "kill_two": "kill two containers", "delay": f"delay a container by "
+        what = {"kill": "kill a container", "kill_master_in_recovery": "kill the job master at recovery step "
+                f"{self.step!r} after killing a container", "kill_two": "kill two containers", "delay": f"delay a container by "
                 f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
                 "truncate a backup", "scale_out": f"add {self.n} host(s)", "scale_in": f"remove {self.n} host(s)",
                 "migrate": "migrate a slice", "compact": "merge the containers on each host"}[self.kind]
@@ -117,7 +127,9 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     handles = ray.get(job.master.container_handles.remote())
     hosts = job.placement()["hosts"]
     victim = ids[fault.index % len(ids)]
-    if fault.kind == "kill":
+    if fault.kind in ("kill", "kill_master_in_recovery"):
+        if fault.kind == "kill_master_in_recovery":
+            ray.get(job.master.crash_in_recovery.remote(fault.step))
         ray.kill(handles[victim], no_restart=True)
         return {"stage": stage, "container": victim, "host": hosts[victim]}
     if fault.kind == "kill_two":
@@ -175,14 +187,20 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     faults = []
     for e in sorted(epochs):
         stage, kind = rng.choice(stages), rng.choice(kinds)
-        cost = {"kill": 1, "kill_two": 2}.get(kind, 0)
+        cost = {"kill": 1, "kill_master_in_recovery": 1, "kill_two": 2}.get(kind, 0)
         if cost and kills.get(stage, 0) + cost > containers - 2:
             kind = "delay"
         if kind == "scale_in" and hosts[stage] - 1 < 2:
             kind = "delay"
         kills[stage] = kills.get(stage, 0) + cost * (kind != "delay")
         hosts[stage] += {"scale_out": 1, "migrate": 1, "scale_in": -1}.get(kind, -cost)
-        faults.append(Fault(kind, e, stage, rng.randrange(containers), 0.01 if kind == "delay" else 0.0))
+        index = rng.randrange(containers)
+        if kind == "kill_master_in_recovery":  # (drawn only for this kind: other schedules stay as they were)
+            from master.recovery import RECOVERY_STEPS
+
+            faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS)))
+            continue
+        faults.append(Fault(kind, e, stage, index, 0.01 if kind == "delay" else 0.0))
     return faults
 
 
@@ -218,7 +236,7 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
                 if time.monotonic() > deadline:
                     raise TimeoutError("the master did not restart")
                 time.sleep(poll_s)
-        if settle and fault.kind in ("kill", "kill_two"):
+        if settle and fault.kind in ("kill", "kill_two", "kill_master_in_recovery"):
             while job.progress().get("recoveries", 0) <= before and job.progress()["state"] == "running":
                 if time.monotonic() > deadline:
                     raise TimeoutError("recovery did not end")

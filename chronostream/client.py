@@ -209,7 +209,8 @@ class Job:
         return ray.get(self.master.recovery_timeline.remote())
 
     def placement(self) -> dict[str, Any]:
-        """Stage name -> container id -> slices, and container -> node id."""
+        """Stage name -> container id -> slices (``stages``), container -> host (``hosts``), host ->
+        node id (``nodes``) and the master's node id (``master_node``)."""
         import ray
 
         return ray.get(self.master.placement_view.remote())

@@ -142,6 +142,10 @@ class ResourceContainer:
         self.delay_s = 0.0  # failure injection: extra time per epoch
         self.frozen: set[int] = set()  # containers paused (the stop-copy baseline of benchmarks.migration)
         self._tasks: list[asyncio.Task] = []
+        self._started: set[int] = set()  # containers whose epoch loop runs (start is idempotent)
+        # add_container calls by container id: a restarted master runs a recovery's plan again,
+        # and a container being restored or running already is not made twice.
+        self._adding: dict[int, asyncio.Task] = {}
         self._ship: dict[int, asyncio.Task] = {}  # container -> its latest checkpoint-shipping task
         # The backup store's heavy work (verify, merge, restore, lmdb) runs on this one thread,
         # in call order, so the event loop keeps serving pushes meanwhile (the store is not
@@ -157,7 +161,12 @@ class ResourceContainer:
         self._handover_of: dict[int, int] = {}
 
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
-        """Set the job-wide parameters and open the backup store. Returns the node id."""
+        """Set the job-wide parameters and open the backup store. Returns the node id.
+
+        Once only: a second call (a restarted master runs a recovery's plan
+        again) returns the node id and changes nothing."""
+        if self.plan is not None:
+            return ray.get_runtime_context().get_node_id()
         self.plan = plan
         self.opts = options
         self.window = options.max_inflight_epochs
@@ -184,6 +193,11 @@ class ResourceContainer:
                             hand_over_from: list[int] | None = None) -> dict[str, Any]:
         """Create a container of ``stage_id`` here; with ``restore_from``, rebuild its slices from backups.
 
+        Idempotent by ``container_id``: a second call (a restarted master
+        running a recovery's plan again) waits for the first and returns
+        its answer, with the container's progress as it is now (a
+        producer rerouted again replays from there).
+
         ``restore_from[s]`` lists (host id, actor) holding a backup of slice
         ``s``, best first; an empty list rebuilds the slice from the start.
         Returns the restored progress vectors and resume epochs (and when
@@ -191,6 +205,27 @@ class ResourceContainer:
         compaction: containers of the stage hosted here) it starts with no
         slice and waits for theirs (``hand_over``).
         """
+        first = self._adding.get(container_id)
+        if first is None or (first.done() and first.exception() is not None):
+            first = self._adding[container_id] = asyncio.get_running_loop().create_task(self._make_container(
+                container_id, stage_id, slices, routes, senders, peers, hosts, source_table, output_log,
+                backup_peers, restore_from, hand_over_from))
+            return await asyncio.shield(first)
+        info = dict(await asyncio.shield(first))
+        core = self.cores.get(container_id)
+        if core is not None and "resume" in info:
+            async with self.conds[container_id]:  # (between two epochs)
+                info.update(resume={s: core.slices[s].last_epoch + 1 for s in core.slices},
+                            progress={s: core.progress_of(s) for s in core.slices},
+                            epochs={s: core.slices[s].last_epoch for s in core.slices})
+        return info
+
+    async def _make_container(self, container_id: int, stage_id: int, slices: list[int],
+                              routes: dict[int, OutputRoute], senders: dict[int, frozenset],
+                              peers: dict[int, Any], hosts: dict[int, Any], source_table: pa.Table | None,
+                              output_log: bool, backup_peers: dict[int, list[int]] | None,
+                              restore_from: dict[int, list[tuple[int, Any]]] | None,
+                              hand_over_from: list[int] | None) -> dict[str, Any]:
         plan = self.plan
         assert plan is not None, "configure() first"
         writers = {s.sink_id: s.sink.writer(f"c{container_id}") for s in plan.sinks
@@ -261,7 +296,9 @@ class ResourceContainer:
         """Start processing the given containers (default: all not started)."""
         loop = asyncio.get_running_loop()
         for c in container_ids if container_ids is not None else list(self.cores):
-            self._tasks.append(loop.create_task(self._run(c)))
+            if c not in self._started:
+                self._started.add(c)
+                self._tasks.append(loop.create_task(self._run(c)))
 
     async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
         """Receive one epoch message for a hosted container (waits while its inbox is full)."""

@@ -11,7 +11,9 @@ plane never waits on the master. Every recovery step is logged and kept in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import shutil
 import time
 from typing import Any
@@ -37,8 +39,8 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
-from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
-                             recovery_slack, restore_floor, restore_order)
+from master.recovery import (RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
+                             low_water_marks, plan_recovery, recovery_slack, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -88,6 +90,8 @@ class JobMaster:
         self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
         self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
         self._unsettled_request: str | None = None
+        self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
+        self._crash_at: str | None = None  # failure injection: exit at this recovery step (crash_in_recovery)
         self._counters: Counters | None = None
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
@@ -120,10 +124,13 @@ class JobMaster:
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of))
         self._unsettled_request, left = self.catalog.load_migration()
         self._unsettled = [Transfer.from_plain(d) for d in left]
+        self._unfinished_recovery = self.catalog.load_recovery()
 
     def _ensure_watching(self) -> None:
         if not self._watching and self.state == "running":
             self._watching = True
+            if self._unfinished_recovery is not None:  # (first: it takes the lock before the watch loop looks)
+                asyncio.get_running_loop().create_task(self._resume_recovery())
             asyncio.get_running_loop().create_task(self._watch())
             if self._unsettled:
                 asyncio.get_running_loop().create_task(self._settle_left_over())
@@ -153,8 +160,8 @@ class JobMaster:
         self.catalog.save_migration(None, [])
         self._event("migration_end", **summary)
 
-    def _save_layout(self) -> None:
-        self.catalog.save_layout(self.placement, self.host_of, self.alive, self.nodes, self.next_id)
+    def _save_layout(self, recovery: Any = ...) -> None:
+        self.catalog.save_layout(self.placement, self.host_of, self.alive, self.nodes, self.next_id, recovery)
 
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
@@ -164,6 +171,18 @@ class JobMaster:
         self.timeline.append(event)
         self.catalog.add_event(len(self.timeline), event)
         log.info("%s %s", kind, info)
+
+    def _new_or_found_host(self, host_id: int) -> Any:
+        """The host ``host_id`` a recovery planned: found by name when a previous master
+        process created it already, else created now."""
+        try:
+            h = ray.get_actor(self._host_name(host_id))
+        except ValueError:
+            return self._new_host(host_id, None)
+        self.handles[host_id] = h
+        self.alive.add(host_id)
+        self.last_seen[host_id] = time.monotonic()
+        return h
 
     def _new_host(self, host_id: int, node: str | None) -> Any:
         me = ray.get_runtime_context().current_actor
@@ -309,6 +328,16 @@ class JobMaster:
                 self._fail(None, exc)
 
     async def _recover_hosts(self, dead: set[int]) -> None:
+        """Plan the recovery of every container on ``dead`` hosts, then run it (``_run_recovery``).
+
+        Durable steps (docs/design.md section 7d, "Master restart"): the
+        layout without the dead hosts is saved with a recovery record naming
+        them (a restarted master plans again); then the plan is applied to
+        the placement and saved with the record holding the plan, before
+        any host hears of it (a restarted master runs the same plan again:
+        every step is idempotent); the record is cleared with the final
+        layout.
+        """
         t0 = time.time()
         # One plan for everything that died together (a node takes all its hosts):
         # hosts on dead nodes, and any other host that no longer answers.
@@ -325,11 +354,12 @@ class JobMaster:
             except Exception:  # noqa: BLE001
                 pass
         self.alive -= dead
-        self._save_layout()
         lost = lost_containers(self.placement, self.host_of, dead)
+        self._save_layout({"step": "planning", "dead": sorted(dead)} if lost else None)
         self._event("recovery_planning", hosts=sorted(dead), containers=sorted(lost))
         if not lost:
             return
+        self._crash_if_armed("detected")
         backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         damaged: dict[tuple[int, int], list[str]] = {}
         catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in sorted(self.alive)],
@@ -353,24 +383,45 @@ class JobMaster:
                              checkpointed, self.opts.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
                              chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
+        new_hosts = []
         for a in plan:
             if a.host is None:  # every host of the stage died: start a new one
                 a.host = self.next_id
                 self.next_id += 1
-                self._new_host(a.host, None)
-                self.nodes[a.host] = await self.handles[a.host].configure.remote(self.plan, self.opts)
+                new_hosts.append(a.host)
             self.host_of[a.new_id] = a.host
-        # 1. Consumers accept the new containers as senders (before any sends).
+            self.placement.rehost(a.replaces, a.new_id, a.slices)
+        record = {"step": "running", "dead": sorted(dead), "lost": {str(c): v for c, v in lost.items()},
+                  "new_hosts": new_hosts, "plan": [dataclasses.asdict(a) for a in plan], "t0": t0}
+        self._save_layout(record)
+        self._crash_if_armed("planned")
+        await self._run_recovery(plan, lost, new_hosts, t0)
+
+    async def _run_recovery(self, plan: list[Adoption], lost: dict[int, tuple[int, list[int]]],
+                            new_hosts: list[int], t0: float, resumed: bool = False) -> None:
+        """Steps 1-4 of a recovery plan already applied to the placement (``master.recovery``).
+
+        Idempotent, so a restarted master runs a dead master's plan again
+        (``_resume_recovery``): a host found by name is not created again,
+        consumers accept the same senders again, a container a host already
+        restores or runs is not created again (its current progress is
+        replayed from), producers reroute to the same targets.
+        """
+        for h in new_hosts:
+            self._new_or_found_host(h)
+            self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
+        # 1. Consumers accept the new containers as senders (before any sends). A consumer this
+        #    plan makes (a node took producer and consumer) gets its senders from the placement.
         calls = []
+        planned = {a.new_id for a in plan}
         for a in plan:
             self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices,
                         backup_epochs=a.epochs)
             cov = frozenset((a.stage_id, s) for s in a.slices)
             for d in self.plan.downstream_stages(a.stage_id):
                 for c in self.placement.containers[d]:
-                    if self.host_of[c] in self.alive:
+                    if self.host_of[c] in self.alive and c not in planned:
                         calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {a.new_id: cov}))
-            self.placement.rehost(a.replaces, a.new_id, a.slices)
         await asyncio.gather(*calls)
         # 2. Each host restores its share, in parallel.
         infos = await asyncio.gather(*[self._add_container(
@@ -383,6 +434,7 @@ class JobMaster:
                         seconds=round(info["restore_end"] - info["restore_start"], 4),
                         fetch_s=round(info["fetch_s"], 4), resume=info["resume"],
                         mb=round(info["bytes"] / 1e6, 3))
+        self._crash_if_armed("restored")
         await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in plan])
         # 3. Producers reroute the slices and replay their output logs, in parallel.
         reroutes = []
@@ -393,12 +445,54 @@ class JobMaster:
                         reroutes.append(self.handles[self.host_of[c]].reroute.remote(
                             c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
         replayed = await asyncio.gather(*reroutes)
+        self._crash_if_armed("rerouted")
         # 4. Backups over the stage's hosts as they are now (full checkpoints follow).
-        await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=False)
-        self._save_layout()
+        await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=resumed)
+        self._save_layout(None)
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
                     hosts=sorted({a.host for a in plan}), epochs_replayed=sum(r["epochs"] for r in replayed),
-                    seconds=round(time.time() - t0, 3))
+                    seconds=round(time.time() - t0, 3), **({"resumed": True} if resumed else {}))
+
+    async def _resume_recovery(self) -> None:
+        """A master restarted in the middle of a recovery: plan it again (no host had heard of
+        it) or run the saved plan again (``_run_recovery``), before the watch loop looks."""
+        async with self.recovery_lock:
+            record, self._unfinished_recovery = self._unfinished_recovery, None
+            if record is None or self.state != "running":
+                return
+            self._event("recovery_resumed", hosts=record["dead"], step=record["step"])
+            try:
+                if record["step"] == "planning":
+                    away = {h for h in self.alive if self.handles.get(h) is None}
+                    await self._recover_hosts(set(record["dead"]) | away)
+                    return
+                # Adoptions on a host that died meanwhile are skipped: their containers are placed
+                # there, so the watch loop recovers them next, like any container of a dead host.
+                gone = {h for h in self.alive if self.handles.get(h) is None} | await self._probe(
+                    sorted(self.alive & {a["host"] for a in record["plan"]} - set(record["new_hosts"])))
+                plan = [Adoption(**{**a, "holders": {int(k): v for k, v in a["holders"].items()},
+                                    "epochs": {int(k): v for k, v in a["epochs"].items()}})
+                        for a in record["plan"]]
+                lost = {int(c): (st, sl) for c, (st, sl) in record["lost"].items()}
+                await self._run_recovery([a for a in plan if a.host not in gone], lost, record["new_hosts"],
+                                         record["t0"], resumed=True)
+            except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
+                log.exception("resumed recovery failed")
+                self._fail(None, exc)
+
+    async def crash_in_recovery(self, step: str) -> None:
+        """Failure injection (``chronostream.chaos``, kind ``kill_master_in_recovery``): this master
+        process exits at ``step`` (``master.recovery.RECOVERY_STEPS``) of its next recovery; Ray
+        restarts it and it resumes the recovery from its catalog. Not persisted: once only."""
+        if step not in RECOVERY_STEPS:
+            raise ValueError(f"unknown recovery step {step!r}; steps: {RECOVERY_STEPS}")
+        self._crash_at = step
+
+    def _crash_if_armed(self, step: str) -> None:
+        if self._crash_at == step:
+            log.warning("master: exiting at recovery step %r (failure injection)", step)
+            self._event("master_crash_injected", step=step)
+            os._exit(1)
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
 
@@ -1092,9 +1186,10 @@ class JobMaster:
         return self.plan
 
     async def placement_view(self) -> dict[str, Any]:
-        """Stage name -> container id -> slices, each container's host, and each host's node."""
+        """Stage name -> container id -> slices, each container's host, each host's node, and the
+        master's own node (``master_node``)."""
         return {"stages": self.placement.as_dict(self.plan), "nodes": dict(self.nodes),
-                "hosts": dict(self.host_of)}
+                "hosts": dict(self.host_of), "master_node": ray.get_runtime_context().get_node_id()}
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Latest statistics of every live container (fresh from the hosts)."""

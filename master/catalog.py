@@ -69,8 +69,14 @@ class MasterCatalog:
         return default if v is None else _unpack(v)
 
     def save_layout(self, placement: Placement, host_of: dict[int, int], alive: set[int],
-                    nodes: dict[int, str], next_id: int) -> None:
-        """Placement, container -> host, live hosts, host -> node and the next free id."""
+                    nodes: dict[int, str], next_id: int, recovery: Any = ...) -> None:
+        """Placement, container -> host, live hosts, host -> node and the next free id.
+
+        ``recovery``, when given, is saved in the same transaction: the
+        recovery in progress (a plain dict, see ``master.actor``), or None
+        once it ended, so a restarted master never sees a layout and a
+        recovery record that disagree.
+        """
         if self.closed:
             return  # the job was stopped: late reports are not kept
         layout = {"containers": {str(k): v for k, v in placement.containers.items()},
@@ -78,7 +84,14 @@ class MasterCatalog:
                   "stage_of": {str(k): v for k, v in placement.stage_of.items()},
                   "host_of": {str(k): v for k, v in host_of.items()}, "alive": sorted(alive),
                   "nodes": {str(k): v for k, v in nodes.items()}, "next_id": next_id}
-        put_all(self.env, [(b"layout", _pack(layout))])
+        items = [(b"layout", _pack(layout))]
+        if recovery is not ...:
+            items.append((b"recovery", _pack(recovery)))
+        put_all(self.env, items)
+
+    def load_recovery(self) -> dict[str, Any] | None:
+        """The recovery a dead master left in progress (see ``save_layout``), or None."""
+        return self._get(b"recovery", None)
 
     def load_layout(self) -> tuple[Placement, dict[int, int], set[int], dict[int, str], int]:
         """The saved layout (see ``save_layout``)."""

@@ -28,6 +28,11 @@ from chronostream.errors import RecoveryError
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
+#: Points of a recovery at which failure injection can stop the master (``JobMaster.crash_in_recovery``):
+#: the dead hosts saved, no plan yet; the plan saved, no host told yet; the slices restored, not
+#: started; producers rerouted, backups not re-planned yet.
+RECOVERY_STEPS = ("detected", "planned", "restored", "rerouted")
+
 
 class BackupsLost(RecoveryError):
     """Every copy of a slice's checkpoints is gone; recovering it would need a full recompute."""

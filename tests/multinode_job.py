@@ -16,8 +16,10 @@ import chronostream as cs
 from queries import QUERIES
 
 
-def kill_a_node(cluster: Cluster) -> None:
-    """A job on 3 nodes loses a worker node mid-stream (its processes and local stores)."""
+def kill_a_node(cluster: Cluster, master_dies_at: str | None = None) -> None:
+    """A job on 3 nodes loses a worker node mid-stream (its processes and local stores); with
+    ``master_dies_at`` (a ``master.recovery.RECOVERY_STEPS`` step) the master's process dies
+    there in that recovery too."""
     import shutil
     import time
     from pathlib import Path
@@ -31,7 +33,12 @@ def kill_a_node(cluster: Cluster) -> None:
     apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.08)])
     while job.progress()["min_epoch"] < 20:
         time.sleep(0.05)
-    victim = cluster.list_all_nodes()[1]  # a worker node (index 0 is the head)
+    workers = cluster.list_all_nodes()[1:]  # (index 0 is the head)
+    victim = workers[0]
+    if master_dies_at is not None:  # the master must outlive the node to die in the recovery itself
+        victim = next(n for n in workers if n.node_id != job.placement()["master_node"])
+    if master_dies_at is not None:
+        ray.get(job.master.crash_in_recovery.remote(master_dies_at))
     placement = job.placement()
     lost = sorted(h for h, node in placement["nodes"].items() if node == victim.node_id)
     cluster.remove_node(victim)
@@ -43,7 +50,8 @@ def kill_a_node(cluster: Cluster) -> None:
                for s in sinks)
     kinds = [k for _, k, _ in job.timeline()]
     job.stop()
-    print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end")}))
+    print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end"),
+                      "resumed": kinds.count("recovery_resumed"), "crashes": kinds.count("master_crash_injected")}))
 
 
 def main() -> None:
@@ -53,9 +61,9 @@ def main() -> None:
         cluster.add_node(num_cpus=1, object_store_memory=150 * 2**20)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", namespace=cs.client.RAY_NAMESPACE)
-    if sys.argv[1:] == ["kill-node"]:
+    if sys.argv[1:2] == ["kill-node"]:
         try:
-            kill_a_node(cluster)
+            kill_a_node(cluster, sys.argv[2] if len(sys.argv) > 2 else None)
         finally:
             ray.shutdown()
             cluster.shutdown()

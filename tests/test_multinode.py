@@ -28,15 +28,28 @@ def test_job_on_a_three_node_cluster_spreads_stages_and_matches_serial():
     assert all(n >= 2 for n in verdict["stage_nodes"].values()), verdict
 
 
-def test_a_node_killed_mid_stream_loses_one_container_per_stage_and_the_output_is_exact():
-    """A worker node is removed (its hosts die, their local stores are deleted); one recovery
-    rebuilds a container of every stage at once and the output equals the oracle's."""
+def run_node_kill(*args: str) -> dict:
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(here / "multinode_job.py"), "kill-node"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(here / "multinode_job.py"), "kill-node", *args], capture_output=True,
                           text=True, timeout=600, env=env, cwd=here)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_node_killed_mid_stream_loses_one_container_per_stage_and_the_output_is_exact():
+    """A worker node is removed (its hosts die, their local stores are deleted); one recovery
+    rebuilds a container of every stage at once and the output equals the oracle's."""
+    verdict = run_node_kill()
+    assert verdict["lost_hosts"] == 3 and verdict["recoveries"] >= 1
+    assert verdict["equal"] is True
+
+
+def test_a_master_dying_in_a_node_loss_recovery_finishes_it_once_restarted():
+    """The same node loss, and the master's process dies once the slices of every stage are
+    restored and before they start: the restarted master runs the same plan to its end."""
+    verdict = run_node_kill("restored")
+    assert verdict["crashes"] == 1 and verdict["resumed"] == 1, verdict
     assert verdict["lost_hosts"] == 3 and verdict["recoveries"] >= 1
     assert verdict["equal"] is True

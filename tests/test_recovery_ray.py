@@ -14,6 +14,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.chaos import Fault, random_faults, run_with_faults
+from master.recovery import RECOVERY_STEPS
 from queries import rekey_pipeline, running_sum
 
 EPOCH = 40
@@ -118,6 +119,25 @@ def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
     campaign(seed, 6, ELASTIC_KINDS, source_delay_s=0.15)
 
 
+#: Master deaths in the middle of recoveries, among kills, master kills and rescalings.
+MASTER_IN_RECOVERY_KINDS = ("kill", "kill_master_in_recovery", "kill_master_in_recovery", "scale_out", "migrate",
+                            "kill_master")
+
+
+def test_a_seeded_campaign_with_master_deaths_in_recoveries_ends_with_exact_output(ray_session):
+    """One run of 5 faults (seed 6): a master death at step `restored` of one recovery and at `detected`
+    of another, a migration, a kill and a master kill."""
+    report = campaign(6, 5, MASTER_IN_RECOVERY_KINDS, source_delay_s=0.15)
+    assert [k for k in kinds(report) if k == "recovery_resumed"], report.format_timeline()
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(400, 410))
+def test_large_seeded_campaign_with_master_deaths_in_recoveries(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, master deaths in recoveries among them."""
+    campaign(seed, 6, MASTER_IN_RECOVERY_KINDS, source_delay_s=0.15)
+
+
 def test_a_seeded_campaign_of_kills_rescaling_and_compactions_ends_with_exact_output(ray_session):
     """One run of 6: a kill, three compactions, a scale-in and a migration (seed 311), so the
     compactions' handovers merge containers a kill and a scale-in left, between other faults."""
@@ -195,3 +215,19 @@ def test_checkpoints_shipped_through_the_object_store_restore_exactly(ray_sessio
                              checkpoint_every=2, ship_by_reference_bytes=0, ship_piece_bytes=ship_piece_bytes)
     assert report.ok, report.mismatches
     assert len([k for k in kinds(report) if k == "recovery_end"]) == 2
+
+
+@pytest.mark.parametrize("step", RECOVERY_STEPS)
+def test_a_master_killed_in_the_middle_of_a_recovery_finishes_it_once_restarted(ray_session, step):
+    faults = [SLOW_SOURCE, Fault("kill_master_in_recovery", at_epoch=12, stage="running_sum", step=step)]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 3, "stats": 2},
+                             checkpoint_every=2)
+    assert report.ok, report.mismatches
+    k = kinds(report)
+    assert k.index("master_crash_injected") < k.index("master_restarted") < k.index("recovery_resumed") \
+        < k.index("recovery_end"), report.format_timeline()
+    ends = [i for _, kind, i in report.timeline if kind == "recovery_end"]
+    assert len(ends) == 1 and bool(ends[0].get("resumed")) == (step != "detected"), report.format_timeline()
+    started = [i["new"] for _, kind, i in report.timeline if kind == "recovery_start"]
+    if step in ("restored", "rerouted"):  # the restarted master ran the same plan again: no other container
+        assert sorted(set(started)) == sorted(ends[0]["new"]) and len(started) == 2 * len(ends[0]["new"])

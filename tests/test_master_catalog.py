@@ -1,0 +1,38 @@
+"""The master's catalog (``master.catalog``): what a restarted master reads back, unit level (real lmdb)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from master.catalog import MasterCatalog
+from master.placement import Placement
+
+
+def placement() -> Placement:
+    return Placement({0: [0, 1]}, {0: np.array([0, 1, 0])}, {0: 0, 1: 0})
+
+
+def test_a_recovery_record_is_saved_with_the_layout_and_read_back(tmp_path):
+    cat = MasterCatalog(tmp_path)
+    record = {"step": "running", "dead": [1], "plan": [{"new_id": 2, "slices": [1]}], "new_hosts": []}
+    cat.save_layout(placement(), {0: 0, 1: 1, 2: 0}, {0}, {0: "n"}, 3, record)
+    assert cat.load_recovery() == record
+    assert cat.load_layout()[4] == 3
+
+
+def test_a_layout_saved_without_a_recovery_argument_keeps_the_record(tmp_path):
+    cat = MasterCatalog(tmp_path)
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"step": "planning", "dead": [1]})
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2)
+    assert cat.load_recovery() == {"step": "planning", "dead": [1]}
+
+
+def test_the_record_is_cleared_by_the_final_layout(tmp_path):
+    cat = MasterCatalog(tmp_path)
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"step": "planning", "dead": [1]})
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0}, {}, 2, None)
+    assert cat.load_recovery() is None
+
+
+def test_a_new_catalog_has_no_recovery_in_progress(tmp_path):
+    assert MasterCatalog(tmp_path).load_recovery() is None
