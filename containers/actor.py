@@ -238,8 +238,11 @@ class ResourceContainer:
                              backup_peers=backup_peers, checkpoint_every=self.opts.checkpoint_every,
                              full_checkpoint_every=self.opts.full_checkpoint_every, backup_store=self.backup_store,
                              checkpoint_interval_s=self.opts.checkpoint_interval_s, spill=self.spill_store)
-        self.peers.update(peers)
-        self.hosts.update(hosts)
+        # (None: a host the master found dead and is about to recover; pushes to it stop, as for
+        # any unreachable container, until a reroute names its replacement.)
+        self.peers.update({c: a for c, a in peers.items() if a is not None})
+        self.unreachable.update(c for c, a in peers.items() if a is None)
+        self.hosts.update({h: a for h, a in hosts.items() if a is not None})
         info: dict[str, Any] = {"container": container_id, "host": self.host_id}
         if restore_from is not None:
             t0 = time.time()
@@ -271,6 +274,9 @@ class ResourceContainer:
 
         rejected = []
         for h, actor in holders:
+            if actor is None and h != self.host_id:  # (a holder the master found dead since it planned)
+                rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: the host is dead")
+                continue
             try:
                 if h == self.host_id and self.backup_store is not None:
                     store = self.backup_store
@@ -596,7 +602,7 @@ class ResourceContainer:
     async def retarget_backups(self, container_id: int, backup_peers: dict[int, list[int]],
                                hosts: dict[int, Any]) -> None:
         """New backup hosts for a container's slices (the next checkpoints are full ones)."""
-        self.hosts.update(hosts)
+        self.hosts.update({h: a for h, a in hosts.items() if a is not None})
         core = self.cores[container_id]
         if core.checkpointer is not None:
             async with self.conds[container_id]:

@@ -398,11 +398,13 @@ class JobMaster:
         await self._run_recovery(plan, lost, new_hosts, t0)
 
     async def _run_recovery(self, plan: list[Adoption], lost: dict[int, tuple[int, list[int]]],
-                            new_hosts: list[int], t0: float, resumed: bool = False) -> None:
+                            new_hosts: list[int], t0: float, resumed: bool = False,
+                            next_dead: set[int] = frozenset()) -> None:
         """Steps 1-4 of a recovery plan already applied to the placement (``master.recovery``).
 
         Idempotent, so a restarted master runs a dead master's plan again
-        (``_resume_recovery``): a host found by name is not created again,
+        (``_resume_recovery``; ``next_dead``: hosts found dead meanwhile, whose
+        recovery it runs next): a host found by name is not created again,
         consumers accept the same senders again, a container a host already
         restores or runs is not created again (its current progress is
         replayed from), producers reroute to the same targets.
@@ -425,7 +427,7 @@ class JobMaster:
         await asyncio.gather(*calls)
         # 2. Each host restores its share, in parallel.
         infos = await asyncio.gather(*[self._add_container(
-            a.new_id, a.stage_id, a.slices, {}, {s: [(h, self.handles[h]) for h in restore_order(a.holders[s], a.host)]
+            a.new_id, a.stage_id, a.slices, {}, {s: [(h, self.handles.get(h)) for h in restore_order(a.holders[s], a.host)]
                                                  for s in a.slices}) for a in plan])
         for a, info in zip(plan, infos):
             for r in info["rejected"]:
@@ -446,9 +448,12 @@ class JobMaster:
                             c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
         replayed = await asyncio.gather(*reroutes)
         self._crash_if_armed("rerouted")
-        # 4. Backups over the stage's hosts as they are now (full checkpoints follow).
-        await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=resumed)
-        self._save_layout(None)
+        # 4. Backups over the stage's hosts as they are now (full checkpoints follow); after
+        #    ``next_dead``'s recovery, which re-plans them, when some died meanwhile.
+        if not next_dead:
+            await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=resumed)
+        # (``next_dead``: hosts whose recovery the caller runs next; recorded so it is never lost.)
+        self._save_layout({"step": "planning", "dead": sorted(next_dead)} if next_dead else None)
         self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
                     hosts=sorted({a.host for a in plan}), epochs_replayed=sum(r["epochs"] for r in replayed),
                     seconds=round(time.time() - t0, 3), **({"resumed": True} if resumed else {}))
@@ -466,16 +471,22 @@ class JobMaster:
                     away = {h for h in self.alive if self.handles.get(h) is None}
                     await self._recover_hosts(set(record["dead"]) | away)
                     return
-                # Adoptions on a host that died meanwhile are skipped: their containers are placed
-                # there, so the watch loop recovers them next, like any container of a dead host.
-                gone = {h for h in self.alive if self.handles.get(h) is None} | await self._probe(
-                    sorted(self.alive & {a["host"] for a in record["plan"]} - set(record["new_hosts"])))
+                # Hosts that died meanwhile: the plan's adoptions on them are skipped (their containers
+                # are placed there), and a recovery of those hosts follows at once, recorded first.
+                away = {h for h in self.alive if self.handles.get(h) is None}
+                gone = away | await self._probe(sorted(self.alive - away))
+                if gone:
+                    self._event("fault_detected", hosts=sorted(gone), by="probe of a restarted master")
+                    self.alive -= gone
                 plan = [Adoption(**{**a, "holders": {int(k): v for k, v in a["holders"].items()},
                                     "epochs": {int(k): v for k, v in a["epochs"].items()}})
                         for a in record["plan"]]
                 lost = {int(c): (st, sl) for c, (st, sl) in record["lost"].items()}
                 await self._run_recovery([a for a in plan if a.host not in gone], lost, record["new_hosts"],
-                                         record["t0"], resumed=True)
+                                         record["t0"], resumed=True, next_dead=gone)
+                if gone:
+                    await self._recover_hosts(gone)
+                    await self._retarget_backups({a.stage_id for a in plan})  # (step 4, skipped above)
             except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
                 log.exception("resumed recovery failed")
                 self._fail(None, exc)

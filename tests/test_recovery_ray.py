@@ -231,3 +231,46 @@ def test_a_master_killed_in_the_middle_of_a_recovery_finishes_it_once_restarted(
     started = [i["new"] for _, kind, i in report.timeline if kind == "recovery_start"]
     if step in ("restored", "rerouted"):  # the restarted master ran the same plan again: no other container
         assert sorted(set(started)) == sorted(ends[0]["new"]) and len(started) == 2 * len(ends[0]["new"])
+
+
+def test_a_host_dying_while_the_master_is_down_in_a_recovery_is_recovered_right_after_it(ray_session, tmp_path):
+    """The master dies once its recovery plan is saved; while it is down a host of the other stage
+    dies too. The restarted master runs the saved plan without that host (pushes to it stop), then
+    recovers it at once: two recoveries, and every sink equals the serial run."""
+    import time
+    from pathlib import Path
+
+    import ray
+
+    from chronostream.chaos import apply_schedule, compare_with_serial
+    from master.catalog import MasterCatalog
+
+    q = query()
+    job = cs.run(q, containers={"payments": 1, "running_sum": 3, "stats": 2}, checkpoint_every=2)
+    try:
+        apply_schedule(job, [SLOW_SOURCE])
+        while job.progress()["min_epoch"] < 12:
+            time.sleep(0.02)
+        handles = ray.get(job.master.container_handles.remote())
+        stages = job.placement()["stages"]
+        first, second = min(stages["running_sum"]), min(stages["stats"])
+        ray.get(job.master.crash_in_recovery.remote("planned"))
+        catalog = MasterCatalog(Path(job.workdir) / "master")
+        ray.kill(handles[first], no_restart=True)
+        deadline = time.monotonic() + 60
+        while (catalog.load_recovery() or {}).get("step") != "running":  # the plan saved: the master exits
+            assert time.monotonic() < deadline, "the recovery was never planned"
+            time.sleep(0.002)
+        catalog.close()
+        ray.kill(handles[second], no_restart=True)
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, q)
+        assert not mismatches, mismatches
+        timeline = job.timeline()
+        k = [kind for _, kind, _ in timeline]
+        assert k.index("master_crash_injected") < k.index("recovery_resumed") < k.index("recovery_end")
+        assert any(kind == "fault_detected" and i.get("by") == "probe of a restarted master"
+                   for _, kind, i in timeline), timeline
+        assert k.count("recovery_end") == 2, timeline
+    finally:
+        job.stop()
