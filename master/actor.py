@@ -317,6 +317,9 @@ class JobMaster:
 
     async def _recover(self, dead_hosts: set[int]) -> None:
         async with self.recovery_lock:
+            # A recovery a previous master left comes first (a host's report can arrive before
+            # the watch loop starts the resume).
+            await self._resume_recovery_locked()
             # Hosts a restarted master could not find again are dead as well.
             dead = (dead_hosts | {h for h in self.alive if self.handles.get(h) is None}) & self.alive
             if not dead or self.state != "running":
@@ -462,34 +465,37 @@ class JobMaster:
         """A master restarted in the middle of a recovery: plan it again (no host had heard of
         it) or run the saved plan again (``_run_recovery``), before the watch loop looks."""
         async with self.recovery_lock:
-            record, self._unfinished_recovery = self._unfinished_recovery, None
-            if record is None or self.state != "running":
-                return
-            self._event("recovery_resumed", hosts=record["dead"], step=record["step"])
-            try:
-                if record["step"] == "planning":
-                    away = {h for h in self.alive if self.handles.get(h) is None}
-                    await self._recover_hosts(set(record["dead"]) | away)
-                    return
-                # Hosts that died meanwhile: the plan's adoptions on them are skipped (their containers
-                # are placed there), and a recovery of those hosts follows at once, recorded first.
+            await self._resume_recovery_locked()
+
+    async def _resume_recovery_locked(self) -> None:
+        record, self._unfinished_recovery = self._unfinished_recovery, None
+        if record is None or self.state != "running":
+            return
+        self._event("recovery_resumed", hosts=record["dead"], step=record["step"])
+        try:
+            if record["step"] == "planning":
                 away = {h for h in self.alive if self.handles.get(h) is None}
-                gone = away | await self._probe(sorted(self.alive - away))
-                if gone:
-                    self._event("fault_detected", hosts=sorted(gone), by="probe of a restarted master")
-                    self.alive -= gone
-                plan = [Adoption(**{**a, "holders": {int(k): v for k, v in a["holders"].items()},
-                                    "epochs": {int(k): v for k, v in a["epochs"].items()}})
-                        for a in record["plan"]]
-                lost = {int(c): (st, sl) for c, (st, sl) in record["lost"].items()}
-                await self._run_recovery([a for a in plan if a.host not in gone], lost, record["new_hosts"],
-                                         record["t0"], resumed=True, next_dead=gone)
-                if gone:
-                    await self._recover_hosts(gone)
-                    await self._retarget_backups({a.stage_id for a in plan})  # (step 4, skipped above)
-            except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
-                log.exception("resumed recovery failed")
-                self._fail(None, exc)
+                await self._recover_hosts(set(record["dead"]) | away)
+                return
+            # Hosts that died meanwhile: the plan's adoptions on them are skipped (their containers
+            # are placed there), and a recovery of those hosts follows at once, recorded first.
+            away = {h for h in self.alive if self.handles.get(h) is None}
+            gone = away | await self._probe(sorted(self.alive - away))
+            if gone:
+                self._event("fault_detected", hosts=sorted(gone), by="probe of a restarted master")
+                self.alive -= gone
+            plan = [Adoption(**{**a, "holders": {int(k): v for k, v in a["holders"].items()},
+                                "epochs": {int(k): v for k, v in a["epochs"].items()}})
+                    for a in record["plan"]]
+            lost = {int(c): (st, sl) for c, (st, sl) in record["lost"].items()}
+            await self._run_recovery([a for a in plan if a.host not in gone], lost, record["new_hosts"],
+                                     record["t0"], resumed=True, next_dead=gone)
+            if gone:
+                await self._recover_hosts(gone)
+                await self._retarget_backups({a.stage_id for a in plan})  # (step 4, skipped above)
+        except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
+            log.exception("resumed recovery failed")
+            self._fail(None, exc)
 
     async def crash_in_recovery(self, step: str) -> None:
         """Failure injection (``chronostream.chaos``, kind ``kill_master_in_recovery``): this master
