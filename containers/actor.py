@@ -108,6 +108,13 @@ def _warm_up() -> None:
     pa.Table.from_pylist([{"a": 1}]).to_pylist()
 
 
+def _progress_info(core: ContainerCore) -> dict[str, dict[int, Any]]:
+    """Where each of a container's slices stands: the epoch it resumes at, its progress vector
+    and its last epoch (what producers rerouting to it replay from)."""
+    return {"resume": {s: core.slices[s].last_epoch + 1 for s in core.slices},
+            "progress": {s: core.progress_of(s) for s in core.slices},
+            "epochs": {s: core.slices[s].last_epoch for s in core.slices}}
+
 @ray.remote(num_cpus=0)
 class ResourceContainer:
     """Hosts containers (slices of one or more stages) on one Ray worker process."""
@@ -215,9 +222,7 @@ class ResourceContainer:
         core = self.cores.get(container_id)
         if core is not None and "resume" in info:
             async with self.conds[container_id]:  # (between two epochs)
-                info.update(resume={s: core.slices[s].last_epoch + 1 for s in core.slices},
-                            progress={s: core.progress_of(s) for s in core.slices},
-                            epochs={s: core.slices[s].last_epoch for s in core.slices})
+                info.update(_progress_info(core))
         return info
 
     async def _make_container(self, container_id: int, stage_id: int, slices: list[int],
@@ -253,10 +258,7 @@ class ResourceContainer:
             await asyncio.to_thread(core.restore_slices, {s: f.point for s, f in fetched.items()})
             info.update(restore_start=t0, restore_end=time.time(), fetch_s=t1 - t0,
                         bytes=sum(f.nbytes for f in fetched.values()),
-                        rejected=[r for f in fetched.values() for r in f.rejected],
-                        resume={s: core.slices[s].last_epoch + 1 for s in slices},
-                        progress={s: core.progress_of(s) for s in slices},
-                        epochs={s: core.slices[s].last_epoch for s in slices})
+                        rejected=[r for f in fetched.values() for r in f.rejected], **_progress_info(core))
         if hand_over_from is not None:
             core.awaiting_handover = True
             # (its inbox window starts where its sources are: producers may send it their rows now)

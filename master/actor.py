@@ -11,7 +11,6 @@ plane never waits on the master. Every recovery step is logged and kept in
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
@@ -315,13 +314,17 @@ class JobMaster:
 
     # -- recovery ------------------------------------------------------------------
 
+    def _hosts_not_found(self) -> set[int]:
+        """Live hosts a restarted master could not find by name (they died while it was away)."""
+        return {h for h in self.alive if self.handles.get(h) is None}
+
     async def _recover(self, dead_hosts: set[int]) -> None:
         async with self.recovery_lock:
             # A recovery a previous master left comes first (a host's report can arrive before
             # the watch loop starts the resume).
             await self._resume_recovery_locked()
             # Hosts a restarted master could not find again are dead as well.
-            dead = (dead_hosts | {h for h in self.alive if self.handles.get(h) is None}) & self.alive
+            dead = (dead_hosts | self._hosts_not_found()) & self.alive
             if not dead or self.state != "running":
                 return
             try:
@@ -394,8 +397,8 @@ class JobMaster:
                 new_hosts.append(a.host)
             self.host_of[a.new_id] = a.host
             self.placement.rehost(a.replaces, a.new_id, a.slices)
-        record = {"step": "running", "dead": sorted(dead), "lost": {str(c): v for c, v in lost.items()},
-                  "new_hosts": new_hosts, "plan": [dataclasses.asdict(a) for a in plan], "t0": t0}
+        record = {"step": "running", "dead": sorted(dead), "lost": lost, "new_hosts": new_hosts,
+                  "plan": [a.to_plain() for a in plan], "t0": t0}
         self._save_layout(record)
         self._crash_if_armed("planned")
         await self._run_recovery(plan, lost, new_hosts, t0)
@@ -473,22 +476,18 @@ class JobMaster:
             return
         self._event("recovery_resumed", hosts=record["dead"], step=record["step"])
         try:
+            away = self._hosts_not_found()
             if record["step"] == "planning":
-                away = {h for h in self.alive if self.handles.get(h) is None}
                 await self._recover_hosts(set(record["dead"]) | away)
                 return
             # Hosts that died meanwhile: the plan's adoptions on them are skipped (their containers
             # are placed there), and a recovery of those hosts follows at once, recorded first.
-            away = {h for h in self.alive if self.handles.get(h) is None}
             gone = away | await self._probe(sorted(self.alive - away))
             if gone:
                 self._event("fault_detected", hosts=sorted(gone), by="probe of a restarted master")
                 self.alive -= gone
-            plan = [Adoption(**{**a, "holders": {int(k): v for k, v in a["holders"].items()},
-                                "epochs": {int(k): v for k, v in a["epochs"].items()}})
-                    for a in record["plan"]]
-            lost = {int(c): (st, sl) for c, (st, sl) in record["lost"].items()}
-            await self._run_recovery([a for a in plan if a.host not in gone], lost, record["new_hosts"],
+            plan = [Adoption.from_plain(a) for a in record["plan"]]
+            await self._run_recovery([a for a in plan if a.host not in gone], record["lost"], record["new_hosts"],
                                      record["t0"], resumed=True, next_dead=gone)
             if gone:
                 await self._recover_hosts(gone)

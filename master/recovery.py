@@ -22,7 +22,8 @@ allows it; otherwise planning fails, naming the slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from chronostream.errors import RecoveryError
 
@@ -55,6 +56,16 @@ class Adoption:
     slices: list[int]
     holders: dict[int, list[int]] = field(default_factory=dict)
     epochs: dict[int, int] = field(default_factory=dict)  # slice -> epoch of the backup planned from
+
+    def to_plain(self) -> dict[str, Any]:
+        """What a restarted master needs to run the plan again (``master.catalog``; msgpack keeps
+        the int keys)."""
+        return asdict(self)
+
+    @staticmethod
+    def from_plain(d: dict[str, Any]) -> "Adoption":
+        """Inverse of ``to_plain``."""
+        return Adoption(**d)
 
 
 def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey, list[tuple[int, int]]],
