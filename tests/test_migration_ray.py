@@ -87,16 +87,18 @@ def test_slices_that_are_not_moving_keep_producing_output_during_a_migration(ray
 def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live_route(ray_session):
     """The destination restores a backup ~10 epochs old: the producer replays it up in rounds (reading
     its output log off its event loop) and routes live epochs to it only once it is within a window."""
-    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20,
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=40,
                  migration_warm_up_s=0)  # no warm-up: start from the old backup
     try:
         apply_schedule(job, [SLOW_SOURCE])
         placement = job.placement()["stages"]["running_sum"]
         src, dst = sorted(placement)
-        # Checkpoints at ~19 and ~39: move at ~28, well clear of the next one (at 38 a loaded
-        # machine could let the epoch-39 checkpoint land first, leaving nothing to catch up).
-        apply_schedule(job, [Fault("delay", 28, "payments", seconds=0.05)])
+        # Checkpoints at ~39 and ~79: move at ~50 with the source slowed to 0.15 s an epoch, so the
+        # epoch-79 checkpoint is ~3.5 s away: a loaded machine's rebuild (a CI run once took long
+        # enough at 20-epoch checkpoints for the next one to land first) still starts ~11 behind.
+        apply_schedule(job, [Fault("delay", 50, "payments", seconds=0.15)])
         summary = job.migrate("running_sum", placement[src][0], to_container=dst)
+        apply_schedule(job, [SLOW_SOURCE])
         (t,) = summary["transfers"]
         assert t["phase"] == "done"
         (caught_up,) = t["catch_up"].values()  # one producer: the payments container
