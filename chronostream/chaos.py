@@ -21,8 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
-KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "delay", "corrupt_backup", "truncate_backup",
-         "scale_out", "scale_in", "migrate", "compact")
+KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "delay", "corrupt_backup",
+         "truncate_backup", "scale_out", "scale_in", "migrate", "compact")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,11 @@ class Fault:
     ``kill_master_in_recovery`` (a ``kill``, and the master's process dies
     at recovery step ``step`` of it, one of ``master.recovery.RECOVERY_STEPS``:
     the restarted master finishes that recovery from its catalog),
-    ``delay`` (the host spends
+    ``kill_in_recovery`` (a ``kill``, and at recovery step ``step`` the
+    master kills a second host with ``role`` in that recovery, one of
+    ``master.recovery.RECOVERY_ROLES``: a host adopting lost slices, a
+    producer told to reroute, a consumer told of new senders; the plan goes
+    on without it and its own recovery follows), ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
     peer is damaged; combine with a later ``kill`` of the slice's owner to
@@ -54,22 +58,26 @@ class Fault:
     seconds: float = 0.0
     n: int = 1
     step: str = "restored"
+    role: str = "adopter"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; kinds: {KINDS}")
-        if self.kind == "kill_master_in_recovery":
-            from master.recovery import RECOVERY_STEPS
+        if self.kind in ("kill_master_in_recovery", "kill_in_recovery"):
+            from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
             if self.step not in RECOVERY_STEPS:
                 raise ValueError(f"unknown recovery step {self.step!r}; steps: {RECOVERY_STEPS}")
+            if self.role not in RECOVERY_ROLES:
+                raise ValueError(f"unknown role {self.role!r}; roles: {RECOVERY_ROLES}")
 
     def describe(self) -> str:
         """``kill a container of stage 'count' at epoch 5``."""
         if self.kind == "kill_master":
             return f"kill the job master at epoch {self.at_epoch}"
         what = {"kill": "kill a container", "kill_master_in_recovery": "kill the job master at recovery step "
-                f"{self.step!r} after killing a container", "kill_two": "kill two containers", "delay": f"delay a container by "
+                f"{self.step!r} after killing a container", "kill_in_recovery": f"kill a host ({self.role}) at "
+                f"recovery step {self.step!r} after killing a container", "kill_two": "kill two containers", "delay": f"delay a container by "
                 f"{self.seconds}s per epoch", "corrupt_backup": "corrupt a backup", "truncate_backup":
                 "truncate a backup", "scale_out": f"add {self.n} host(s)", "scale_in": f"remove {self.n} host(s)",
                 "migrate": "migrate a slice", "compact": "merge the containers on each host"}[self.kind]
@@ -127,9 +135,11 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     handles = ray.get(job.master.container_handles.remote())
     hosts = job.placement()["hosts"]
     victim = ids[fault.index % len(ids)]
-    if fault.kind in ("kill", "kill_master_in_recovery"):
+    if fault.kind in ("kill", "kill_master_in_recovery", "kill_in_recovery"):
         if fault.kind == "kill_master_in_recovery":
             ray.get(job.master.crash_in_recovery.remote(fault.step))
+        if fault.kind == "kill_in_recovery":
+            ray.get(job.master.kill_in_recovery.remote(fault.step, fault.role))
         ray.kill(handles[victim], no_restart=True)
         return {"stage": stage, "container": victim, "host": hosts[victim]}
     if fault.kind == "kill_two":
@@ -187,7 +197,8 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     faults = []
     for e in sorted(epochs):
         stage, kind = rng.choice(stages), rng.choice(kinds)
-        cost = {"kill": 1, "kill_master_in_recovery": 1, "kill_two": 2}.get(kind, 0)
+        # (a kill in a recovery may take a second host of the stage: counted as two)
+        cost = {"kill": 1, "kill_master_in_recovery": 1, "kill_two": 2, "kill_in_recovery": 2}.get(kind, 0)
         if cost and kills.get(stage, 0) + cost > containers - 2:
             kind = "delay"
         if kind == "scale_in" and hosts[stage] - 1 < 2:
@@ -199,6 +210,12 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
             from master.recovery import RECOVERY_STEPS
 
             faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS)))
+            continue
+        if kind == "kill_in_recovery":  # (drawn only for this kind, as above)
+            from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
+
+            faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS),
+                                role=rng.choice(RECOVERY_ROLES)))
             continue
         faults.append(Fault(kind, e, stage, index, 0.01 if kind == "delay" else 0.0))
     return faults
@@ -236,7 +253,7 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
                 if time.monotonic() > deadline:
                     raise TimeoutError("the master did not restart")
                 time.sleep(poll_s)
-        if settle and fault.kind in ("kill", "kill_two", "kill_master_in_recovery"):
+        if settle and fault.kind in ("kill", "kill_two", "kill_master_in_recovery", "kill_in_recovery"):
             while job.progress().get("recoveries", 0) <= before and job.progress()["state"] == "running":
                 if time.monotonic() > deadline:
                     raise TimeoutError("recovery did not end")

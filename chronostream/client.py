@@ -123,8 +123,12 @@ class Job:
     """
 
     def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any], workdir: str = "",
-                 key: str = "") -> None:
+                 key: str = "", source_refs: Any = None) -> None:
         self.plan = plan
+        # The input tables in Ray's object store, owned by this process: held for the job's life,
+        # because a restarted master borrows them again from its constructor arguments (a source's
+        # host recovered after a master restart once failed: the owner had let them go).
+        self._source_refs = source_refs
         self.workdir = workdir  # the hosts' local stores and the master's catalog live under it
         self.master = master
         self.key = key  # the job's name on the Ray cluster (``Job.attach(key)``, ``chronostream jobs``)
@@ -487,4 +491,4 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE).remote(
         plan, per_stage, workdir, options, refs, key, autoscale)
     placement = ray.get(master.deploy.remote())
-    return Job(plan, master, placement, workdir, key)
+    return Job(plan, master, placement, workdir, key, source_refs=refs)

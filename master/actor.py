@@ -38,7 +38,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
-from master.recovery import (RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
+from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              low_water_marks, plan_recovery, recovery_slack, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
@@ -91,6 +91,7 @@ class JobMaster:
         self._unsettled_request: str | None = None
         self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
         self._crash_at: str | None = None  # failure injection: exit at this recovery step (crash_in_recovery)
+        self._kill_at: tuple[str, str] | None = None  # failure injection: (step, role) (kill_in_recovery)
         self._counters: Counters | None = None
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
@@ -333,20 +334,58 @@ class JobMaster:
                 log.exception("recovery failed")
                 self._fail(None, exc)
 
-    async def _recover_hosts(self, dead: set[int]) -> None:
-        """Plan the recovery of every container on ``dead`` hosts, then run it (``_run_recovery``).
+    async def _recover_hosts(self, dead: set[int], plans: list[dict[str, Any]] | None = None,
+                             gone: set[int] = frozenset()) -> None:
+        """Recover every container on ``dead`` hosts: plan it, then run the plan, together with
+        ``plans`` (saved plans a previous master left unfinished), to its end even when more
+        hosts die on the way. ``gone``: hosts those plans were made for.
 
         Durable steps (docs/design.md section 7d, "Master restart"): the
-        layout without the dead hosts is saved with a recovery record naming
-        them (a restarted master plans again); then the plan is applied to
-        the placement and saved with the record holding the plan, before
-        any host hears of it (a restarted master runs the same plan again:
-        every step is idempotent); the record is cleared with the final
-        layout.
+        recovery record, saved with the layout in one transaction, holds the
+        dead hosts not planned for yet and the plans applied to the placement
+        and not finished. The layout without the dead hosts is saved with
+        them in the record (a restarted master plans again); the plan applied
+        to the placement is saved before any host hears of it (a restarted
+        master runs the same plan again: every step is idempotent); the
+        record is cleared with the final layout.
+
+        A step that raises because a host died (a consumer told of new
+        senders, a host restoring or starting adopted slices, a producer
+        rerouting, a backup re-planned) does not fail the job: every live
+        host is probed, the dead are planned for as above, and every
+        unfinished plan runs again without the adoptions on dead hosts
+        (their containers are placed there: the newer plan re-hosts them).
+        A step that raises with every host alive fails the job (the
+        caller's handler).
         """
-        t0 = time.time()
-        # One plan for everything that died together (a node takes all its hosts):
-        # hosts on dead nodes, and any other host that no longer answers.
+        plans, gone = list(plans or []), set(gone)
+        while True:
+            if dead:
+                dead = await self._declare_dead(dead)
+                gone |= dead
+                made = await self._plan_for(dead, plans)
+                plans += [made] if made is not None else []
+            if not plans:
+                return
+            try:
+                replayed = await self._run_plans(plans, gone)
+                break
+            except Exception as exc:  # noqa: BLE001 - re-raised unless a host died
+                dead = await self._probe(sorted(self.alive)) if self.state == "running" else set()
+                if not dead:
+                    raise
+                self._event("fault_detected", hosts=sorted(dead),
+                            by=f"probe after a recovery step failed ({type(exc).__name__}: {exc})")
+        self._save_layout(None)
+        for rec, epochs in zip(plans, replayed):
+            adopted = [a for a in rec["plan"] if a["host"] not in gone]
+            self._event("recovery_end", containers=sorted(rec["lost"]), new=[a["new_id"] for a in adopted],
+                        hosts=sorted({a["host"] for a in adopted}), epochs_replayed=epochs,
+                        seconds=round(time.time() - rec["t0"], 3), **({"resumed": True} if rec.get("resumed") else {}))
+
+    async def _declare_dead(self, dead: set[int]) -> set[int]:
+        """``dead`` and the hosts found dead with them (a node takes all its hosts; any other
+        host that no longer answers), fenced and out of the live set: one plan for them all."""
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
         on_dead_nodes = {h for h in self.alive if self.nodes.get(h) in dead_nodes}
         more = (on_dead_nodes | await self._probe(sorted(self.alive - dead))) - dead
@@ -360,12 +399,24 @@ class JobMaster:
             except Exception:  # noqa: BLE001
                 pass
         self.alive -= dead
+        return dead
+
+    @staticmethod
+    def _recovery_record(dead: set[int], plans: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """What the catalog keeps of a recovery in progress: dead hosts not planned for yet, and
+        the plans applied to the placement and not finished (``Adoption.to_plain`` each)."""
+        return {"dead": sorted(dead), "plans": plans} if dead or plans else None
+
+    async def _plan_for(self, dead: set[int], plans: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Plan the adoption of the containers of ``dead`` hosts and apply it to the placement;
+        save it (with the ``plans`` not finished); None when nothing was lost."""
+        t0 = time.time()
         lost = lost_containers(self.placement, self.host_of, dead)
-        self._save_layout({"step": "planning", "dead": sorted(dead)} if lost else None)
+        self._save_layout(self._recovery_record(dead if lost else set(), plans))
         self._event("recovery_planning", hosts=sorted(dead), containers=sorted(lost))
         if not lost:
-            return
-        self._crash_if_armed("detected")
+            return None
+        self._at_step("detected", lost)
         backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         damaged: dict[tuple[int, int], list[str]] = {}
         catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in sorted(self.alive)],
@@ -397,38 +448,58 @@ class JobMaster:
                 new_hosts.append(a.host)
             self.host_of[a.new_id] = a.host
             self.placement.rehost(a.replaces, a.new_id, a.slices)
-        record = {"step": "running", "dead": sorted(dead), "lost": lost, "new_hosts": new_hosts,
-                  "plan": [a.to_plain() for a in plan], "t0": t0}
-        self._save_layout(record)
-        self._crash_if_armed("planned")
-        await self._run_recovery(plan, lost, new_hosts, t0)
+        made = {"dead": sorted(dead), "lost": lost, "new_hosts": new_hosts, "plan": [a.to_plain() for a in plan],
+                "t0": t0}
+        self._save_layout(self._recovery_record(set(), plans + [made]))
+        self._at_step("planned", lost, plan)
+        return made
 
-    async def _run_recovery(self, plan: list[Adoption], lost: dict[int, tuple[int, list[int]]],
-                            new_hosts: list[int], t0: float, resumed: bool = False,
-                            next_dead: set[int] = frozenset()) -> None:
-        """Steps 1-4 of a recovery plan already applied to the placement (``master.recovery``).
+    async def _run_plans(self, plans: list[dict[str, Any]], gone: set[int]) -> list[int]:
+        """Steps 1-4 of recovery plans already applied to the placement (``master.recovery``),
+        without the adoptions on ``gone`` hosts; the epochs replayed for each plan.
 
-        Idempotent, so a restarted master runs a dead master's plan again
-        (``_resume_recovery``; ``next_dead``: hosts found dead meanwhile, whose
-        recovery it runs next): a host found by name is not created again,
+        Idempotent, so it runs again after a host died on the way, or in a
+        restarted master: a host found by name is not created again,
         consumers accept the same senders again, a container a host already
         restores or runs is not created again (its current progress is
-        replayed from), producers reroute to the same targets.
+        replayed from), producers reroute to the same targets. Every plan's
+        containers are made and started before any producer reroutes: a
+        producer of one plan's containers may be another plan's (a producer
+        died while its consumers were recovered), and a reroute waits for
+        its target to take the replay.
         """
+        runs = [([a for a in map(Adoption.from_plain, rec["plan"]) if a.host not in gone], rec) for rec in plans]
+        every = [a for plan, _ in runs for a in plan]
+        lost = {c: v for rec in plans for c, v in rec["lost"].items()}
+        restored = []
+        for i, (plan, rec) in enumerate(runs):
+            # (containers of this plan and later ones are made with the senders the placement names)
+            not_made = {a.new_id for later, _ in runs[i:] for a in later}
+            restored.append(await self._adopt(plan, [h for h in rec["new_hosts"] if h not in gone], not_made))
+        self._at_step("restored", lost, every)
+        await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in every])
+        replayed = await asyncio.gather(*[self._reroute_to(plan, infos) for (plan, _), infos in zip(runs, restored)])
+        self._at_step("rerouted", lost, every)
+        # 4. Backups over the stages' hosts as they are now (full checkpoints follow).
+        await self._retarget_backups({a.stage_id for a in every}, tolerate_dead=False)
+        return list(replayed)
+
+    async def _adopt(self, plan: list[Adoption], new_hosts: list[int], not_made: set[int]) -> list[dict[str, Any]]:
+        """Steps 1-2 of a plan: consumers hear of the new containers, then each host restores its
+        share, in parallel; what each container restored (``add_container``)."""
         for h in new_hosts:
             self._new_or_found_host(h)
             self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
-        # 1. Consumers accept the new containers as senders (before any sends). A consumer this
-        #    plan makes (a node took producer and consumer) gets its senders from the placement.
+        # 1. Consumers accept the new containers as senders (before any sends); ``not_made``
+        #    containers get theirs from the placement when they are made.
         calls = []
-        planned = {a.new_id for a in plan}
         for a in plan:
             self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices,
                         backup_epochs=a.epochs)
             cov = frozenset((a.stage_id, s) for s in a.slices)
             for d in self.plan.downstream_stages(a.stage_id):
                 for c in self.placement.containers[d]:
-                    if self.host_of[c] in self.alive and c not in planned:
+                    if self.host_of[c] in self.alive and c not in not_made:
                         calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {a.new_id: cov}))
         await asyncio.gather(*calls)
         # 2. Each host restores its share, in parallel.
@@ -442,9 +513,11 @@ class JobMaster:
                         seconds=round(info["restore_end"] - info["restore_start"], 4),
                         fetch_s=round(info["fetch_s"], 4), resume=info["resume"],
                         mb=round(info["bytes"] / 1e6, 3))
-        self._crash_if_armed("restored")
-        await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in plan])
-        # 3. Producers reroute the slices and replay their output logs, in parallel.
+        return list(infos)
+
+    async def _reroute_to(self, plan: list[Adoption], infos: list[dict[str, Any]]) -> int:
+        """Step 3 of a plan: producers reroute the slices and replay their output logs, in
+        parallel; the epochs replayed."""
         reroutes = []
         for a, info in zip(plan, infos):
             for u in self.plan.upstream_stages(a.stage_id):
@@ -452,21 +525,11 @@ class JobMaster:
                     if self.host_of[c] in self.alive:
                         reroutes.append(self.handles[self.host_of[c]].reroute.remote(
                             c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
-        replayed = await asyncio.gather(*reroutes)
-        self._crash_if_armed("rerouted")
-        # 4. Backups over the stage's hosts as they are now (full checkpoints follow); after
-        #    ``next_dead``'s recovery, which re-plans them, when some died meanwhile.
-        if not next_dead:
-            await self._retarget_backups({a.stage_id for a in plan}, tolerate_dead=resumed)
-        # (``next_dead``: hosts whose recovery the caller runs next; recorded so it is never lost.)
-        self._save_layout({"step": "planning", "dead": sorted(next_dead)} if next_dead else None)
-        self._event("recovery_end", containers=sorted(lost), new=[a.new_id for a in plan],
-                    hosts=sorted({a.host for a in plan}), epochs_replayed=sum(r["epochs"] for r in replayed),
-                    seconds=round(time.time() - t0, 3), **({"resumed": True} if resumed else {}))
+        return sum(r["epochs"] for r in await asyncio.gather(*reroutes))
 
     async def _resume_recovery(self) -> None:
-        """A master restarted in the middle of a recovery: plan it again (no host had heard of
-        it) or run the saved plan again (``_run_recovery``), before the watch loop looks."""
+        """A master restarted in the middle of a recovery: plan again for the hosts it had not
+        planned for, and run the saved plans again (``_recover_hosts``), before the watch loop looks."""
         async with self.recovery_lock:
             await self._resume_recovery_locked()
 
@@ -474,24 +537,18 @@ class JobMaster:
         record, self._unfinished_recovery = self._unfinished_recovery, None
         if record is None or self.state != "running":
             return
-        self._event("recovery_resumed", hosts=record["dead"], step=record["step"])
+        plans = [{**rec, "resumed": True} for rec in record["plans"]]
+        planned = {h for rec in plans for h in rec["dead"]}
+        self._event("recovery_resumed", hosts=sorted(planned | set(record["dead"])),
+                    step="planning" if record["dead"] else "running")
         try:
+            # Hosts that died meanwhile are planned for with those it had not (the saved plans'
+            # adoptions on them are skipped: their containers are placed there).
             away = self._hosts_not_found()
-            if record["step"] == "planning":
-                await self._recover_hosts(set(record["dead"]) | away)
-                return
-            # Hosts that died meanwhile: the plan's adoptions on them are skipped (their containers
-            # are placed there), and a recovery of those hosts follows at once, recorded first.
-            gone = away | await self._probe(sorted(self.alive - away))
-            if gone:
-                self._event("fault_detected", hosts=sorted(gone), by="probe of a restarted master")
-                self.alive -= gone
-            plan = [Adoption.from_plain(a) for a in record["plan"]]
-            await self._run_recovery([a for a in plan if a.host not in gone], record["lost"], record["new_hosts"],
-                                     record["t0"], resumed=True, next_dead=gone)
-            if gone:
-                await self._recover_hosts(gone)
-                await self._retarget_backups({a.stage_id for a in plan})  # (step 4, skipped above)
+            found = away | await self._probe(sorted(self.alive - away))
+            if found:
+                self._event("fault_detected", hosts=sorted(found), by="probe of a restarted master")
+            await self._recover_hosts(set(record["dead"]) | found, plans, planned)
         except Exception as exc:  # noqa: BLE001 - a recovery that cannot be exact fails the job
             log.exception("resumed recovery failed")
             self._fail(None, exc)
@@ -504,11 +561,40 @@ class JobMaster:
             raise ValueError(f"unknown recovery step {step!r}; steps: {RECOVERY_STEPS}")
         self._crash_at = step
 
-    def _crash_if_armed(self, step: str) -> None:
+    async def kill_in_recovery(self, step: str, role: str) -> None:
+        """Failure injection (``chronostream.chaos``, kind ``kill_in_recovery``): at ``step`` of its
+        next recovery this master kills a host with ``role`` in it (``master.recovery.RECOVERY_ROLES``;
+        the lowest such host id), so a step meets a host that died after the recovery began. Once only."""
+        if step not in RECOVERY_STEPS:
+            raise ValueError(f"unknown recovery step {step!r}; steps: {RECOVERY_STEPS}")
+        if role not in RECOVERY_ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {RECOVERY_ROLES}")
+        self._kill_at = (step, role)
+
+    def _at_step(self, step: str, lost: dict[int, tuple[int, list[int]]], plan: list[Adoption] | None = None) -> None:
+        """A recovery reached ``step``: carry out the failure injection armed for it, if any."""
         if self._crash_at == step:
             log.warning("master: exiting at recovery step %r (failure injection)", step)
             self._event("master_crash_injected", step=step)
             os._exit(1)
+        if self._kill_at is None or self._kill_at[0] != step:
+            return
+        role, self._kill_at = self._kill_at[1], None
+        stages = {st for st, _ in lost.values()}
+        if role == "adopter":
+            hosts = {a.host for a in plan} if plan is not None else \
+                {self.host_of[c] for st in stages for c in self.placement.containers[st]}
+        else:
+            near = self.plan.upstream_stages if role == "producer" else self.plan.downstream_stages
+            hosts = {self.host_of[c] for st in stages for n in near(st) for c in self.placement.containers[n]}
+        hosts &= self.alive
+        if not hosts:
+            self._event("host_kill_skipped", step=step, role=role, why="no live host has that role")
+            return
+        victim = min(hosts)
+        log.warning("master: killing host %s (%s) at recovery step %r (failure injection)", victim, role, step)
+        self._event("host_kill_injected", step=step, role=role, host=victim)
+        ray.kill(self.handles[victim], no_restart=True)
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
 

@@ -34,6 +34,12 @@ SliceKey = tuple[int, int]  # (stage id, slice id)
 #: started; producers rerouted, backups not re-planned yet.
 RECOVERY_STEPS = ("detected", "planned", "restored", "rerouted")
 
+#: Hosts failure injection can kill in the middle of a recovery (``JobMaster.kill_in_recovery``):
+#: one that adopts lost slices (before a plan exists: a live host of a lost container's stage), one
+#: of a stage upstream of a lost container's (it is told to reroute), one downstream (it is told
+#: of new senders).
+RECOVERY_ROLES = ("adopter", "producer", "consumer")
+
 
 class BackupsLost(RecoveryError):
     """Every copy of a slice's checkpoints is gone; recovering it would need a full recompute."""

@@ -14,7 +14,8 @@ def placement() -> Placement:
 
 def test_a_recovery_record_is_saved_with_the_layout_and_read_back(tmp_path):
     cat = MasterCatalog(tmp_path)
-    record = {"step": "running", "dead": [1], "plan": [{"new_id": 2, "slices": [1]}], "new_hosts": []}
+    record = {"dead": [], "plans": [{"dead": [1], "lost": {1: [0, [1]]}, "plan": [{"new_id": 2, "slices": [1]}],
+                                     "new_hosts": [], "t0": 1.5}]}
     cat.save_layout(placement(), {0: 0, 1: 1, 2: 0}, {0}, {0: "n"}, 3, record)
     assert cat.load_recovery() == record
     assert cat.load_layout()[4] == 3
@@ -22,14 +23,14 @@ def test_a_recovery_record_is_saved_with_the_layout_and_read_back(tmp_path):
 
 def test_a_layout_saved_without_a_recovery_argument_keeps_the_record(tmp_path):
     cat = MasterCatalog(tmp_path)
-    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"step": "planning", "dead": [1]})
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"dead": [1], "plans": []})
     cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2)
-    assert cat.load_recovery() == {"step": "planning", "dead": [1]}
+    assert cat.load_recovery() == {"dead": [1], "plans": []}
 
 
 def test_the_record_is_cleared_by_the_final_layout(tmp_path):
     cat = MasterCatalog(tmp_path)
-    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"step": "planning", "dead": [1]})
+    cat.save_layout(placement(), {0: 0, 1: 1}, {0, 1}, {}, 2, {"dead": [1], "plans": []})
     cat.save_layout(placement(), {0: 0, 1: 1}, {0}, {}, 2, None)
     assert cat.load_recovery() is None
 
