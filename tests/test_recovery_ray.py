@@ -175,6 +175,23 @@ def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed
     assert len(report.applied) == len(faults) + 1, "every fault landed mid-stream"
 
 
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(600, 608))
+def test_seeded_campaign_of_hosts_dying_in_recoveries_over_a_re_key(ray_session, seed):
+    """Opt-in (``pytest -m campaign``): the re-key pipeline, where a recovery's producers and
+    consumers are stateful stages, 8 runs x 4 faults: kills followed by a second host's death in
+    the recovery (adopter, producer or consumer, at a seeded step), master kills, rescalings."""
+    def build() -> cs.Query:
+        q = rekey_pipeline(6, n_lines=1200)
+        q.epoch_events = 60  # 20 epochs
+        return q
+
+    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=HOST_IN_RECOVERY_KINDS, min_gap=3)
+    report = run_with_faults(build(), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
+                             containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
+    assert report.ok, (faults, report.mismatches)
+
+
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
     faults = [SLOW_SOURCE, Fault("kill_master", at_epoch=10), Fault("kill", at_epoch=25, stage="stats")]
     report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 3},
@@ -295,6 +312,40 @@ def test_a_host_dying_in_the_middle_of_a_recovery_is_left_out_of_it_and_recovere
     assert k.count("recovery_end") == 2, report.format_timeline()
     second = [i for _, kind, i in events if kind == "recovery_planning"][1]
     assert killed["host"] in second["hosts"], report.format_timeline()
+
+
+def test_a_master_dying_while_two_plans_run_finishes_both_once_restarted(ray_session):
+    """An adopter dies at step 2 of a recovery, so a second plan joins the first; the master then
+    dies at step `restored` of their run. The restarted master finds both plans in its record and
+    runs them again: two recoveries, both resumed, every sink exact."""
+    import time
+
+    import ray
+
+    from chronostream.chaos import apply_schedule, compare_with_serial
+
+    q = rekey_pipeline(6, n_lines=1200)
+    q.epoch_events = 20
+    job = cs.run(q, containers={"lines": 1, "count": 3, "buckets": 3}, checkpoint_every=2)
+    try:
+        apply_schedule(job, [Fault("delay", at_epoch=0, stage="lines", seconds=0.08)])
+        while job.progress()["min_epoch"] < 12:
+            time.sleep(0.02)
+        ray.get(job.master.kill_in_recovery.remote("planned", "adopter"))
+        ray.get(job.master.crash_in_recovery.remote("restored"))
+        victim = min(job.placement()["stages"]["count"])
+        ray.kill(ray.get(job.master.container_handles.remote())[victim], no_restart=True)
+        job.wait(timeout_s=300)
+        mismatches, _ = compare_with_serial(job, q)
+        assert not mismatches, mismatches
+        timeline = job.timeline()
+        k = [kind for _, kind, _ in timeline]
+        assert k.index("host_kill_injected") < k.index("master_crash_injected") < k.index("recovery_resumed") \
+            < k.index("recovery_end")
+        ends = [i for _, kind, i in timeline if kind == "recovery_end"]
+        assert len(ends) == 2 and all(e.get("resumed") for e in ends), ends
+    finally:
+        job.stop()
 
 
 def test_a_host_dying_while_the_master_is_down_in_a_recovery_is_recovered_right_after_it(ray_session, tmp_path):
