@@ -374,8 +374,9 @@ class JobMaster:
                 dead = await self._probe(sorted(self.alive)) if self.state == "running" else set()
                 if not dead:
                     raise
+                first_line = next(iter(str(exc).splitlines()), "")  # (Ray's errors run to many lines)
                 self._event("fault_detected", hosts=sorted(dead),
-                            by=f"probe after a recovery step failed ({type(exc).__name__}: {exc})")
+                            by=f"probe after a recovery step failed ({type(exc).__name__}: {first_line})")
         self._save_layout(None)
         for rec, epochs in zip(plans, replayed):
             adopted = [a for a in rec["plan"] if a["host"] not in gone]
