@@ -378,10 +378,9 @@ class JobMaster:
                 self._event("fault_detected", hosts=sorted(dead),
                             by=f"probe after a recovery step failed ({type(exc).__name__}: {first_line})")
         self._save_layout(None)
-        for rec, epochs in zip(plans, replayed):
-            adopted = [a for a in rec["plan"] if a["host"] not in gone]
-            self._event("recovery_end", containers=sorted(rec["lost"]), new=[a["new_id"] for a in adopted],
-                        hosts=sorted({a["host"] for a in adopted}), epochs_replayed=epochs,
+        for rec, (adopted, epochs) in zip(plans, replayed):
+            self._event("recovery_end", containers=sorted(rec["lost"]), new=[a.new_id for a in adopted],
+                        hosts=sorted({a.host for a in adopted}), epochs_replayed=epochs,
                         seconds=round(time.time() - rec["t0"], 3), **({"resumed": True} if rec.get("resumed") else {}))
 
     async def _declare_dead(self, dead: set[int]) -> set[int]:
@@ -455,9 +454,10 @@ class JobMaster:
         self._at_step("planned", lost, plan)
         return made
 
-    async def _run_plans(self, plans: list[dict[str, Any]], gone: set[int]) -> list[int]:
+    async def _run_plans(self, plans: list[dict[str, Any]], gone: set[int]) -> list[tuple[list[Adoption], int]]:
         """Steps 1-4 of recovery plans already applied to the placement (``master.recovery``),
-        without the adoptions on ``gone`` hosts; the epochs replayed for each plan.
+        without the adoptions on ``gone`` hosts; for each plan, the adoptions run and the epochs
+        replayed.
 
         Idempotent, so it runs again after a host died on the way, or in a
         restarted master: a host found by name is not created again,
@@ -483,7 +483,7 @@ class JobMaster:
         self._at_step("rerouted", lost, every)
         # 4. Backups over the stages' hosts as they are now (full checkpoints follow).
         await self._retarget_backups({a.stage_id for a in every}, tolerate_dead=False)
-        return list(replayed)
+        return [(plan, epochs) for (plan, _), epochs in zip(runs, replayed)]
 
     async def _adopt(self, plan: list[Adoption], new_hosts: list[int], not_made: set[int]) -> list[dict[str, Any]]:
         """Steps 1-2 of a plan: consumers hear of the new containers, then each host restores its

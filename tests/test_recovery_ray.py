@@ -157,22 +157,31 @@ def test_large_seeded_campaign_of_faults_rescaling_and_compaction(ray_session, s
     campaign(seed, 6, ELASTIC_KINDS + ("compact", "compact"), source_delay_s=0.15)
 
 
+def rekey_query(epoch_events: int) -> cs.Query:
+    """The re-key pipeline (lines -> count -> buckets), 1,200 lines cut into ``epoch_events`` epochs."""
+    q = rekey_pipeline(6, n_lines=1200)
+    q.epoch_events = epoch_events
+    return q
+
+
+def rekey_campaign(seed: int, kinds: tuple[str, ...], all_land: bool = True):
+    """4 seeded faults over the re-key pipeline (20 epochs, a 0.4 s source), 4 containers a
+    stateful stage; every sink must equal the serial run (``all_land``: as in ``campaign``)."""
+    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=kinds, min_gap=3)
+    report = run_with_faults(rekey_query(60), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
+                             containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
+    assert report.ok, (faults, report.mismatches)
+    assert len(report.applied) == len(faults) + 1 or not all_land, "every fault landed mid-stream"
+    return report
+
+
 @pytest.mark.campaign
 @pytest.mark.parametrize("seed", range(1, 9))
 def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed):
     """Opt-in (``pytest -m campaign``): the re-key pipeline (the built-in count, run as slice
     groups, then a per-event stage keyed by bucket), 8 runs x 4 kills, master kills and
     rescalings of either stage; every sink equals the serial run."""
-    def build() -> cs.Query:
-        q = rekey_pipeline(6, n_lines=1200)
-        q.epoch_events = 60  # 20 epochs
-        return q
-
-    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=ELASTIC_KINDS, min_gap=3)
-    report = run_with_faults(build(), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
-                             containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
-    assert report.ok, (faults, report.mismatches)
-    assert len(report.applied) == len(faults) + 1, "every fault landed mid-stream"
+    rekey_campaign(seed, ELASTIC_KINDS)
 
 
 @pytest.mark.campaign
@@ -181,15 +190,7 @@ def test_seeded_campaign_of_hosts_dying_in_recoveries_over_a_re_key(ray_session,
     """Opt-in (``pytest -m campaign``): the re-key pipeline, where a recovery's producers and
     consumers are stateful stages, 8 runs x 4 faults: kills followed by a second host's death in
     the recovery (adopter, producer or consumer, at a seeded step), master kills, rescalings."""
-    def build() -> cs.Query:
-        q = rekey_pipeline(6, n_lines=1200)
-        q.epoch_events = 60  # 20 epochs
-        return q
-
-    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=HOST_IN_RECOVERY_KINDS, min_gap=3)
-    report = run_with_faults(build(), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
-                             containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
-    assert report.ok, (faults, report.mismatches)
+    rekey_campaign(seed, HOST_IN_RECOVERY_KINDS, all_land=False)
 
 
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
@@ -300,8 +301,7 @@ def test_a_host_dying_in_the_middle_of_a_recovery_is_left_out_of_it_and_recovere
                                                                                       role):
     """A container dies; at ``step`` of its recovery a second host with ``role`` in it dies too. The
     plan goes on without that host and its recovery follows: two recoveries, every sink exact."""
-    q = rekey_pipeline(6, n_lines=1200)
-    q.epoch_events = 20  # 60 epochs
+    q = rekey_query(20)  # 60 epochs
     faults = [Fault("delay", at_epoch=0, stage="lines", seconds=0.08),
               Fault("kill_in_recovery", at_epoch=12, stage=stage, step=step, role=role)]
     report = run_with_faults(q, faults, containers={"lines": 1, "count": 3, "buckets": 3}, checkpoint_every=2)
@@ -324,8 +324,7 @@ def test_a_master_dying_while_two_plans_run_finishes_both_once_restarted(ray_ses
 
     from chronostream.chaos import apply_schedule, compare_with_serial
 
-    q = rekey_pipeline(6, n_lines=1200)
-    q.epoch_events = 20
+    q = rekey_query(20)  # 60 epochs
     job = cs.run(q, containers={"lines": 1, "count": 3, "buckets": 3}, checkpoint_every=2)
     try:
         apply_schedule(job, [Fault("delay", at_epoch=0, stage="lines", seconds=0.08)])
