@@ -151,8 +151,8 @@ class JobMaster:
                 self.host_of.setdefault(t.new_id, t.host)
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
         await self._settle_migration(transfers)
-        await self._retarget_backups({t.stage_id for t in transfers})
         released = await self._release_idle_hosts()
+        await self._retarget_backups({t.stage_id for t in transfers} | (self._one_host_stages() if released else set()))
         self._save_layout()
         summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
                    "released_hosts": released, "seconds": 0.0, "reason": "settled by a restarted master"}
@@ -224,7 +224,7 @@ class JobMaster:
             self.nodes[h] = await ref
         added = []
         for stage_id, ids in self.placement.containers.items():
-            chain = host_backup_peers(self.placement, self.host_of, stage_id, self.opts.backup_factor)
+            chain = self._backup_chain(stage_id)
             for c in ids:
                 added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
         await asyncio.gather(*added)
@@ -434,11 +434,12 @@ class JobMaster:
                         if c in self.stats and self.stats[c].checkpoints > 0 for s in slices}
         chain = {}
         for st in {st for st, _ in lost.values()}:
-            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
+            for c, peers in self._backup_chain(st).items():
                 chain.update({(st, s): hs for s, hs in peers.items()})
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
                              checkpointed, self.opts.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
-                             chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts))
+                             chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts),
+                             {st.stage_id for st in self.plan.stages if st.kind == "source"})
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         new_hosts = []
         for a in plan:
@@ -481,8 +482,9 @@ class JobMaster:
         await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in every])
         replayed = await asyncio.gather(*[self._reroute_to(plan, infos) for (plan, _), infos in zip(runs, restored)])
         self._at_step("rerouted", lost, every)
-        # 4. Backups over the stages' hosts as they are now (full checkpoints follow).
-        await self._retarget_backups({a.stage_id for a in every}, tolerate_dead=False)
+        # 4. Backups over the stages' hosts as they are now (full checkpoints follow), also of
+        # one-host stages: a dead host may have held their backups.
+        await self._retarget_backups({a.stage_id for a in every} | self._one_host_stages(), tolerate_dead=False)
         return [(plan, epochs) for (plan, _), epochs in zip(runs, replayed)]
 
     async def _adopt(self, plan: list[Adoption], new_hosts: list[int], not_made: set[int]) -> list[dict[str, Any]]:
@@ -599,13 +601,28 @@ class JobMaster:
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
 
+    def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
+        """``host_backup_peers`` of a stage as placed now: over its own hosts, or, when it lives on
+        one host, over the job's other live hosts (other nodes first)."""
+        return host_backup_peers(self.placement, self.host_of, stage_id, self.opts.backup_factor,
+                                 self._chain_hosts(), self.nodes)
+
+    def _chain_hosts(self, transfers: list[Transfer] = ()) -> list[int]:
+        """The hosts a one-host stage may back up to: every live one (and migrations' new hosts)."""
+        return sorted(self.alive | {t.host for t in transfers if t.host is not None})
+
+    def _one_host_stages(self) -> set[int]:
+        """Stages whose containers all sit on one host: their backups live on other stages' hosts,
+        so a host that dies or is released may hold them."""
+        return {st for st, ids in self.placement.containers.items() if len({self.host_of[c] for c in ids}) == 1}
+
     async def _retarget_backups(self, stages: set[int], tolerate_dead: bool = True) -> None:
         """Re-plan the backup chain of ``stages`` over their hosts as they are now (each slice's
         next checkpoint is a full one: the new peers hold no chain)."""
         calls = []
         for st in sorted(stages):
-            hosts = self._stage_hosts(st)
-            for c, peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).items():
+            for c, peers in self._backup_chain(st).items():
+                hosts = {**self._stage_hosts(st), **{h: self.handles[h] for ps in peers.values() for h in ps}}
                 calls.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
         await asyncio.gather(*calls, return_exceptions=tolerate_dead)
 
@@ -765,8 +782,8 @@ class JobMaster:
             log.warning("migration interrupted: %s", exc)
             self._event("migration_interrupted", error=str(exc))
             await self._settle_migration(transfers)
-        await self._retarget_backups({sid})
         released = await self._release_idle_hosts()
+        await self._retarget_backups({sid} | (self._one_host_stages() if released else set()))
         self._save_layout()
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,
@@ -826,7 +843,8 @@ class JobMaster:
         # peer before their sources release them (``_await_off_host_backups``).
         peers_after: dict[int, dict[int, list[int]]] = {}
         if self.opts.checkpointing and self.opts.backup_factor and not stop_copy:
-            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor)
+            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor,
+                                             self._chain_hosts(transfers), self.nodes)
         infos = dict(zip(groups, await asyncio.gather(*[self._add_container(
             new_id, sid, slices_of(group), peers_after.get(new_id, {}),
             {s: [(group[0].host, self.handles[group[0].host])] for s in slices_of(group)})
@@ -896,7 +914,8 @@ class JobMaster:
         await self._accept_new_senders(sid, groups)
         peers_after: dict[int, dict[int, list[int]]] = {}
         if self.opts.checkpointing and self.opts.backup_factor:
-            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor)
+            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor,
+                                             self._chain_hosts(transfers), self.nodes)
         await asyncio.gather(*[self._add_container(new_id, sid, [], peers_after.get(new_id, {}),
                                                    hand_over_from=[t.source for t in group])
                                for new_id, group in groups.items()])
@@ -967,7 +986,7 @@ class JobMaster:
         if not self.opts.checkpointing:
             return 0.0  # no checkpoint rounds will come (a backup it holds is a migration's snapshot)
         t0 = time.monotonic()
-        peers = host_backup_peers(self.placement, self.host_of, sid, self.opts.backup_factor)
+        peers = self._backup_chain(sid)
         hosts = sorted({t.host for t in transfers if t.host is not None})
         src_hosts = sorted({self.host_of[t.source] for t in transfers})
         goals: dict[int, tuple[list[int], int]] | None = None
@@ -1355,7 +1374,7 @@ class JobMaster:
         """Stage id -> slice -> the hosts that should hold its backups (the chain)."""
         out: dict[int, dict[int, list[int]]] = {}
         for st in self.placement.containers:
-            for peers in host_backup_peers(self.placement, self.host_of, st, self.opts.backup_factor).values():
+            for peers in self._backup_chain(st).values():
                 out.setdefault(st, {}).update(peers)
         return out
 

@@ -117,7 +117,7 @@ class LocalCluster:
             self.stores = {h: BackupStore(self.root / f"host-{h}" / "backups", merge_every=merge_every) for h in ids}
         self.cores: dict[int, ContainerCore] = {}
         for stage_id in placement.containers:
-            peers = host_backup_peers(placement, self.hosts, stage_id, backup_factor) if self.fault_tolerant else {}
+            peers = self._backup_chain(stage_id) if self.fault_tolerant else {}
             for c in placement.containers[stage_id]:
                 self.cores[c] = self._core(c, None, peers.get(c))
         self.in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
@@ -515,10 +515,7 @@ class LocalCluster:
     def _finish_migrations(self) -> None:
         stages = sorted({t.stage_id for t in self.migrations})
         if self.fault_tolerant:
-            for st in stages:
-                for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
-                    if c in self.cores and self.cores[c].checkpointer is not None:
-                        self.cores[c].checkpointer.retarget(peers)
+            self._retarget(set(stages))
         self._event("migration_end", transfers=[(t.source, t.new_id, t.slices, t.phase.value, t.pause_ms)
                                                  for t in self.migrations])
         self.migrated += self.migrations
@@ -589,7 +586,8 @@ class LocalCluster:
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
                              self.checkpointed, self.recompute_lost,
                              {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
-                             restore_floor(self.plan, self.gc_marks), max(2, 2 * self.checkpoint_every))
+                             restore_floor(self.plan, self.gc_marks), max(2, 2 * self.checkpoint_every),
+                             {st.stage_id for st in self.plan.stages if st.kind == "source"})
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # no live container left in the stage: a new host
@@ -623,17 +621,26 @@ class LocalCluster:
                         self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
             self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
                         resume_epoch=core.next_epoch)
-        if self.fault_tolerant:
-            for st in stages:
-                for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
-                    if self.cores[c].checkpointer is not None:
-                        self.cores[c].checkpointer.retarget(peers)
+        if self.fault_tolerant:  # one-host stages too: a dead host may have held their backups
+            self._retarget(set(stages) | {st for st, ids in self.placement.containers.items()
+                                          if len({self.hosts[c] for c in ids}) == 1})
+
+    def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
+        """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""
+        return host_backup_peers(self.placement, self.hosts, stage_id, self.backup_factor, sorted(self.alive))
+
+    def _retarget(self, stages: set[int]) -> None:
+        """Re-plan the backup chains of ``stages`` over the hosts as they are now."""
+        for st in sorted(stages):
+            for c, peers in self._backup_chain(st).items():
+                if c in self.cores and self.cores[c].checkpointer is not None:
+                    self.cores[c].checkpointer.retarget(peers)
 
     def chain_order(self, lost: dict[int, tuple[int, list[int]]]) -> dict[tuple[int, int], list[int]]:
         """(stage, slice) -> its backup hosts in chain order (l = 1 first), as they were shipped to."""
         out = {}
         for st in {st for st, _ in lost.values()}:
-            for c, peers in host_backup_peers(self.placement, self.hosts, st, self.backup_factor).items():
+            for c, peers in self._backup_chain(st).items():
                 out.update({(st, s): hs for s, hs in peers.items()})
         return out
 

@@ -52,7 +52,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from chronostream.errors import QueryError
 
@@ -296,7 +296,8 @@ def group_transfers(moves: list[tuple[int, int, int]], container_of: dict[int, i
 
 
 def backup_peers_after(placement: Any, host_of: dict[int, int], transfers: list[Transfer], stage_id: int,
-                       backup_factor: int) -> dict[int, dict[int, list[int]]]:
+                       backup_factor: int, job_hosts: Sequence[int] = (),
+                       node_of: dict[int, str] | None = None) -> dict[int, dict[int, list[int]]]:
     """``master.recovery.host_backup_peers`` of the placement as it will be once every transfer is done:
     what each new container's slices get as backup peers from the start (``backed_up_off_host``)."""
     from master.recovery import host_backup_peers
@@ -304,7 +305,8 @@ def backup_peers_after(placement: Any, host_of: dict[int, int], transfers: list[
     after = copy.deepcopy(placement)
     for t in transfers:
         after.rehost(t.source, t.new_id, t.slices)
-    return host_backup_peers(after, {**host_of, **{t.new_id: t.host for t in transfers}}, stage_id, backup_factor)
+    return host_backup_peers(after, {**host_of, **{t.new_id: t.host for t in transfers}}, stage_id, backup_factor,
+                             job_hosts, node_of)
 
 
 def backed_up_off_host(t: Transfer, held: dict[int, dict[tuple[int, int], int]]) -> bool:

@@ -23,7 +23,7 @@ allows it; otherwise planning fails, naming the slice.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from chronostream.errors import RecoveryError
 
@@ -80,13 +80,15 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                   recompute_lost: bool = False, stage_names: dict[int, str] | None = None,
                   chain: dict[SliceKey, list[int]] | None = None,
                   damaged: dict[SliceKey, list[str]] | None = None,
-                  floor: dict[int, int] | None = None, slack: int = 0) -> list[Adoption]:
+                  floor: dict[int, int] | None = None, slack: int = 0,
+                  rebuildable: set[int] | frozenset = frozenset()) -> list[Adoption]:
     """Plan the adoption of every slice of the ``lost`` containers.
 
     ``lost``: dead container -> (stage, slices); ``backups``: (stage, slice)
     -> [(holder, epoch)] over live holders; ``live``: stage -> its live
-    containers (candidate hosts); ``checkpointed``: slices known to have
-    shipped a checkpoint (their loss of every copy is an error unless
+    hosts (the candidates; a stage with none left is adopted by the live
+    holders of its backups, or, with none, by a new host: ``Adoption.host``
+    None); ``checkpointed``: slices known to have shipped a checkpoint (their loss of every copy is an error unless
     ``recompute_lost``); ``chain``: each slice's backup holders in chain
     order, to break ties: the l = 1 holders of a container's slices are
     all different peers, so preferring them spreads the work; ``damaged``:
@@ -96,7 +98,8 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     it by GC); when it is known, a holder whose backup is at most ``slack``
     epochs older than the newest (a checkpoint still being shipped when the
     container died) is as good a candidate: it costs a little more replay
-    and keeps recovery parallel.
+    and keeps recovery parallel. Stages in ``rebuildable`` (sources: their input is still there,
+    and they need no upstream log) are rebuilt from the start when every copy is lost.
 
     >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
     >>> [(a.new_id, a.host, a.slices) for a in plan]
@@ -121,13 +124,13 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                 # (a dead container's slices spread over all its peers), then the newest.
                 order = (chain or {}).get((stage, s), [])
                 rank = {h: i for i, h in enumerate(order)}
-                host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h)) \
-                    if hosts else None
-                if host is not None:  # the chosen copy first, then the others newest first
-                    copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
+                # A stage with no live host left (it lived on one: its backups are on other
+                # stages' hosts) is adopted by a holder too: restored where its copy is.
+                host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h))
+                copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
             else:
                 bad = (damaged or {}).get((stage, s), [])
-                if ((stage, s) in checkpointed or bad) and not recompute_lost:
+                if ((stage, s) in checkpointed or bad) and not recompute_lost and stage not in rebuildable:
                     why = (f"damaged: {'; '.join(bad)}" if bad
                            else f"container {dead} and all its backup holders died")
                     raise BackupsLost(f"every backup of stage {names.get(stage, stage)!r} slice {s} is lost ({why}); "
@@ -167,19 +170,53 @@ def live_hosts(placement, hosts: dict[int, int], alive: set[int]) -> dict[int, l
     return {st: sorted({hosts[c] for c in ids if hosts[c] in alive}) for st, ids in placement.containers.items()}
 
 
-def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_factor: int) -> dict[int, dict[int, list[int]]]:
+def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_factor: int,
+                      job_hosts: Sequence[int] = (), node_of: dict[int, str] | None = None
+                      ) -> dict[int, dict[int, list[int]]]:
     """Container of ``stage_id`` -> slice -> the hosts that keep its backups (the chain over hosts).
 
     After a recovery one host may run several containers of a stage, so the
     chain is laid over hosts (each with the union of its containers' slices).
+    A stage on one host has no peer of its own: its slices are chained over
+    ``job_hosts`` (the job's live hosts; ``off_stage_backup_hosts`` orders
+    them), so its host's death is a restore from a backup, not a rebuild from
+    epoch 0. Without ``job_hosts`` such a stage has no backups.
+
+    >>> import numpy as np
+    >>> from master.placement import Placement
+    >>> p = Placement({0: [5]}, {0: np.array([5, 5, 5])}, {5: 0})
+    >>> host_backup_peers(p, {5: 5}, 0, 1, job_hosts=[2, 5, 7, 9])
+    {5: {0: [7], 1: [9], 2: [2]}}
     """
-    from master.backups import backup_plan
+    from master.backups import backup_plan, chained_backup_peers
 
     by_host: dict[int, list[int]] = {}
     for c in placement.containers[stage_id]:
         by_host.setdefault(hosts[c], []).extend(placement.slices_of(c))
-    chain = backup_plan(sorted(by_host), by_host, backup_factor)
+    if len(by_host) == 1 and any(h not in by_host for h in job_hosts):
+        (home, slices), = by_host.items()
+        others = off_stage_backup_hosts(home, job_hosts, node_of)
+        chain = {s: chained_backup_peers(m - 1, others, backup_factor) for m, s in enumerate(sorted(slices))}
+    else:
+        chain = backup_plan(sorted(by_host), by_host, backup_factor)
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
+
+
+def off_stage_backup_hosts(home: int, job_hosts: Sequence[int], node_of: dict[int, str] | None = None) -> list[int]:
+    """The hosts a stage living on ``home`` alone backs up to: every other host, those on
+    another node first (a backup on ``home``'s node dies with it), each group in id order
+    starting after ``home`` (so stages on different hosts spread their backups).
+
+    >>> off_stage_backup_hosts(5, [2, 5, 7, 9])
+    [7, 9, 2]
+    >>> off_stage_backup_hosts(5, [2, 5, 7, 9], {2: "a", 5: "a", 7: "a", 9: "b"})
+    [9, 7, 2]
+    """
+    others = sorted(h for h in set(job_hosts) if h != home)
+    others = [h for h in others if h > home] + [h for h in others if h < home]
+    if node_of:
+        others.sort(key=lambda h: node_of.get(h) is not None and node_of.get(h) == node_of.get(home))
+    return others
 
 
 def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]]) -> dict[int, int]:

@@ -273,3 +273,21 @@ def test_a_checkpoint_that_reached_only_one_of_its_peers_when_its_container_died
     cl.run(faults={5: arm})
     assert cl.cores.get(victim) is None and any(k == "recovery_end" for _, k, _ in cl.timeline)
     assert_equals_serial("running_sum", cl)
+
+
+@pytest.mark.parametrize("kind", ["operator", "source"])
+def test_a_stage_on_one_host_is_restored_from_a_backup_on_another_stages_host(kind):
+    """A stage with one container has no peer of its own: its slices are backed up to the job's
+    other hosts (``host_backup_peers``), so its host's death is a restore where a copy is and a
+    replay from the checkpoint, not a rebuild from epoch 0 (a source re-reading its input)."""
+    cl = cluster("running_sum", containers={"payments": 1, "running_sum": 1, "stats": 2})
+    stage = next(st for st in cl.plan.stages if st.kind == kind)
+    (victim,) = cl.placement.containers[stage.stage_id]
+    cl.run(kills={12: [cl.hosts[victim]]})
+    starts = [info for _, k, info in cl.timeline if k == "recovery_start"]
+    ends = [info for _, k, info in cl.timeline if k == "recovery_end"]
+    adopters = {info["host"] for info in starts}
+    assert adopters <= cl.alive and len(adopters) > 1, "live holders on other hosts rebuild a share each"
+    assert sorted(s for info in starts for s in info["slices"]) == list(range(stage.num_slices))
+    assert all(info["resume_epoch"] > 2 for info in ends), "resumed after a checkpoint, not from epoch 0"
+    assert_equals_serial("running_sum", cl)

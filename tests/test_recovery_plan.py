@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from master.recovery import plan_recovery
+import pytest
+
+from master.recovery import BackupsLost, plan_recovery
 
 # Dead container 0 of stage 1 had slices 0..3; hosts 1 and 2 hold their backups.
 LOST = {0: (1, [0, 1, 2, 3])}
@@ -42,3 +44,26 @@ def test_a_backup_older_than_the_gc_floor_is_never_chosen():
     backups = {(1, s): [(1, 8), (2, 6)] for s in range(4)}
     plan = plan_recovery(LOST, backups, LIVE, 10, floor={1: 7}, slack=4)
     assert set(hosts_by_slice(plan).values()) == {1}
+
+
+def test_a_stage_with_no_live_host_is_adopted_by_the_holders_of_its_backups():
+    """A stage that lived on one host backs up to other stages' hosts (``host_backup_peers``):
+    when that host dies the holders restore it where the copies are, spread over them."""
+    backups = {(1, s): [(5, 8), (6, 8)] for s in range(4)}
+    plan = plan_recovery(LOST, backups, {1: []}, 10)
+    assert sorted(hosts_by_slice(plan).values()) == [5, 5, 6, 6]
+    assert all(a.epochs[s] == 8 and a.holders[s][0] == a.host for a in plan for s in a.slices)
+
+
+def test_a_stage_with_no_live_host_and_no_backup_gets_a_new_host():
+    plan = plan_recovery(LOST, {}, {1: []}, 10)
+    assert set(hosts_by_slice(plan).values()) == {None}
+    assert all(a.epochs[s] == -1 for a in plan for s in a.slices), "rebuilt from the start"
+
+
+def test_a_source_whose_every_backup_is_lost_is_rebuilt_from_the_start():
+    """A source re-reads its input and needs no upstream log: losing every copy is no error."""
+    with pytest.raises(BackupsLost, match="slice 0"):
+        plan_recovery(LOST, {}, LIVE, 10, checkpointed={(1, s) for s in range(4)})
+    plan = plan_recovery(LOST, {}, LIVE, 10, checkpointed={(1, s) for s in range(4)}, rebuildable={1})
+    assert all(a.epochs[s] == -1 and a.holders[s] == [] for a in plan for s in a.slices)

@@ -44,6 +44,18 @@ def test_a_killed_container_is_rebuilt_in_parallel_by_its_peers_and_the_output_i
     print(report.format_timeline())
 
 
+@pytest.mark.parametrize("stage", ["running_sum", "payments"])
+def test_a_stage_on_one_host_is_restored_from_its_backups_on_other_stages_hosts(ray_session, stage):
+    """A one-container stage chains its backups over the job's other hosts: its host's death is a
+    parallel restore on them from a checkpoint (a source does not re-read its input from epoch 0)."""
+    report = run_with_faults(query(), [SLOW_SOURCE, Fault("kill", at_epoch=15, stage=stage)],
+                             containers={"payments": 1, "running_sum": 1, "stats": 2}, checkpoint_every=2)
+    assert report.ok, report.mismatches
+    starts = [i for _, k, i in report.timeline if k == "recovery_start"]
+    assert len({i["host"] for i in starts}) > 1, report.format_timeline()
+    assert all(e >= 2 for i in starts for e in i["backup_epochs"].values()), report.format_timeline()
+
+
 def test_two_containers_killed_at_once_recover_with_backup_factor_two(ray_session):
     report = run_with_faults(query(), [SLOW_SOURCE, Fault("kill_two", at_epoch=12, stage="stats")],
                              containers={"payments": 1, "running_sum": 2, "stats": 3}, checkpoint_every=2,
