@@ -11,8 +11,17 @@ recovery timeline and report, per configuration:
 - ``detect_s``: from the kill to its detection by the master;
 - ``restore_s``: the slowest host's restore of its share (fetch + decode + load);
 - ``fetch_s``: of which reading (or receiving) and decoding the checkpoints;
+- ``caught_up_s``: from the kill until every container of the stage has
+  processed the epoch the kill came at again (restore plus replay: what
+  the job lost);
 - ``lost_mb``: size of the checkpoints the dead container's slices were
   restored from (what had to be rebuilt).
+
+``--peers 0`` runs the stage on one host: its backups are chained over the
+job's other host (the source's), which rebuilds it; ``--backup-factor 0``
+turns them off, so the dead slices are rebuilt from epoch 0 by replaying
+the source's whole output log, as every one-host stage was before the
+fifteenth session (2026-11-26).
 
 Lost state is set by ``--sizes`` (MB of the dead container's share; the
 job's total state is ``(peers + 1)`` times that). Machines here have 2 cores
@@ -21,10 +30,13 @@ ratios between peer counts are the point.
 
     python -m benchmarks.recovery --json                       # 25 and 100 MB, 1-3 peers, K = 4
     python -m benchmarks.recovery --json --sizes 100,500 --intervals 2,8
+    python -m benchmarks.recovery --json --sizes 100 --peers 0 --backup-factor 1   # then 0: from epoch 0
 """
 
 from __future__ import annotations
 
+
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -50,17 +62,33 @@ def make_query(n_keys: int, update_epochs: int, seed: int = 3) -> cs.Query:
     return q
 
 
-def one_run(lost_mb: int, peers: int, interval: int) -> dict:
+def caught_up_at(job: cs.Job, stage: str, epoch: int, timeout_s: float = 900.0) -> float:
+    """When every container of ``stage`` has processed ``epoch`` (polled every 50 ms; the job's
+    end counts too)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = [s for s in job.statistics().values() if s.stage == stage]
+        if stats and all(s.next_epoch > epoch or (s.num_epochs is not None and s.next_epoch >= s.num_epochs)
+                         for s in stats):
+            return time.time()
+        time.sleep(0.05)
+    raise TimeoutError(f"stage {stage!r} did not process epoch {epoch} again within {timeout_s} s")
+
+
+def one_run(lost_mb: int, peers: int, interval: int, backup_factor: int | None = None) -> dict:
     n_keys = lost_mb * 1_000_000 * (peers + 1) // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     query = make_query(n_keys, update_epochs=load_epochs + 40)
+    if backup_factor is None:
+        backup_factor = min(2, peers) or 1  # (one host: its one copy on the source's host)
     job = cs.run(query, containers={"events": 1, "agg": peers + 1}, checkpoint_every=interval,
-                 full_checkpoint_every=1000, backup_factor=min(2, peers))
+                 full_checkpoint_every=1000, backup_factor=backup_factor)
     try:
         kill_at = load_epochs + 2 * interval + 2  # the state is loaded and checkpointed
         applied = apply_schedule(job, [Fault("delay", 0, stage="events", seconds=0.15),
                                        Fault("kill", kill_at, stage="agg")],
                                  timeout_s=3600)  # loading 1 GB per container takes minutes here
+        caught_up = caught_up_at(job, "agg", kill_at) if any(f.kind == "kill" for _, f, _ in applied) else 0.0
         job.wait(timeout_s=900)
         timeline = job.timeline()
     finally:
@@ -76,6 +104,7 @@ def one_run(lost_mb: int, peers: int, interval: int) -> dict:
     firsts = [t for t, k, i in timeline if k == "first_output" and i["container"] in recovered]
     n_slices = sum(len(i["slices"]) for i in restored)
     return {"recovery_s": max(firsts) - t_kill if len(firsts) == n_slices else float("nan"),
+            "caught_up_s": caught_up - t_kill,
             "detect_s": detect - t_kill, "restore_s": max(i["seconds"] for i in restored),
             "fetch_s": max(i.get("fetch_s", 0.0) for i in restored),
             "lost_mb": sum(i.get("mb", 0.0) for i in restored), "hosts": len({i["host"] for i in restored})}
@@ -86,6 +115,8 @@ def main() -> None:
     p.add_argument("--sizes", default="25,100", help="lost state in MB, comma-separated")
     p.add_argument("--peers", default="1,2,3", help="recovering peers, comma-separated")
     p.add_argument("--intervals", default="4", help="checkpoint intervals in epochs, comma-separated")
+    p.add_argument("--backup-factor", type=int, default=None,
+                   help="copies per slice (default: min(2, peers), 1 with --peers 0)")
     args = p.parse_args()
     sizes = [10] if args.quick else [int(x) for x in args.sizes.split(",")]
     peer_counts = [1, 2] if args.quick else [int(x) for x in args.peers.split(",")]
@@ -96,11 +127,14 @@ def main() -> None:
     for mb in sizes:
         for interval in intervals:
             for peers in peer_counts:
-                runs = [one_run(mb, peers, interval) for _ in range(repeat)]
+                runs = [one_run(mb, peers, interval, args.backup_factor) for _ in range(repeat)]
                 rows.append({"lost_mb": round(median([r["lost_mb"] for r in runs]), 1), "target_mb": mb,
                              "peers": peers, "interval_epochs": interval,
                              "interval_s": round(interval * 0.15, 2),
+                             "backup_factor": args.backup_factor if args.backup_factor is not None
+                             else min(2, peers) or 1,
                              "recovery_s": round(median([r["recovery_s"] for r in runs]), 3),
+                             "caught_up_s": round(median([r["caught_up_s"] for r in runs]), 3),
                              "detect_s": round(median([r["detect_s"] for r in runs]), 3),
                              "restore_s": round(median([r["restore_s"] for r in runs]), 3),
                              "fetch_s": round(median([r["fetch_s"] for r in runs]), 3),
