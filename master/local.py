@@ -228,7 +228,7 @@ class LocalCluster:
     def _ship(self, backups: list[tuple[int, int, list[bytes]]]) -> None:
         for peer, sender, blobs in backups:
             if peer in self.alive:
-                refused = [k[1] for k in (self.stores[peer].put(b) for b in blobs) if k is not None]
+                refused = [k[1] for k in (self._store(peer).put(b) for b in blobs) if k is not None]
                 if refused and sender in self.cores and self.cores[sender].checkpointer is not None:
                     self.cores[sender].checkpointer.force_full(refused)
                 if sender in self.cores:
@@ -594,7 +594,7 @@ class LocalCluster:
                 a.host = self.next_id
                 self.next_id += 1
                 self.alive.add(a.host)
-                self.stores[a.host] = BackupStore(self.root / f"host-{a.host}" / "backups", merge_every=self.merge_every)
+                self._store(a.host)
             self.hosts[a.new_id] = a.host
         stages = sorted({a.stage_id for a in plan})
         for a in plan:

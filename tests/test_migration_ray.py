@@ -307,6 +307,23 @@ def test_scaling_requested_while_a_container_dies_still_gives_the_serial_output(
         job.stop()
 
 
+def test_a_stage_scaled_in_to_one_host_is_backed_up_off_it_and_its_death_restores_it_there(ray_session):
+    """After the scale-in the stage has no peer of its own: its chain moves to the job's other
+    hosts (re-planned once the drained host is released). Its host then dies: those hosts restore
+    every slice from a checkpoint taken after the scale-in, and the output is exact."""
+    faults = [SLOW_SOURCE, Fault("scale_in", 10, "running_sum", n=1), Fault("kill", 40, "running_sum")]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 2},
+                             checkpoint_every=2)
+    assert report.ok, report.mismatches
+    assert len(report.applied) == 3, report.format_timeline()
+    (scaled_in,) = migrations(report)
+    assert len(scaled_in["released_hosts"]) == 1
+    starts = [i for _, k, i in report.timeline if k == "recovery_start"]
+    assert sorted(s for i in starts for s in i["slices"]) == list(range(6)), report.format_timeline()
+    assert len({i["host"] for i in starts}) > 1, "the other stages' hosts rebuild a share each (no new host)"
+    assert all(e > 10 for i in starts for e in i["backup_epochs"].values()), report.format_timeline()
+
+
 def test_bad_scaling_requests_are_refused_with_a_clear_error(ray_session):
     job = cs.run(query(2000), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
