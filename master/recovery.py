@@ -11,13 +11,15 @@ way (see docs/design.md, "Recovery"):
    id per (dead container, host) pair;
 3. every producer of the stage reroutes the slices and replays its output
    log from the restored progress vectors (``ContainerCore.reroute``);
-4. backups are re-planned over the stage's live containers.
+4. backups are re-planned over the stage's live hosts (and those of
+   every stage on one host, whose copies live on other stages' hosts).
 
 Slices are spread so that each peer holding a backup rebuilds a share:
 recovery is parallel. A slice with no backup anywhere is rebuilt from the
 start (replaying upstream output logs from epoch 0) when it never had a
-checkpoint (a single-container stage has no backup peers) or when the job
-allows it; otherwise planning fails, naming the slice.
+checkpoint (a job with one host has no backup peers), when it is a
+source's, or when the job allows it; otherwise planning fails, naming the
+slice.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     -> [(holder, epoch)] over live holders; ``live``: stage -> its live
     hosts (the candidates; a stage with none left is adopted by the live
     holders of its backups, or, with none, by a new host: ``Adoption.host``
-    None); ``checkpointed``: slices known to have shipped a checkpoint (their loss of every copy is an error unless
-    ``recompute_lost``); ``chain``: each slice's backup holders in chain
+    None); ``checkpointed``: slices known to have shipped a checkpoint
+    (their loss of every copy is an error unless ``recompute_lost``, or
+    the stage is ``rebuildable``); ``chain``: each slice's backup holders in chain
     order, to break ties: the l = 1 holders of a container's slices are
     all different peers, so preferring them spreads the work; ``damaged``:
     checkpoints refused by their checksum, named in the error when no
@@ -98,8 +101,9 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     it by GC); when it is known, a holder whose backup is at most ``slack``
     epochs older than the newest (a checkpoint still being shipped when the
     container died) is as good a candidate: it costs a little more replay
-    and keeps recovery parallel. Stages in ``rebuildable`` (sources: their input is still there,
-    and they need no upstream log) are rebuilt from the start when every copy is lost.
+    and keeps recovery parallel. Stages in ``rebuildable`` (sources: their
+    input is still there, and they need no upstream log) are rebuilt from
+    the start when every copy is lost.
 
     >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
     >>> [(a.new_id, a.host, a.slices) for a in plan]
