@@ -16,10 +16,12 @@ import chronostream as cs
 from queries import QUERIES
 
 
-def kill_a_node(cluster: Cluster, master_dies_at: str | None = None) -> None:
+def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: bool = False) -> None:
     """A job on 3 nodes loses a worker node mid-stream (its processes and local stores); with
     ``master_dies_at`` (a ``master.recovery.RECOVERY_STEPS`` step) the master's process dies
-    there in that recovery too."""
+    there in that recovery too. With ``one_host`` the source and ``running_sum`` run one
+    container each (on two nodes) and the node lost is one of theirs: that stage's slices must
+    come back from copies on other nodes (``restored_from_backup``)."""
     import shutil
     import time
     from pathlib import Path
@@ -29,7 +31,8 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None) -> None:
     build, sinks, _ = QUERIES["running_sum"]
     query = build(7)
     query.epoch_events = 40
-    job = cs.run(query, containers=3, address=cluster.address, checkpoint_every=2, heartbeat_timeout_s=5)
+    containers = {"payments": 1, "running_sum": 1, "stats": 3} if one_host else 3
+    job = cs.run(query, containers=containers, address=cluster.address, checkpoint_every=2, heartbeat_timeout_s=5)
     apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.08)])
     while job.progress()["min_epoch"] < 20:
         time.sleep(0.05)
@@ -40,6 +43,16 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None) -> None:
     if master_dies_at is not None:
         ray.get(job.master.crash_in_recovery.remote(master_dies_at))
     placement = job.placement()
+    one_host_stage = None
+    if one_host:  # (the two one-host stages sit on different nodes: at least one is a worker)
+        worker_ids = {n.node_id: n for n in workers}
+
+        def node_of(stage: str) -> str:
+            (c,) = placement["stages"][stage]
+            return placement["nodes"][placement["hosts"][c]]
+
+        one_host_stage = next(name for name in ("running_sum", "payments") if node_of(name) in worker_ids)
+        victim = worker_ids[node_of(one_host_stage)]
     lost = sorted(h for h, node in placement["nodes"].items() if node == victim.node_id)
     cluster.remove_node(victim)
     workdir = Path(job.workdir)
@@ -48,10 +61,18 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None) -> None:
     job.wait(timeout_s=300)
     same = all(job.results(s).to_pylist() == cs.run(build(7), executor="serial").results(s).to_pylist()
                for s in sinks)
-    kinds = [k for _, k, _ in job.timeline()]
+    timeline = job.timeline()
+    kinds = [k for _, k, _ in timeline]
+    restored_from_backup = None
+    if one_host_stage is not None:
+        gone = set(placement["stages"][one_host_stage])
+        epochs = [e for _, k, i in timeline if k == "recovery_start" and i["container"] in gone
+                  for e in i["backup_epochs"].values()]
+        restored_from_backup = bool(epochs) and min(epochs) >= 0
     job.stop()
     print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end"),
-                      "resumed": kinds.count("recovery_resumed"), "crashes": kinds.count("master_crash_injected")}))
+                      "resumed": kinds.count("recovery_resumed"), "crashes": kinds.count("master_crash_injected"),
+                      "one_host_stage": one_host_stage, "restored_from_backup": restored_from_backup}))
 
 
 def main() -> None:
@@ -63,7 +84,8 @@ def main() -> None:
     ray.init(address=cluster.address, logging_level="WARNING", namespace=cs.client.RAY_NAMESPACE)
     if sys.argv[1:2] == ["kill-node"]:
         try:
-            kill_a_node(cluster, sys.argv[2] if len(sys.argv) > 2 else None)
+            arg = sys.argv[2] if len(sys.argv) > 2 else None
+            kill_a_node(cluster, None if arg == "one-host" else arg, one_host=arg == "one-host")
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -53,3 +53,12 @@ def test_a_master_dying_in_a_node_loss_recovery_finishes_it_once_restarted():
     assert verdict["crashes"] == 1 and verdict["resumed"] == 1, verdict
     assert verdict["lost_hosts"] == 3 and verdict["recoveries"] >= 1
     assert verdict["equal"] is True
+
+
+def test_a_node_loss_restores_a_one_host_stage_from_its_copies_on_other_nodes():
+    """A stage with one container backs up to hosts on other nodes first; the node running it is
+    removed (with its local stores): its slices come back from checkpoints, not from epoch 0."""
+    verdict = run_node_kill("one-host")
+    assert verdict["one_host_stage"] in ("running_sum", "payments")
+    assert verdict["restored_from_backup"] is True, verdict
+    assert verdict["equal"] is True
