@@ -75,12 +75,15 @@ def caught_up_at(job: cs.Job, stage: str, epoch: int, timeout_s: float = 900.0) 
     raise TimeoutError(f"stage {stage!r} did not process epoch {epoch} again within {timeout_s} s")
 
 
-def one_run(lost_mb: int, peers: int, interval: int, backup_factor: int | None = None) -> dict:
+def default_backup_factor(peers: int) -> int:
+    """Copies per slice: one per peer up to 2; with no peer (one host) one, on the source's host."""
+    return min(2, peers) or 1
+
+
+def one_run(lost_mb: int, peers: int, interval: int, backup_factor: int) -> dict:
     n_keys = lost_mb * 1_000_000 * (peers + 1) // AGGREGATE_BYTES_PER_KEY
     load_epochs = -(-n_keys // EPOCH)
     query = make_query(n_keys, update_epochs=load_epochs + 40)
-    if backup_factor is None:
-        backup_factor = min(2, peers) or 1  # (one host: its one copy on the source's host)
     job = cs.run(query, containers={"events": 1, "agg": peers + 1}, checkpoint_every=interval,
                  full_checkpoint_every=1000, backup_factor=backup_factor)
     try:
@@ -127,12 +130,12 @@ def main() -> None:
     for mb in sizes:
         for interval in intervals:
             for peers in peer_counts:
-                runs = [one_run(mb, peers, interval, args.backup_factor) for _ in range(repeat)]
+                factor = default_backup_factor(peers) if args.backup_factor is None else args.backup_factor
+                runs = [one_run(mb, peers, interval, factor) for _ in range(repeat)]
                 rows.append({"lost_mb": round(median([r["lost_mb"] for r in runs]), 1), "target_mb": mb,
                              "peers": peers, "interval_epochs": interval,
                              "interval_s": round(interval * 0.15, 2),
-                             "backup_factor": args.backup_factor if args.backup_factor is not None
-                             else min(2, peers) or 1,
+                             "backup_factor": factor,
                              "recovery_s": round(median([r["recovery_s"] for r in runs]), 3),
                              "caught_up_s": round(median([r["caught_up_s"] for r in runs]), 3),
                              "detect_s": round(median([r["detect_s"] for r in runs]), 3),

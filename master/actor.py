@@ -39,7 +39,8 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
-                             low_water_marks, plan_recovery, recovery_slack, restore_floor, restore_order)
+                             low_water_marks, one_host_stages, plan_recovery, rebuildable_stages, recovery_slack,
+                             restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -152,7 +153,8 @@ class JobMaster:
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
         await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
-        await self._retarget_backups({t.stage_id for t in transfers} | (self._one_host_stages() if released else set()))
+        await self._retarget_backups({t.stage_id for t in transfers}
+                                     | (one_host_stages(self.placement, self.host_of) if released else set()))
         self._save_layout()
         summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
                    "released_hosts": released, "seconds": 0.0, "reason": "settled by a restarted master"}
@@ -439,7 +441,7 @@ class JobMaster:
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
                              checkpointed, self.opts.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
                              chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts),
-                             {st.stage_id for st in self.plan.stages if st.kind == "source"})
+                             rebuildable_stages(self.plan))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         new_hosts = []
         for a in plan:
@@ -484,7 +486,8 @@ class JobMaster:
         self._at_step("rerouted", lost, every)
         # 4. Backups over the stages' hosts as they are now (full checkpoints follow), also of
         # one-host stages: a dead host may have held their backups.
-        await self._retarget_backups({a.stage_id for a in every} | self._one_host_stages(), tolerate_dead=False)
+        await self._retarget_backups({a.stage_id for a in every} | one_host_stages(self.placement, self.host_of),
+                                     tolerate_dead=False)
         return [(plan, epochs) for (plan, _), epochs in zip(runs, replayed)]
 
     async def _adopt(self, plan: list[Adoption], new_hosts: list[int], not_made: set[int]) -> list[dict[str, Any]]:
@@ -610,11 +613,6 @@ class JobMaster:
     def _chain_hosts(self, transfers: list[Transfer] = ()) -> list[int]:
         """The hosts a one-host stage may back up to: every live one (and migrations' new hosts)."""
         return sorted(self.alive | {t.host for t in transfers if t.host is not None})
-
-    def _one_host_stages(self) -> set[int]:
-        """Stages whose containers all sit on one host: their backups live on other stages' hosts,
-        so a host that dies or is released may hold them."""
-        return {st for st, ids in self.placement.containers.items() if len({self.host_of[c] for c in ids}) == 1}
 
     async def _retarget_backups(self, stages: set[int], tolerate_dead: bool = True) -> None:
         """Re-plan the backup chain of ``stages`` over their hosts as they are now (each slice's
@@ -783,7 +781,7 @@ class JobMaster:
             self._event("migration_interrupted", error=str(exc))
             await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
-        await self._retarget_backups({sid} | (self._one_host_stages() if released else set()))
+        await self._retarget_backups({sid} | (one_host_stages(self.placement, self.host_of) if released else set()))
         self._save_layout()
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,

@@ -35,8 +35,8 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of)
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
-from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, plan_recovery,
-                             restore_floor, restore_order)
+from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
+                             plan_recovery, rebuildable_stages, restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
 
@@ -587,7 +587,7 @@ class LocalCluster:
                              self.checkpointed, self.recompute_lost,
                              {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
                              restore_floor(self.plan, self.gc_marks), max(2, 2 * self.checkpoint_every),
-                             {st.stage_id for st in self.plan.stages if st.kind == "source"})
+                             rebuildable_stages(self.plan))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:
             if a.host is None:  # no live container left in the stage: a new host
@@ -622,8 +622,7 @@ class LocalCluster:
             self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
                         resume_epoch=core.next_epoch)
         if self.fault_tolerant:  # one-host stages too: a dead host may have held their backups
-            self._retarget(set(stages) | {st for st, ids in self.placement.containers.items()
-                                          if len({self.hosts[c] for c in ids}) == 1})
+            self._retarget(set(stages) | one_host_stages(self.placement, self.hosts))
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
         """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""

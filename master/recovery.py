@@ -154,6 +154,19 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     return adoptions
 
 
+def one_host_stages(placement, hosts: dict[int, int]) -> set[int]:
+    """Stages whose containers all sit on one host: their backups live on other stages' hosts
+    (``host_backup_peers``), so a host that dies or is released may hold them."""
+    return {st for st, ids in placement.containers.items() if len({hosts[c] for c in ids}) == 1}
+
+
+def rebuildable_stages(plan) -> set[int]:
+    """Stages whose slices can always be rebuilt from the start when every copy is lost
+    (``plan_recovery(rebuildable=...)``): sources, which re-read their input and need no
+    upstream log."""
+    return {st.stage_id for st in plan.stages if st.kind == "source"}
+
+
 def restore_order(holders: list[int], host: int | None) -> list[int]:
     """Holders to try for one slice: the host's own copy first (no transfer), then the others.
 
