@@ -17,11 +17,19 @@ and with every slice run alone (``alone_*``, groups turned off).
     python -m benchmarks.slices --json
     python -m benchmarks.slices --json --words 2000000 --epoch 65536
     python -m benchmarks.slices --json --counts 1,64 --repeat 9   # one ratio, more runs
+    python -m benchmarks.slices --json --chained   # a vectorized map after the count
+
+``--chained`` puts a stateless step after the count (``map_batches`` adding
+a column): a group runs it once over the group's output. Until 2026-11-27
+such a stage always ran slice by slice, as the ``alone_*`` figures do.
 """
 
 from __future__ import annotations
 
 import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 import chronostream as cs
 from benchmarks.common import emit, median, parser
@@ -31,17 +39,24 @@ from containers.core import ContainerCore
 COUNTS = (1, 2, 4, 8, 16, 64)
 
 
-def word_count(table, slices: int, epoch: int) -> cs.Query:
+def doubled_count(batch: pa.Table) -> pa.Table:
+    """The ``--chained`` step: the batch with a column ``twice`` = 2 x ``count``."""
+    return batch.append_column("twice", pc.multiply(batch["count"], 2))
+
+
+def word_count(table, slices: int, epoch: int, chained: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
-    the built-in ``count`` in ``slices`` slices (stage ``count``), into the memory sink ``counts``."""
+    the built-in ``count`` in ``slices`` slices (stage ``count``), into the memory sink ``counts``;
+    ``chained``: through ``doubled_count`` on the way."""
     q = cs.Query(epoch_events=epoch)
-    q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
-        .count(slices=slices, name="count").sink(name="counts")
+    counts = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
+        .count(slices=slices, name="count")
+    (counts.map_batches(doubled_count) if chained else counts).sink(name="counts")
     return q
 
 
-def one_run(table, slices: int, epoch: int, grouped: bool = True) -> float:
-    q = word_count(table, slices, epoch)
+def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False) -> float:
+    q = word_count(table, slices, epoch, chained)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -59,6 +74,7 @@ def main() -> None:
     p.add_argument("--epoch", type=int, default=4096, help="lines per epoch (default 4096)")
     p.add_argument("--counts", default=",".join(map(str, COUNTS)),
                    help="slice counts, comma-separated; 1 is always run (the baseline)")
+    p.add_argument("--chained", action="store_true", help="a vectorized map after the count")
     args = p.parse_args()
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
@@ -70,7 +86,7 @@ def main() -> None:
     configs = [(n, g) for n in counts for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
-            times[(n, g)].append(one_run(table, n, args.epoch, grouped=g))
+            times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -79,7 +95,8 @@ def main() -> None:
              "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1),
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
-    emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "rows": rows}, args.json)
+    emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "chained": args.chained,
+          "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

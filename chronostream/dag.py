@@ -146,9 +146,12 @@ class Stream:
         """Replace each event with the events ``fn(event)`` yields (zero or more)."""
         return self._derive(FlatMap(fn, schema))
 
-    # stateless, vectorized (the fast path)
+    # stateless, vectorized (the fast path). The ``fn`` of these must be row-wise: an output
+    # row depends on its own input row only. Which rows share a batch is the runtime's choice
+    # (a slice's rows of an epoch, or the rows of every slice a container runs as one group).
     def map_batches(self, fn: Callable[[pa.Table], pa.Table]) -> "Stream":
-        """Transform whole batches: ``fn(table) -> table`` with as many rows."""
+        """Transform whole batches: ``fn(table) -> table`` with as many rows, each computed
+        from its own input row (how rows are batched is not defined; see the comment above)."""
         return self._derive(MapBatches(fn))
 
     def filter_batches(self, fn: Callable[[pa.Table], Any]) -> "Stream":

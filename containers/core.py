@@ -196,7 +196,7 @@ class ContainerCore:
         self.reader: SourceReader | None = None
         self.threads = SliceThreads(list(self.slices), threads)  # vertical scaling (set_threads)
         # One vectorized pass per epoch for all local slices when the operator allows it.
-        self.group_slices = self.GROUP_SLICES and fuses(self.stage, plan)
+        self.group_slices = self.GROUP_SLICES and fuses(self.stage)
         self.grouped_epochs = 0  # epochs run as one group (tests and benchmarks read it)
         if self.stage.kind == "source":
             assert source_table is not None, f"source stage {self.stage.name} needs its input"

@@ -25,23 +25,38 @@ def _user_columns(table: pa.Table) -> list[str]:
     return [c for c in table.schema.names if not c.startswith("_")]
 
 
-def _with_lineage(out: pa.Table, order: np.ndarray, sub: np.ndarray) -> pa.Table:
+def _with_lineage(out: pa.Table, order: np.ndarray, sub: np.ndarray,
+                  carried: dict[str, np.ndarray] | None = None) -> pa.Table:
     out = out.drop_columns([c for c in (ORDER, SUB) if c in out.schema.names])
     out = out.append_column(ORDER, pa.array(order, pa.int64()))
-    return out.append_column(SUB, pa.array(sub, pa.int64()))
+    out = out.append_column(SUB, pa.array(sub, pa.int64()))
+    for name, values in (carried or {}).items():
+        out = out.append_column(name, pa.array(values))
+    return out
 
 
-def apply_chain(table: pa.Table, chain: tuple, on_error: ErrorHandler) -> pa.Table:
-    """Run ``chain`` over ``table`` (user columns + ``_order``/``_sub``)."""
+def apply_chain(table: pa.Table, chain: tuple, on_error: ErrorHandler, carry: tuple[str, ...] = ()) -> pa.Table:
+    """Run ``chain`` over ``table`` (user columns + ``_order``/``_sub``).
+
+    ``carry``: hidden columns that follow their row through every step (an
+    output row takes its parent row's value), as the lineage does; a slice
+    group carries each row's owning slice this way (``slices/group.py``).
+    """
     for step in chain:
         if table.num_rows == 0:
             # Keep going only to learn nothing; an empty batch stays empty.
             return table
-        table = _apply_step(table, step, on_error)
+        table = _apply_step(table, step, on_error, carry)
     return table
 
 
-def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Table:
+def _carried(table: pa.Table, carry: tuple[str, ...], rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The ``carry`` columns of ``table``, at ``rows`` (the parents of a step's output rows)."""
+    cols = {c: np.asarray(table.column(c)) for c in carry if c in table.schema.names}
+    return cols if rows is None else {c: v[rows] for c, v in cols.items()}
+
+
+def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler, carry: tuple[str, ...] = ()) -> pa.Table:
     order = np.asarray(table.column(ORDER))
     sub = np.asarray(table.column(SUB))
     if isinstance(step, (Map, Filter, FlatMap)):
@@ -65,7 +80,7 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Tab
                     on_error(table, i, exc)
             p = np.array(parents, dtype=np.int64)
             out = pa.Table.from_pylist(out_rows, schema=step.schema)
-            return _with_lineage(out, order[p], sub[p])
+            return _with_lineage(out, order[p], sub[p], _carried(table, carry, p))
         out_rows, parents, ks = [], [], []
         for i, r in enumerate(rows):
             try:
@@ -78,9 +93,10 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Tab
             ks.extend(range(len(produced)))
         p = np.array(parents, dtype=np.int64)
         out = pa.Table.from_pylist(out_rows, schema=step.schema)
-        return _with_lineage(out, order[p], extend_sub_order(sub[p], np.array(ks, dtype=np.int64)))
+        return _with_lineage(out, order[p], extend_sub_order(sub[p], np.array(ks, dtype=np.int64)),
+                             _carried(table, carry, p))
     try:
-        return _apply_batch_step(table, step, order, sub)
+        return _apply_batch_step(table, step, order, sub, carry)
     except Exception:  # noqa: BLE001 - user code: find the poison rows one by one
         pass
     # Vectorized transforms are row-wise by contract, so running them on one
@@ -89,7 +105,7 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Tab
     for i in range(table.num_rows):
         row = table.slice(i, 1)
         try:
-            parts.append(_apply_batch_step(row, step, order[i : i + 1], sub[i : i + 1]))
+            parts.append(_apply_batch_step(row, step, order[i : i + 1], sub[i : i + 1], carry))
         except Exception as exc:  # noqa: BLE001
             on_error(table, i, exc)
     parts = [p for p in parts if p.num_rows]
@@ -98,13 +114,14 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler) -> pa.Tab
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.ndarray) -> pa.Table:
+def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.ndarray,
+                      carry: tuple[str, ...] = ()) -> pa.Table:
     user = table.select(_user_columns(table))
     if isinstance(step, MapBatches):
         out = _as_table(step.fn(user))
         if out.num_rows != table.num_rows:
             raise ValueError(f"map_batches returned {out.num_rows} rows for {table.num_rows}")
-        return _with_lineage(out, order, sub)
+        return _with_lineage(out, order, sub, _carried(table, carry))
     if isinstance(step, FilterBatches):
         return table.filter(step.fn(user))
     if isinstance(step, FlatMapBatches):
@@ -121,7 +138,7 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
         start_pos = np.flatnonzero(starts)
         seg = np.cumsum(starts) - 1
         k = np.arange(len(p)) - start_pos[seg] if len(p) else np.zeros(0, np.int64)
-        return _with_lineage(out, order[p], extend_sub_order(sub[p], k))
+        return _with_lineage(out, order[p], extend_sub_order(sub[p], k), _carried(table, carry, p))
     raise TypeError(f"unknown transform {step!r}")
 
 

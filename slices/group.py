@@ -13,7 +13,9 @@ does those steps once for the container:
 2. merge, once: the admitted rows of every slice sorted by (slice, merge
    key) -- per slice exactly the order ``SliceRuntime`` gives it alone;
 3. one ``consume_slices`` call, each slice's operator owning its rows;
-4. number, once: ``_slice``/``out_seq`` per row from each slice's counter;
+4. each produced stream's stateless chain (``map``, ``filter``...), once over
+   every slice's output, each row's slice carried through the steps;
+5. number, once: ``_slice``/``out_seq`` per row from each slice's counter;
    each slice's output is a zero-copy slice of the one table.
 
 Results equal running each slice alone, row for row: slices stay the units
@@ -30,12 +32,16 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import JobPlan, StagePlan
+from chronostream.dag import StagePlan
 from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
+from slices.chain import apply_chain
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.slices")
+
+#: Hidden column that carries a group output row's owner (index in the group) through a chain.
+GROUP_OWNER = "_group_owner"
 
 
 def _single_input_operator(stage: StagePlan) -> type | None:
@@ -44,12 +50,11 @@ def _single_input_operator(stage: StagePlan) -> type | None:
     return stage.factory[0]  # type: ignore[index]
 
 
-def fuses(stage: StagePlan, plan: JobPlan) -> bool:
-    """Whether a stage's slices can run as one group: a fusing operator with one input,
-    and produced streams without stateless chains (those run per slice)."""
+def fuses(stage: StagePlan) -> bool:
+    """Whether a stage's slices can run as one group: a fusing operator with one input.
+    (Stateless chains on its produced streams run once over the group's output.)"""
     cls = _single_input_operator(stage)
-    return cls is not None and bool(cls.fuses_slices()) and \
-        all(not plan.streams[sid].chain for sid in stage.produced)
+    return cls is not None and bool(cls.fuses_slices())
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
@@ -135,7 +140,10 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         produced = outputs.get(runtimes[0].plan.streams[sid].output)
         if produced is None or produced[0].num_rows == 0:
             continue
-        _number(runtimes, sid, produced[0], np.asarray(produced[1]), results)
+        table, out_bounds = _chained(runtimes, runtimes[0].plan.streams[sid].chain, produced[0],
+                                     np.asarray(produced[1]))
+        if table.num_rows:
+            _number(runtimes, sid, table, out_bounds, results)
     # Busy time and counts per slice: its share of the group's rows.
     elapsed = time.perf_counter() - t0
     total = max(int(bounds[-1]), 1)
@@ -215,6 +223,30 @@ def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merge
         rerun[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
         rt.busy_s += time.perf_counter() - t1 + failed_s / len(ran)
     return {s: out for s, out in rerun.items() if out}
+
+
+def _chained(runtimes: list[SliceRuntime], chain: tuple, table: pa.Table,
+             bounds: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+    """A produced stream's stateless chain, run once over every slice's output (``bounds``
+    per slice), with each row's owner carried through; returns the rows and new bounds.
+
+    Transforms are row-wise, so this is each slice's chain run alone, rows in the same
+    order; a failing row is that slice's error or dead letter (``SliceRuntime._chain_error``).
+    """
+    if not chain:
+        return table, bounds
+    owner = np.repeat(np.arange(len(runtimes), dtype=np.int64), np.diff(bounds))
+
+    def owners_error(t: pa.Table, i: int, exc: BaseException) -> None:
+        runtimes[int(t.column(GROUP_OWNER)[i].as_py())]._chain_error(t, i, exc)
+
+    out = apply_chain(table.append_column(GROUP_OWNER, pa.array(owner)), chain, owners_error, carry=(GROUP_OWNER,))
+    owner = np.asarray(out.column(GROUP_OWNER)) if GROUP_OWNER in out.schema.names else np.zeros(0, np.int64)
+    if len(owner) > 1 and bool(np.any(owner[1:] < owner[:-1])):  # row-wise steps keep the order; be safe
+        by_owner = stable_argsort(owner)
+        out, owner = out.take(pa.array(by_owner)), owner[by_owner]
+    out = out.drop_columns([GROUP_OWNER]) if GROUP_OWNER in out.schema.names else out
+    return out, np.searchsorted(owner, np.arange(len(runtimes) + 1))
 
 
 def _number(runtimes: list[SliceRuntime], sid: int, table: pa.Table, out_bounds: np.ndarray,

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import chronostream as cs
 from chronostream.dag import compile_query
+from chronostream.errors import EventError
 from chronostream.hashing import hash_columns, slice_of
 from chronostream.keyindex import KeyCollision, KeyIndex, KeyIndexGroup
 from chronostream import operators
@@ -380,12 +381,24 @@ def test_grouped_merge_order_is_each_slices_merge_order():
 SLICES = 6
 
 
-def count_plan(dead_letters: bool = False, value_sum: bool = False):
+def poison_every_third_count(r: dict) -> list[dict]:
+    """A per-event chain step: raises on counts divisible by 3, else one or two rows."""
+    if r["count"] % 3 == 0:
+        raise ValueError(f"count {r['count']} of {r['w']!r}")
+    return [{"w": r["w"], "n": r["count"]}] * (1 + r["count"] % 2)
+
+
+def count_plan(dead_letters: bool = False, value_sum: bool = False, chained: bool = False):
     lines = pa.table({"w": ["a"], "v": pa.array([1], pa.int64())})
     q = cs.Query()
     keyed = q.source("s", lines, slices=1).key_by("w")
-    (keyed.aggregate(count=True, sum="v", slices=SLICES, name="agg") if value_sum
-     else keyed.count(slices=SLICES, name="agg")).sink(name="out")
+    out = (keyed.aggregate(count=True, sum="v", slices=SLICES, name="agg") if value_sum
+           else keyed.count(slices=SLICES, name="agg"))
+    if chained:  # vectorized and per-event steps, a filter and a fan-out
+        out = out.filter_batches(lambda t: pc.not_equal(t["w"], "w7")) \
+            .flat_map(poison_every_third_count, schema=pa.schema([("w", pa.string()), ("n", pa.int64())])) \
+            .map_batches(lambda t: t.append_column("n2", pc.multiply(t["n"], 2)))
+    out.sink(name="out")
     if dead_letters:
         q.dead_letters()
     plan, _ = compile_query(q)
@@ -429,7 +442,7 @@ def as_rows(outs):
 def test_a_group_epoch_equals_each_slice_alone_row_for_row():
     """Outputs per slice and stream (rows, _slice, _seq, lineage), counters and progress vectors."""
     plan, stage = count_plan()
-    assert fuses(stage, plan)
+    assert fuses(stage)
     rng = np.random.default_rng(3)
     vocab = [f"w{i}" for i in range(40)]
     epochs = [([vocab[i] for i in rng.integers(0, 40, 200)], [1] * 200) for _ in range(4)]
@@ -444,6 +457,24 @@ def test_a_group_epoch_equals_each_slice_alone_row_for_row():
 
 def rows_out(outs) -> int:
     return sum(t.num_rows for per in outs.values() for t in per.values())
+
+
+def test_a_chain_after_the_group_runs_once_and_equals_each_slices_chain_row_for_row():
+    """A filter, a per-event fan-out that raises on some rows, and a vectorized map after the
+    aggregate: run once over the group's output, each slice gets the rows, ``_seq`` numbers and
+    dead letters (naming it) that it gets running its chain alone."""
+    plan, stage = count_plan(dead_letters=True, chained=True)
+    assert fuses(stage)
+    rng = np.random.default_rng(4)
+    vocab = [f"w{i}" for i in range(12)]
+    epochs = [([vocab[i] for i in rng.integers(0, 12, 80)], [1] * 80) for _ in range(3)]
+    alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
+    assert as_rows(og) == as_rows(oa)
+    dead_a = [d for rt in alone for d in rt.take_dead_letters()]
+    dead_g = [d for rt in grouped for d in rt.take_dead_letters()]
+    assert len(dead_a) > SLICES and dead_g == dead_a
+    rows = [r for epoch in og for per in epoch.values() for t in per.values() for r in t.to_pylist()]
+    assert rows and "w7" not in {r["w"] for r in rows} and all(r["n2"] == 2 * r["n"] for r in rows)
 
 
 def test_rows_delivered_twice_are_dropped_by_each_slices_progress_vector():
@@ -537,6 +568,51 @@ def test_a_job_whose_counts_reuse_routings_key_codes_equals_the_serial_oracle(mo
     got, grouped = local_counts(q, 2)
     assert grouped > 0 and sum(r is not None for r in read) >= 8  # 2 containers x 4 epochs
     assert got == cs.run_serial(q).results("counts").to_pylist()
+
+
+def chained_count_job(slices: int, poison: bool = False) -> cs.Query:
+    """The word count with a chain after the count (a filter, a per-event map, a vectorized
+    map) feeding a second keyed stage; ``poison``: the per-event map raises on one word."""
+    rng = np.random.default_rng(6)
+    words = [f"w{int(i)}" for i in rng.zipf(1.3, 3000) % 500]
+    q = cs.Query(epoch_events=257)
+
+    def bucket(r: dict) -> dict:
+        if poison and r["word"] == "w3":
+            raise ValueError(f"poison word {r['word']}")
+        return {"word": r["word"], "count": r["count"], "bucket": r["count"] % 4}
+
+    counts = q.source("words", pa.table({"word": words}), slices=2).key_by("word").count(slices=slices, name="count")
+    chained = counts.filter_batches(lambda t: pc.not_equal(t["word"], "w1")) \
+        .map(bucket, schema=pa.schema([("word", pa.string()), ("count", pa.int64()), ("bucket", pa.int64())])) \
+        .map_batches(lambda t: t.append_column("twice", pc.multiply(t["count"], 2)))
+    chained.sink(name="counts")
+    chained.key_by("bucket").aggregate(count=True, sum="twice", slices=3, name="buckets").sink(name="buckets")
+    return q
+
+
+@pytest.mark.parametrize("containers", [1, 2])
+def test_a_job_whose_aggregate_has_a_chained_output_runs_it_grouped_and_equals_the_serial_oracle(containers):
+    """The chain runs once over each group's output; its rows feed both a sink and a keyed stage."""
+    q = chained_count_job(16)
+    plan, sources = compile_query(q)
+    placement = initial_placement(plan, containers_per_stage(plan, containers))
+    cores = run_local(plan, placement, sources, seed=2)
+    count_stage = next(st.stage_id for st in plan.stages if st.name == "count")
+    assert sum(c.grouped_epochs for c in cores.values() if c.stage.stage_id == count_stage) > 0
+    serial = cs.run_serial(chained_count_job(16))
+    for sink in ("counts", "buckets"):
+        got = collect(plan, cores, sink)
+        assert got.num_rows > 0 and got.to_pylist() == serial.results(sink).to_pylist()
+
+
+def test_a_grouped_chain_that_raises_fails_the_job_with_the_serial_runs_error():
+    """The same stage, slice, source order and event as the serial executor names."""
+    with pytest.raises(EventError) as serial:
+        cs.run_serial(chained_count_job(16, poison=True))
+    with pytest.raises(EventError) as grouped:
+        cs.run(chained_count_job(16, poison=True), executor="local", containers=2)
+    assert "poison word w3" in str(serial.value) and str(grouped.value) == str(serial.value)
 
 
 def test_turning_groups_off_runs_slices_alone_with_the_same_output(monkeypatch):
