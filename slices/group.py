@@ -241,12 +241,10 @@ def _chained(runtimes: list[SliceRuntime], chain: tuple, table: pa.Table,
         runtimes[int(t.column(GROUP_OWNER)[i].as_py())]._chain_error(t, i, exc)
 
     out = apply_chain(table.append_column(GROUP_OWNER, pa.array(owner)), chain, owners_error, carry=(GROUP_OWNER,))
-    owner = np.asarray(out.column(GROUP_OWNER)) if GROUP_OWNER in out.schema.names else np.zeros(0, np.int64)
-    if len(owner) > 1 and bool(np.any(owner[1:] < owner[:-1])):  # row-wise steps keep the order; be safe
-        by_owner = stable_argsort(owner)
-        out, owner = out.take(pa.array(by_owner)), owner[by_owner]
-    out = out.drop_columns([GROUP_OWNER]) if GROUP_OWNER in out.schema.names else out
-    return out, np.searchsorted(owner, np.arange(len(runtimes) + 1))
+    # Every step keeps its rows in their parents' order (flat_map_batches' parent order is
+    # checked), so the rows are still grouped by owner: no sort.
+    owner = np.asarray(out.column(GROUP_OWNER))
+    return out.drop_columns([GROUP_OWNER]), np.searchsorted(owner, np.arange(len(runtimes) + 1))
 
 
 def _number(runtimes: list[SliceRuntime], sid: int, table: pa.Table, out_bounds: np.ndarray,

@@ -538,10 +538,15 @@ def word_count_job(slices: int) -> cs.Query:
     return q
 
 
-def local_counts(query: cs.Query, containers: int):
+def run_local_job(query: cs.Query, containers: int):
+    """``query`` run in process on ``containers`` containers a stage: its plan and cores."""
     plan, sources = compile_query(query)
     placement = initial_placement(plan, containers_per_stage(plan, containers))
-    cores = run_local(plan, placement, sources, seed=2)
+    return plan, run_local(plan, placement, sources, seed=2)
+
+
+def local_counts(query: cs.Query, containers: int):
+    plan, cores = run_local_job(query, containers)
     return collect(plan, cores, "counts").to_pylist(), sum(c.grouped_epochs for c in cores.values())
 
 
@@ -594,10 +599,7 @@ def chained_count_job(slices: int, poison: bool = False) -> cs.Query:
 @pytest.mark.parametrize("containers", [1, 2])
 def test_a_job_whose_aggregate_has_a_chained_output_runs_it_grouped_and_equals_the_serial_oracle(containers):
     """The chain runs once over each group's output; its rows feed both a sink and a keyed stage."""
-    q = chained_count_job(16)
-    plan, sources = compile_query(q)
-    placement = initial_placement(plan, containers_per_stage(plan, containers))
-    cores = run_local(plan, placement, sources, seed=2)
+    plan, cores = run_local_job(chained_count_job(16), containers)
     count_stage = next(st.stage_id for st in plan.stages if st.name == "count")
     assert sum(c.grouped_epochs for c in cores.values() if c.stage.stage_id == count_stage) > 0
     serial = cs.run_serial(chained_count_job(16))
