@@ -52,6 +52,7 @@ migration in steady state.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -163,7 +164,12 @@ def main() -> None:
                    help=f"updates a second after the load (default {RATE:,}; the source waits EPOCH / rate per epoch)")
     p.add_argument("--no-stop-copy", action="store_true",
                    help="skip the stop-copy baseline (its fields are null): the reconstruction and the control only")
+    p.add_argument("--alone", action="store_true",
+                   help="run the aggregate's slices each alone, not as one slice group "
+                        "(CHRONOSTREAM_GROUP_SLICES=0 in the containers' environment)")
     args = p.parse_args()
+    if args.alone:
+        os.environ["CHRONOSTREAM_GROUP_SLICES"] = "0"  # before Ray starts: its workers inherit it
     sizes = [5] if args.quick else [int(x) for x in args.sizes.split(",")]
     cs.ensure_ray(num_cpus=2)
     rows = []
@@ -206,7 +212,8 @@ def main() -> None:
             "reconstruct_pause_ms": round(median([r["pause_ms"] or 0.0 for r in runs["reconstruct"]]), 1),
             "stop_copy_migrate_s": of_stop_copy(lambda rs: round(median([r["migrate_s"] for r in rs]), 3)),
         })
-    emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rate": args.rate, "rows": rows},
+    emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rate": args.rate,
+          "grouped": not args.alone, "rows": rows},
          args.json)
 
 

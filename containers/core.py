@@ -142,8 +142,10 @@ class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
     #: Run the local slices of a fusing operator as one group (slices/group.py). Off: each
-    #: slice alone (benchmarks.slices compares the two; outputs are the same).
-    GROUP_SLICES = True
+    #: slice alone (benchmarks.slices compares the two; outputs are the same). A diagnostic
+    #: switch: ``CHRONOSTREAM_GROUP_SLICES=0`` in the environment of the processes that host
+    #: containers (Ray workers inherit the driver's when ``cs.run`` starts Ray) turns it off.
+    GROUP_SLICES = os.environ.get("CHRONOSTREAM_GROUP_SLICES", "1") != "0"
 
     def __init__(self, plan: JobPlan, stage_id: int, container_id: int, local_slices: list[int],
                  routes: dict[int, OutputRoute], senders: set[int] | dict[int, Coverage], *,
