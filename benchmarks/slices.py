@@ -22,6 +22,13 @@ and with every slice run alone (``alone_*``, groups turned off).
 ``--chained`` puts a stateless step after the count (``map_batches`` adding
 a column): a group runs it once over the group's output. Until 2026-11-27
 such a stage always ran slice by slice, as the ``alone_*`` figures do.
+``--per-event`` counts with a per-event operator (``WordTally``: registered
+state, one ``produce`` an event): a group admits, merges and turns the rows
+into dicts once, runs each slice's loop over its share, then builds, chains and
+numbers one output table (the schema is declared; slices/group.py). Until
+2026-11-27 per-event stages always ran slice by slice.
+
+    python -m benchmarks.slices --json --per-event --words 200000 --epoch 1024
 """
 
 from __future__ import annotations
@@ -44,19 +51,37 @@ def doubled_count(batch: pa.Table) -> pa.Table:
     return batch.append_column("twice", pc.multiply(batch["count"], 2))
 
 
-def word_count(table, slices: int, epoch: int, chained: bool = False) -> cs.Query:
+class WordTally(cs.Operator):
+    """The ``--per-event`` count: a per-event operator with registered state, one row an event
+    (``word``, ``count``), as a user would write it, its output schema declared (a group then
+    builds one output table for all its slices)."""
+
+    output_schemas = {"out": pa.schema([("word", pa.string()), ("count", pa.int64())])}
+
+    def setup(self) -> None:
+        self.counts = self.register_state("counts")
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        n = self.counts.get(event["word"], 0) + 1
+        self.counts.set(event["word"], n)
+        self.produce("out", {"word": event["word"], "count": n})
+
+
+def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
-    the built-in ``count`` in ``slices`` slices (stage ``count``), into the memory sink ``counts``;
-    ``chained``: through ``doubled_count`` on the way."""
+    the built-in ``count`` (``per_event``: by ``WordTally``) in ``slices`` slices (stage
+    ``count``), into the memory sink ``counts``; ``chained``: through ``doubled_count`` on the way."""
     q = cs.Query(epoch_events=epoch)
-    counts = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word") \
-        .count(slices=slices, name="count")
+    words = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word")
+    counts = (words.apply(WordTally, slices=slices, name="count") if per_event
+              else words.count(slices=slices, name="count"))
     (counts.map_batches(doubled_count) if chained else counts).sink(name="counts")
     return q
 
 
-def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False) -> float:
-    q = word_count(table, slices, epoch, chained)
+def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
+            per_event: bool = False) -> float:
+    q = word_count(table, slices, epoch, chained, per_event)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -75,6 +100,8 @@ def main() -> None:
     p.add_argument("--counts", default=",".join(map(str, COUNTS)),
                    help="slice counts, comma-separated; 1 is always run (the baseline)")
     p.add_argument("--chained", action="store_true", help="a vectorized map after the count")
+    p.add_argument("--per-event", action="store_true",
+                   help="count with a per-event operator (WordTally) instead of the built-in count")
     args = p.parse_args()
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
@@ -86,7 +113,8 @@ def main() -> None:
     configs = [(n, g) for n in counts for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
-            times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained))
+            times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
+                                            per_event=args.per_event))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -96,7 +124,7 @@ def main() -> None:
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "chained": args.chained,
-          "rows": rows}, args.json)
+          "per_event": args.per_event, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

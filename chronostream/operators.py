@@ -9,6 +9,8 @@ executor both drive operators through ``OperatorContext``.
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -103,16 +105,42 @@ class OperatorContext:
                 tables = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
                 out[name] = pa.concat_tables(tables, promote_options="permissive")
             elif events:
-                table = pa.Table.from_pylist(events, schema=schemas.get(name))
-                lin = np.array(self.lineage[name], dtype=np.int64).reshape(-1, 3)
-                table = table.append_column(ORDER, pa.array(lin[:, 0], pa.int64()))
-                keep = lin[:, 2] < 0  # produce_update(): one-to-one, lineage unchanged
-                sub = lin[:, 1].copy()
-                sub[~keep] = extend_sub_order(lin[~keep, 1], lin[~keep, 2])
-                table = table.append_column(SUB, pa.array(sub, pa.int64()))
-                out[name] = table
+                out[name] = _events_table(events, self.lineage[name], schemas.get(name))
         self.reset()
         return out
+
+    @staticmethod
+    def take_outputs_together(ctxs: Sequence["OperatorContext"], schemas: dict[str, pa.Schema | None]
+                              ) -> dict[str, tuple[pa.Table, np.ndarray]] | None:
+        """Every context's per-event outputs as one table per output stream, ``ctxs[i]``'s rows
+        at ``bounds[i]:bounds[i + 1]`` (a slice group's), as ``(table, bounds)``; or None, with
+        nothing taken, when an output has no declared schema or a context produced batches:
+        Arrow would then infer one type for every context's rows, where ``take_outputs`` infers
+        each one's own (an int column in one slice, a float one in another)."""
+        names = ctxs[0].output_names if ctxs else ()
+        if any(schemas.get(n) is None for n in names) or any(c.batches[n] for c in ctxs for n in names):
+            return None
+        out: dict[str, tuple[pa.Table, np.ndarray]] = {}
+        for name in names:
+            counts = np.array([len(c.events[name]) for c in ctxs], dtype=np.int64)
+            if counts.sum():
+                events = list(itertools.chain.from_iterable(c.events[name] for c in ctxs))
+                lineage = list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs))
+                out[name] = (_events_table(events, lineage, schemas[name]), np.concatenate(([0], np.cumsum(counts))))
+        for c in ctxs:
+            c.reset()
+        return out
+
+
+def _events_table(events: list[dict], lineage: list[tuple[int, int, int]], schema: pa.Schema | None) -> pa.Table:
+    """Produced events as a table with their ``_order``/``_sub`` columns (see ``produce``)."""
+    table = pa.Table.from_pylist(events, schema=schema)
+    lin = np.array(lineage, dtype=np.int64).reshape(-1, 3)
+    table = table.append_column(ORDER, pa.array(lin[:, 0], pa.int64()))
+    keep = lin[:, 2] < 0  # produce_update(): one-to-one, lineage unchanged
+    sub = lin[:, 1].copy()
+    sub[~keep] = extend_sub_order(lin[~keep, 1], lin[~keep, 2])
+    return table.append_column(SUB, pa.array(sub, pa.int64()))
 
 
 class Operator:

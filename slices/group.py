@@ -21,7 +21,14 @@ does those steps once for the container:
 Results equal running each slice alone, row for row: slices stay the units
 of state, checkpoints and migration. A group epoch that raises (a poison
 row) is rerun slice by slice from the admitted rows, where the row-by-row
-isolation and dead letters live. Knows no Ray and no container.
+isolation and dead letters live.
+
+A per-event operator with one input (windows, most user operators) runs as
+a group too: steps 1 and 2 once, the rows turned into dicts once, then each
+slice's own per-event loop over its share and its own chain and numbering
+(``SliceRuntime.consume_events``, ``_emit``): an event that raises is that
+slice's error or dead letter, as alone, and nothing is rerun. Knows no Ray
+and no container.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import StagePlan
+from chronostream.operators import OperatorContext
 from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
-from slices.slice import SliceRuntime
+from slices.slice import SliceRuntime, event_dicts
 
 log = logging.getLogger("chronostream.slices")
 
@@ -51,10 +59,12 @@ def _single_input_operator(stage: StagePlan) -> type | None:
 
 
 def fuses(stage: StagePlan) -> bool:
-    """Whether a stage's slices can run as one group: a fusing operator with one input.
-    (Stateless chains on its produced streams run once over the group's output.)"""
+    """Whether a stage's slices can run as one group: an operator with one input that either
+    fuses many slices' batches (``Operator.fuses_slices``; stateless chains on its produced
+    streams then run once over the group's output) or consumes per event (each slice's loop
+    over its share of the group's rows; see ``process_parts``)."""
     cls = _single_input_operator(stage)
-    return cls is not None and bool(cls.fuses_slices())
+    return cls is not None and (bool(cls.fuses_slices()) or not cls.is_vectorized())
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
@@ -131,19 +141,13 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     batch = merged.drop_columns([SLICE, SEQ])
     bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
     name = stage.inputs[0].name
+    if not type(runtimes[0].op).fuses_slices():
+        return _consume_events(runtimes, name, batch, bounds, time.perf_counter() - t0)
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
     except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
         return _rerun_alone(runtimes, epoch, stream_id, merged, bounds, exc, time.perf_counter() - t0)
-    results: dict[int, dict[int, pa.Table]] = {}
-    for sid in stage.produced:
-        produced = outputs.get(runtimes[0].plan.streams[sid].output)
-        if produced is None or produced[0].num_rows == 0:
-            continue
-        table, out_bounds = _chained(runtimes, runtimes[0].plan.streams[sid].chain, produced[0],
-                                     np.asarray(produced[1]))
-        if table.num_rows:
-            _number(runtimes, sid, table, out_bounds, results)
+    results = _chain_and_number(runtimes, outputs)
     # Busy time and counts per slice: its share of the group's rows.
     elapsed = time.perf_counter() - t0
     total = max(int(bounds[-1]), 1)
@@ -205,6 +209,70 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
         v[:] = consumed[i]
         runtimes[i].duplicates_dropped += int(dropped[i])
     return kept_tables, owners
+
+
+def _consume_events(runtimes: list[SliceRuntime], name: str, batch: pa.Table, bounds: np.ndarray,
+                    shared_s: float) -> dict[int, dict[int, pa.Table]]:
+    """A per-event operator's epoch: the group's rows become dicts once, then each slice runs
+    its own loop over its share (``SliceRuntime.consume_events``: the same calls, lineage,
+    errors and dead letters as alone). The outputs become one table per stream when the
+    stage declares their schemas (``OperatorContext.take_outputs_together``), chained and
+    numbered once as a fused group's; else each slice emits its own. ``shared_s`` (admission,
+    merge) and the group's emitting are shared out by rows."""
+    t0 = time.perf_counter()
+    stage = runtimes[0].stage
+    events = event_dicts(batch)
+    order, sub = np.asarray(batch.column(ORDER)), np.asarray(batch.column(SUB))
+    shared_s += time.perf_counter() - t0
+    ran: list[int] = []
+    for i, rt in enumerate(runtimes):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if hi == lo:
+            continue
+        t1 = time.perf_counter()
+        rt.events_in += hi - lo
+        try:
+            rt.consume_events([name], [events], np.zeros(hi - lo, dtype=np.int64), np.arange(lo, hi),
+                              order[lo:hi], sub[lo:hi])
+        except Exception:
+            # Alone, each slice emitted (ran its chain) before the next one's loop: a chain
+            # error of an earlier slice is the one the job fails with.
+            for j in ran:
+                runtimes[j]._emit(runtimes[j].ctx.take_outputs(stage.output_schemas))  # type: ignore[union-attr]
+            raise
+        rt.busy_s += time.perf_counter() - t1
+        ran.append(i)
+    t2 = time.perf_counter()
+    together = OperatorContext.take_outputs_together([rt.ctx for rt in runtimes], stage.output_schemas)  # type: ignore[misc]
+    if together is not None:
+        results = _chain_and_number(runtimes, together)
+    else:
+        results = {}
+        for i in ran:
+            out = runtimes[i]._emit(runtimes[i].ctx.take_outputs(stage.output_schemas))  # type: ignore[union-attr]
+            if out:
+                results[runtimes[i].slice_id] = out
+    shared_s += time.perf_counter() - t2
+    total = max(int(bounds[-1]), 1)
+    for i in ran:
+        runtimes[i].busy_s += shared_s * int(bounds[i + 1] - bounds[i]) / total
+    return results
+
+
+def _chain_and_number(runtimes: list[SliceRuntime], outputs: dict[str, tuple[pa.Table, np.ndarray]]
+                      ) -> dict[int, dict[int, pa.Table]]:
+    """Each produced stream's rows of the whole group (``outputs``: output name -> rows, bounds
+    per slice) through its chain once, then numbered per slice: numbered outputs by slice."""
+    results: dict[int, dict[int, pa.Table]] = {}
+    for sid in runtimes[0].stage.produced:
+        produced = outputs.get(runtimes[0].plan.streams[sid].output)
+        if produced is None or produced[0].num_rows == 0:
+            continue
+        table, out_bounds = _chained(runtimes, runtimes[0].plan.streams[sid].chain, produced[0],
+                                     np.asarray(produced[1]))
+        if table.num_rows:
+            _number(runtimes, sid, table, out_bounds, results)
+    return results
 
 
 def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merged: pa.Table,

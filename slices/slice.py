@@ -67,6 +67,11 @@ def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
     return np.lexsort((seq, producer, input_idx, sub, order))
 
 
+def event_dicts(table: pa.Table) -> list[dict]:
+    """A table's rows as the dicts a per-event operator consumes (no runtime ``_`` columns)."""
+    return table.select([c for c in table.schema.names if not c.startswith("_")]).to_pylist()
+
+
 class SliceRuntime:
     """A slice of one stage: feed it epochs, get numbered outputs per stream."""
 
@@ -199,9 +204,15 @@ class SliceRuntime:
         return ctx.take_outputs(self.stage.output_schemas)
 
     def _run_per_event(self, tables, inp, local, order, sub) -> None:
+        rows = [event_dicts(t) for _, _, t in tables]
+        self.consume_events([name for _, name, _ in tables], rows, inp, local, order, sub)
+
+    def consume_events(self, names: list[str], rows: list[list[dict]], inp: np.ndarray, local: np.ndarray,
+                       order: np.ndarray, sub: np.ndarray) -> None:
+        """The per-event operator's loop: event ``rows[inp[j]][local[j]]`` of input ``names[inp[j]]``,
+        with lineage ``(order[j], sub[j])``, for every ``j`` in merge order. An event that raises
+        loses what it produced and fails the job or becomes a dead letter; the loop goes on."""
         op, ctx = self.op, self.ctx
-        rows = [t.select([c for c in t.schema.names if not c.startswith("_")]).to_pylist() for _, _, t in tables]
-        names = [name for _, name, _ in tables]
         consume = op.consume
         for i, r, o, s in zip(inp.tolist(), local.tolist(), order.tolist(), sub.tolist()):
             ctx._order = o

@@ -526,6 +526,89 @@ def test_a_poison_epoch_reruns_slice_by_slice_with_the_same_dead_letters():
     assert dead_a and dead_g == dead_a
 
 
+class Tally(cs.Operator):
+    """Per event: the key's running total of ``v``, produced once or twice (odd totals twice);
+    with ``poison_every=P``, a total divisible by P raises after the state took it."""
+
+    def __init__(self, poison_every: int = 0) -> None:
+        self.poison_every = poison_every
+
+    def setup(self) -> None:
+        self.totals = self.register_state("totals")
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        total = self.totals.get(event["w"], 0) + event["v"]
+        self.totals.set(event["w"], total)
+        if self.poison_every and total % self.poison_every == 0:
+            raise ValueError(f"total {total} of {event['w']!r}")
+        for _ in range(1 + total % 2):
+            self.produce("out", {"w": event["w"], "total": total})
+
+
+TALLY_SCHEMA = pa.schema([("w", pa.string()), ("total", pa.int64())])
+
+
+def tally_plan(dead_letters: bool = False, declared: bool = False, chain_poison: str | None = None):
+    """``declared``: the operator's output schema is given (the group then builds one table);
+    ``chain_poison``: the map after it raises on that word."""
+    lines = pa.table({"w": ["a"], "v": pa.array([1], pa.int64())})
+    q = cs.Query()
+
+    def twice(r: dict) -> dict:
+        if r["w"] == chain_poison:
+            raise ValueError(f"poison word {r['w']}")
+        return {**r, "twice": 2 * r["total"]}
+    q.source("s", lines, slices=1).key_by("w") \
+        .apply(Tally, 5, slices=SLICES, name="tally", output_schemas={"out": TALLY_SCHEMA} if declared else None) \
+        .map(twice).sink(name="out")
+    if dead_letters:
+        q.dead_letters()
+    plan, _ = compile_query(q)
+    return plan, next(s for s in plan.stages if s.name == "tally")
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same_dead_letters(declared):
+    """A per-event operator runs as a group (one admission, merge and dict conversion for all
+    slices; with a declared output schema one output table, chain and numbering too): each
+    slice's outputs, chain, numbering, counters, progress vector and dead letters (an event
+    raising midway) equal running it alone, epoch after epoch (so its state does too)."""
+    plan, stage = tally_plan(dead_letters=True, declared=declared)
+    assert fuses(stage)
+    rng = np.random.default_rng(8)
+    vocab = [f"w{i}" for i in range(30)]
+    epochs = [([vocab[i] for i in rng.integers(0, 30, 150)], rng.integers(1, 4, 150).tolist()) for _ in range(4)]
+    alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
+    assert as_rows(og) == as_rows(oa)
+    assert sum(len(e) for e in og) > SLICES
+    dead_a = [d for rt in alone for d in rt.take_dead_letters()]
+    dead_g = [d for rt in grouped for d in rt.take_dead_letters()]
+    assert len(dead_a) > SLICES and dead_g == dead_a
+    for a, g in zip(alone, grouped):
+        assert (a.events_in, a.events_out, a.last_epoch, a.next_seq) == (g.events_in, g.events_out,
+                                                                       g.last_epoch, g.next_seq)
+        assert a.progress.as_dict() == g.progress.as_dict()
+        assert g.busy_s > 0
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_chain_error_of_an_earlier_slice_fails_the_group_before_a_later_slices_event_error(declared):
+    """Alone, a slice's chain runs before the next slice's loop: in one epoch, a chain error in a
+    lower slice is the error, not an operator error in a higher one; the group raises the same."""
+    words = [f"w{i}" for i in range(40)]
+    slices = slice_of([pa.array(words)], SLICES)
+    low, high = (words[int(np.flatnonzero(slices == s)[0])] for s in (1, 4))
+    plan, stage = tally_plan(declared=declared, chain_poison=low)
+    inputs, part = routed_inputs([high] * 5 + [low], [1] * 6, 0, stage.inputs[0].stream_id)  # high's 5th: total 5
+    alone = [SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)]
+    with pytest.raises(EventError) as alone_error:
+        for s in sorted(inputs):
+            alone[s].process(0, inputs[s])
+    with pytest.raises(EventError) as grouped_error:
+        process_parts([SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)], 0, [part])
+    assert f"poison word {low}" in str(alone_error.value) and str(grouped_error.value) == str(alone_error.value)
+
+
 # -- a job whose container runs its slices as a group ------------------------------------------
 
 
@@ -638,3 +721,61 @@ def test_a_slice_that_left_a_group_settling_its_keys_leaves_the_group_serving_th
     more = pa.array(["a2", "a0"])
     assert group.slots(group.positions([a])[[0, 0]], [more], hash_columns([more])).tolist() == [2, 0]
     assert a.slots([pa.array(["a1", "a2", "a3"])]).tolist() == [1, 2, 3]
+
+
+def tally_job(slices: int, poison_every: int = 0, declared: bool = False, chain_poison: str | None = None) -> cs.Query:
+    """Words tallied per event into sink ``counts``; ``chain_poison``: a map after the tally
+    raises on that word."""
+    rng = np.random.default_rng(7)
+    words = [f"w{int(i)}" for i in rng.zipf(1.3, 3000) % 400]
+    q = cs.Query(epoch_events=257)
+
+    def check(r: dict) -> dict:
+        if r["w"] == chain_poison:
+            raise ValueError(f"poison word {r['w']}")
+        return r
+    q.source("words", pa.table({"w": words, "v": pa.array(rng.integers(1, 5, 3000), pa.int64())}), slices=2) \
+        .key_by("w").apply(Tally, poison_every, slices=slices, name="tally",
+                           output_schemas={"out": TALLY_SCHEMA} if declared else None) \
+        .map(check).sink(name="counts")
+    return q
+
+
+@pytest.mark.parametrize("containers,declared", [(1, False), (2, False), (2, True)])
+def test_a_job_with_a_per_event_operator_runs_it_grouped_and_equals_the_serial_oracle(containers, declared):
+    plan, cores = run_local_job(tally_job(16, declared=declared), containers)
+    stage = plan.stage("tally").stage_id
+    assert sum(c.grouped_epochs for c in cores.values() if c.stage.stage_id == stage) > 0
+    got = collect(plan, cores, "counts")
+    serial = cs.run_serial(tally_job(16, declared=declared)).results("counts")
+    assert got.num_rows > 3000 and got.to_pylist() == serial.to_pylist()
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_grouped_per_event_operator_that_raises_fails_the_job_with_the_serial_runs_error(declared):
+    """The same stage, slice, source order and event as the serial executor names."""
+    with pytest.raises(EventError) as serial:
+        cs.run_serial(tally_job(16, poison_every=97, declared=declared))
+    with pytest.raises(EventError) as grouped:
+        cs.run(tally_job(16, poison_every=97, declared=declared), executor="local", containers=2)
+    assert "total 97" in str(serial.value) and str(grouped.value) == str(serial.value)
+
+
+def test_outputs_taken_together_equal_each_contexts_own_and_need_a_declared_schema():
+    def filled(slice_id: int, values: list) -> OperatorContext:
+        ctx = OperatorContext("st", slice_id, ["out"])
+        for j, v in enumerate(values):
+            ctx.begin_event(10 * slice_id + j, 0)
+            ctx.produce("out", {"v": v})
+            ctx.produce("out", {"v": v})  # a fan-out: sub-orders extended
+        return ctx
+    schema = pa.schema([("v", pa.float64())])
+    # Undeclared, an int slice and a float slice would be typed alike together: refused, nothing taken.
+    ctxs = [filled(0, [1, 2]), filled(1, [0.5])]
+    assert OperatorContext.take_outputs_together(ctxs, {"out": None}) is None and len(ctxs[0].events["out"]) == 4
+    alone = [c.take_outputs({"out": schema}).get("out") for c in [filled(0, [1, 2]), filled(1, []), filled(2, [0.5])]]
+    together = OperatorContext.take_outputs_together([filled(0, [1, 2]), filled(1, []), filled(2, [0.5])],
+                                                     {"out": schema})
+    table, bounds = together["out"]
+    assert bounds.tolist() == [0, 4, 4, 6]
+    assert alone[1] is None and table.to_pylist() == alone[0].to_pylist() + alone[2].to_pylist()
