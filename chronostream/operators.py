@@ -10,7 +10,6 @@ executor both drive operators through ``OperatorContext``.
 from __future__ import annotations
 
 import itertools
-
 from typing import Any, Sequence
 
 import numpy as np

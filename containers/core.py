@@ -141,7 +141,8 @@ def _stream_parts(messages: dict[int, Message]) -> list[tuple[int, RoutedPart]]:
 class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
-    #: Run the local slices of a fusing operator as one group (slices/group.py). Off: each
+    #: Run the local slices of a groupable stage (``slices.group.fuses``: a fusing or a
+    #: per-event operator with one input) as one group (slices/group.py). Off: each
     #: slice alone (benchmarks.slices compares the two; outputs are the same). A diagnostic
     #: switch: ``CHRONOSTREAM_GROUP_SLICES=0`` in the environment of the processes that host
     #: containers (Ray workers inherit the driver's when ``cs.run`` starts Ray) turns it off.

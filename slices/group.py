@@ -25,10 +25,10 @@ isolation and dead letters live.
 
 A per-event operator with one input (windows, most user operators) runs as
 a group too: steps 1 and 2 once, the rows turned into dicts once, then each
-slice's own per-event loop over its share and its own chain and numbering
-(``SliceRuntime.consume_events``, ``_emit``): an event that raises is that
-slice's error or dead letter, as alone, and nothing is rerun. Knows no Ray
-and no container.
+slice's own per-event loop over its share (``SliceRuntime.consume_events``):
+an event that raises is that slice's error or dead letter, as alone, and
+nothing is rerun. Steps 4 and 5 run once when the stage declares its output
+schemas; else each slice emits its own outputs. Knows no Ray and no container.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _consume_events(runtimes: list[SliceRuntime], name: str, batch: pa.Table, bo
             # Alone, each slice emitted (ran its chain) before the next one's loop: a chain
             # error of an earlier slice is the one the job fails with.
             for j in ran:
-                runtimes[j]._emit(runtimes[j].ctx.take_outputs(stage.output_schemas))  # type: ignore[union-attr]
+                runtimes[j].emit_outputs()
             raise
         rt.busy_s += time.perf_counter() - t1
         ran.append(i)
@@ -247,11 +247,8 @@ def _consume_events(runtimes: list[SliceRuntime], name: str, batch: pa.Table, bo
     if together is not None:
         results = _chain_and_number(runtimes, together)
     else:
-        results = {}
-        for i in ran:
-            out = runtimes[i]._emit(runtimes[i].ctx.take_outputs(stage.output_schemas))  # type: ignore[union-attr]
-            if out:
-                results[runtimes[i].slice_id] = out
+        emitted = {runtimes[i].slice_id: runtimes[i].emit_outputs() for i in ran}
+        results = {s: out for s, out in emitted.items() if out}
     shared_s += time.perf_counter() - t2
     total = max(int(bounds[-1]), 1)
     for i in ran:

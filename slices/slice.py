@@ -267,6 +267,11 @@ class SliceRuntime:
                 event = {k: v[0] for k, v in row.to_pydict().items() if not k.startswith("_")}
                 self._fail_or_dead_letter(int(row.column(ORDER)[0].as_py()), int(row.column(SUB)[0].as_py()), exc, event)
 
+    def emit_outputs(self) -> dict[int, pa.Table]:
+        """What the operator produced since the last call, chained and numbered (``_emit``)."""
+        assert self.ctx is not None
+        return self._emit(self.ctx.take_outputs(self.stage.output_schemas))
+
     def _emit(self, outputs: dict[str, pa.Table]) -> dict[int, pa.Table]:
         result: dict[int, pa.Table] = {}
         for sid in self.stage.produced:
