@@ -21,6 +21,9 @@ from typing import Any
 
 import pyarrow as pa
 
+#: Kinds the schedule waits on: a recovery, the master's restart, or a rescaling's call.
+SETTLING_KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "scale_out",
+                  "scale_in", "migrate", "compact")
 KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "delay", "corrupt_backup",
          "truncate_backup", "scale_out", "scale_in", "migrate", "compact")
 
@@ -221,12 +224,46 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     return faults
 
 
+def _slow_sources(job: Any, pace_s: float) -> list[tuple[Any, float]]:
+    """Slow every source host to at least ``pace_s`` per epoch; return (handle, delay it had)."""
+    import ray
+
+    handles = ray.get(job.master.container_handles.remote())
+    sources = {c for s in job.plan.stages if s.kind == "source" for c in _containers_of(job, s.name)}
+    hosts = {id(handles[c]): handles[c] for c in sources if c in handles}.values()
+    before = ray.get([h.inject_delay.remote(pace_s) for h in hosts])
+    slowed = []
+    for h, was in zip(hosts, before):
+        if was > pace_s:  # (already slower: keep that pace)
+            ray.get(h.inject_delay.remote(was))
+        else:
+            slowed.append((h, was))
+    return slowed
+
+
+def _restore_sources(slowed: list[tuple[Any, float]], pace_s: float) -> None:
+    import ray
+
+    for h, was in slowed:
+        try:
+            now = ray.get(h.inject_delay.remote(was))
+            if now != pace_s:  # (the fault itself set a delay there: that one stays)
+                ray.get(h.inject_delay.remote(now))
+        except ray.exceptions.RayActorError:
+            pass  # the fault took that host: its successor runs at the job's own pace
+
+
 def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_s: float = 600.0,
-                   settle: bool = True) -> list[tuple[float, Fault, dict[str, Any]]]:
+                   settle: bool = True, settle_pace_s: float = 0.0) -> list[tuple[float, Fault, dict[str, Any]]]:
     """Apply ``faults`` in epoch order as the job passes each ``at_epoch``; return what was applied.
 
-    With ``settle``, each kill waits for its recovery to end before the next
-    fault is considered (faults one at a time, as in a campaign).
+    With ``settle``, each kill waits for its recovery to end (a master kill
+    for the master's restart) before the next fault is considered (faults
+    one at a time, as in a campaign). ``settle_pace_s``: while a fault is
+    applied and settles, the job's sources spend at least this long per
+    epoch, then go back to their pace; the input keeps flowing, but a slow
+    recovery on a loaded machine cannot let the job run out of input before
+    the later faults land.
     """
     applied = []
     deadline = time.monotonic() + timeout_s
@@ -241,24 +278,34 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
                 raise TimeoutError(f"job never reached epoch {fault.at_epoch}")
             time.sleep(poll_s)
         before = job.progress().get("recoveries", 0)
+        slowed = _slow_sources(job, settle_pace_s) if settle_pace_s > 0 and fault.kind in SETTLING_KINDS else []
         try:
-            hit = inject(job, fault)
-        except Exception:
-            if job.progress()["state"] != "running":
-                return applied  # the job finished between the check and the fault (a rescale refuses then)
-            raise
-        applied.append((time.time(), fault, hit))
-        if settle and fault.kind == "kill_master":
-            while not any(k == "master_restarted" for _, k, _ in job.timeline()):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the master did not restart")
-                time.sleep(poll_s)
-        if settle and fault.kind in ("kill", "kill_two", "kill_master_in_recovery", "kill_in_recovery"):
-            while job.progress().get("recoveries", 0) <= before and job.progress()["state"] == "running":
-                if time.monotonic() > deadline:
-                    raise TimeoutError("recovery did not end")
-                time.sleep(poll_s)
+            try:
+                hit = inject(job, fault)
+            except Exception:
+                if job.progress()["state"] != "running":
+                    return applied  # the job finished between the check and the fault (a rescale refuses then)
+                raise
+            applied.append((time.time(), fault, hit))
+            if settle:
+                _settle(job, fault, before, deadline, poll_s)
+        finally:
+            _restore_sources(slowed, settle_pace_s)
     return applied
+
+
+def _settle(job: Any, fault: Fault, recoveries_before: int, deadline: float, poll_s: float) -> None:
+    """Wait for ``fault``'s recovery to end, or for the master's restart after a master kill."""
+    if fault.kind == "kill_master":
+        while not any(k == "master_restarted" for _, k, _ in job.timeline()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the master did not restart")
+            time.sleep(poll_s)
+    if fault.kind in ("kill", "kill_two", "kill_master_in_recovery", "kill_in_recovery"):
+        while job.progress().get("recoveries", 0) <= recoveries_before and job.progress()["state"] == "running":
+            if time.monotonic() > deadline:
+                raise TimeoutError("recovery did not end")
+            time.sleep(poll_s)
 
 
 def compare_with_serial(job: Any, query: Any) -> tuple[dict[str, str], dict[str, int]]:
@@ -286,9 +333,11 @@ def _describe_difference(got: pa.Table, want: pa.Table) -> str:
             f"{len(extra)} extra (first {extra[:3]}), {len(differ)} differ (first {differ[:3]})")
 
 
-def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0, **run_kw: Any) -> ChaosReport:
+def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0, settle_pace_s: float = 0.0,
+                    **run_kw: Any) -> ChaosReport:
     """Run ``query`` on Ray, apply ``faults``, wait, and compare every sink with the serial executor.
 
+    ``settle_pace_s`` slows the sources while each fault settles (``apply_schedule``);
     ``run_kw`` goes to ``chronostream.run`` (``containers``, ``checkpoint_every``...)::
 
         report = run_with_faults(q, [Fault("kill", at_epoch=10, stage="count")],
@@ -301,7 +350,7 @@ def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0
     job = run(query, **run_kw)
     report = ChaosReport()
     try:
-        report.applied = apply_schedule(job, faults, timeout_s=timeout_s)
+        report.applied = apply_schedule(job, faults, timeout_s=timeout_s, settle_pace_s=settle_pace_s)
         job.wait(timeout_s=timeout_s)
         report.mismatches, report.rows = compare_with_serial(job, query)
         events = [(t, "fault_injected", {"fault": f.describe(), **hit}) for t, f, hit in report.applied]

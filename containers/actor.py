@@ -790,9 +790,11 @@ class ResourceContainer:
                 "backup_store": await self._in_store_thread(thread_niceness),
                 "worker": await asyncio.to_thread(thread_niceness)}
 
-    async def inject_delay(self, seconds: float) -> None:
-        """Failure injection: spend ``seconds`` more per epoch (a slow or overloaded container)."""
-        self.delay_s = seconds
+    async def inject_delay(self, seconds: float) -> float:
+        """Failure injection: spend ``seconds`` more per epoch (a slow or overloaded container);
+        returns the delay it replaces (the failure harness puts it back after slowing a source)."""
+        before, self.delay_s = self.delay_s, seconds
+        return before
 
     async def corrupt_backup(self, stage_id: int, slice_id: int, truncate: bool = False) -> bool:
         """Failure injection: damage the backup this host holds of a slice (False when it holds none)."""
