@@ -29,18 +29,26 @@ numbers one output table (the schema is declared; slices/group.py). Until
 2026-11-27 per-event stages always ran slice by slice.
 
     python -m benchmarks.slices --json --per-event --words 200000 --epoch 1024
+
+``--vectorized`` counts with a user's vectorized operator that does not fuse
+slices (``BatchWordCount``: ``consume_batch`` with Arrow and numpy, one
+state lookup per distinct word of a batch): a group admits and merges once,
+then runs each slice's call on its share. Until 2026-11-27 (eighteenth
+session) such stages always ran slice by slice.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.datasets import split_words, zipf_text
+from chronostream.types import ORDER, SUB
 from containers.core import ContainerCore
 
 COUNTS = (1, 2, 4, 8, 16, 64)
@@ -67,21 +75,48 @@ class WordTally(cs.Operator):
         self.produce("out", {"word": event["word"], "count": n})
 
 
-def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False) -> cs.Query:
+class BatchWordCount(cs.Operator):
+    """The ``--vectorized`` count: ``consume_batch`` with Arrow and numpy, as a user would write
+    it without ``consume_slices`` (so slices are not fused): each row gets its word's running
+    count; the words' counts before the batch come from registered state, one lookup and one
+    update per distinct word of the batch."""
+
+    def setup(self) -> None:
+        self.counts = self.register_state("counts")
+
+    def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        encoded = pc.dictionary_encode(batch["word"]).combine_chunks()
+        codes = np.asarray(encoded.indices, dtype=np.int64)
+        words = encoded.dictionary.to_pylist()
+        before = np.array([self.counts.get(w, 0) for w in words], dtype=np.int64)
+        by_word = np.argsort(codes, kind="stable")
+        run_start = np.searchsorted(codes[by_word], codes[by_word])  # first row of each word's run
+        nth = np.empty(len(codes), dtype=np.int64)
+        nth[by_word] = np.arange(len(codes)) - run_start  # the row's place among its word's rows
+        for w, n in zip(words, (before + np.bincount(codes, minlength=len(words))).tolist()):
+            self.counts.set(w, n)
+        self.produce_batch("out", batch.select(["word", ORDER, SUB]).append_column(
+            "count", pa.array(before[codes] + nth + 1)))
+
+
+def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False,
+               vectorized: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
-    the built-in ``count`` (``per_event``: by ``WordTally``) in ``slices`` slices (stage
-    ``count``), into the memory sink ``counts``; ``chained``: through ``doubled_count`` on the way."""
+    the built-in ``count`` (``per_event``: by ``WordTally``; ``vectorized``: by
+    ``BatchWordCount``) in ``slices`` slices (stage ``count``), into the memory sink ``counts``;
+    ``chained``: through ``doubled_count`` on the way."""
     q = cs.Query(epoch_events=epoch)
     words = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word")
-    counts = (words.apply(WordTally, slices=slices, name="count") if per_event
+    counter = WordTally if per_event else BatchWordCount if vectorized else None
+    counts = (words.apply(counter, slices=slices, name="count") if counter is not None
               else words.count(slices=slices, name="count"))
     (counts.map_batches(doubled_count) if chained else counts).sink(name="counts")
     return q
 
 
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
-            per_event: bool = False) -> float:
-    q = word_count(table, slices, epoch, chained, per_event)
+            per_event: bool = False, vectorized: bool = False) -> float:
+    q = word_count(table, slices, epoch, chained, per_event, vectorized)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -100,8 +135,11 @@ def main() -> None:
     p.add_argument("--counts", default=",".join(map(str, COUNTS)),
                    help="slice counts, comma-separated; 1 is always run (the baseline)")
     p.add_argument("--chained", action="store_true", help="a vectorized map after the count")
-    p.add_argument("--per-event", action="store_true",
-                   help="count with a per-event operator (WordTally) instead of the built-in count")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--per-event", action="store_true",
+                     help="count with a per-event operator (WordTally) instead of the built-in count")
+    how.add_argument("--vectorized", action="store_true",
+                     help="count with a user's vectorized operator that does not fuse slices (BatchWordCount)")
     args = p.parse_args()
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
@@ -114,7 +152,7 @@ def main() -> None:
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
-                                            per_event=args.per_event))
+                                            per_event=args.per_event, vectorized=args.vectorized))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -124,7 +162,7 @@ def main() -> None:
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "chained": args.chained,
-          "per_event": args.per_event, "rows": rows}, args.json)
+          "per_event": args.per_event, "vectorized": args.vectorized, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

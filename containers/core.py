@@ -44,7 +44,7 @@ from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
 from containers.threads import SliceThreads, ThreadControlTable
-from slices.group import fuses, process_parts, reads_key_codes
+from slices.group import process_parts, reads_key_codes, runs_grouped
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -141,8 +141,8 @@ def _stream_parts(messages: dict[int, Message]) -> list[tuple[int, RoutedPart]]:
 class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
-    #: Run the local slices of a groupable stage (``slices.group.fuses``: a fusing or a
-    #: per-event operator with one input) as one group (slices/group.py). Off: each
+    #: Run the local slices of a groupable stage (``slices.group.runs_grouped``: an
+    #: operator with one input) as one group (slices/group.py). Off: each
     #: slice alone (benchmarks.slices compares the two; outputs are the same). A diagnostic
     #: switch: ``CHRONOSTREAM_GROUP_SLICES=0`` in the environment of the processes that host
     #: containers (Ray workers inherit the driver's when ``cs.run`` starts Ray) turns it off.
@@ -199,7 +199,7 @@ class ContainerCore:
         self.reader: SourceReader | None = None
         self.threads = SliceThreads(list(self.slices), threads)  # vertical scaling (set_threads)
         # One vectorized pass per epoch for all local slices when the operator allows it.
-        self.group_slices = self.GROUP_SLICES and fuses(self.stage)
+        self.group_slices = self.GROUP_SLICES and runs_grouped(self.stage)
         self.grouped_epochs = 0  # epochs run as one group (tests and benchmarks read it)
         if self.stage.kind == "source":
             assert source_table is not None, f"source stage {self.stage.name} needs its input"

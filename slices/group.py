@@ -23,6 +23,11 @@ of state, checkpoints and migration. A group epoch that raises (a poison
 row) is rerun slice by slice from the admitted rows, where the row-by-row
 isolation and dead letters live.
 
+A vectorized operator with one input that does not fuse slices runs as a
+group too: steps 1 and 2 once, then each slice's own call, chain and
+numbering on its share of the merged rows (a zero-copy slice), exactly as
+alone (the rerun path above, taken every epoch).
+
 A per-event operator with one input (windows, most user operators) runs as
 a group too: steps 1 and 2 once, the rows turned into dicts once, then each
 slice's own per-event loop over its share (``SliceRuntime.consume_events``):
@@ -58,13 +63,14 @@ def _single_input_operator(stage: StagePlan) -> type | None:
     return stage.factory[0]  # type: ignore[index]
 
 
-def fuses(stage: StagePlan) -> bool:
-    """Whether a stage's slices can run as one group: an operator with one input that either
-    fuses many slices' batches (``Operator.fuses_slices``; stateless chains on its produced
-    streams then run once over the group's output) or consumes per event (each slice's loop
-    over its share of the group's rows; see ``process_parts``)."""
-    cls = _single_input_operator(stage)
-    return cls is not None and (bool(cls.fuses_slices()) or not cls.is_vectorized())
+def runs_grouped(stage: StagePlan) -> bool:
+    """Whether a stage's slices can run as one group: any operator with one input. One that
+    fuses many slices' batches (``Operator.fuses_slices``) runs one call for the group, and
+    stateless chains on its produced streams then run once over the group's output; a
+    per-event one runs each slice's loop over its share of the group's rows; any other
+    vectorized one runs each slice's call on its share (see ``process_parts``). Admission
+    and merge are once per group in every case."""
+    return _single_input_operator(stage) is not None
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
@@ -141,7 +147,10 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     batch = merged.drop_columns([SLICE, SEQ])
     bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
     name = stage.inputs[0].name
-    if not type(runtimes[0].op).fuses_slices():
+    cls = type(runtimes[0].op)
+    if not cls.fuses_slices():
+        if cls.is_vectorized():
+            return _run_each(runtimes, merged, bounds, stream_id, time.perf_counter() - t0)
         return _consume_events(runtimes, name, batch, bounds, time.perf_counter() - t0)
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
@@ -274,20 +283,30 @@ def _chain_and_number(runtimes: list[SliceRuntime], outputs: dict[str, tuple[pa.
 
 def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merged: pa.Table,
                  bounds: np.ndarray, exc: Exception, failed_s: float) -> dict[int, dict[int, pa.Table]]:
-    """After a failed group call: each slice runs its admitted rows alone (``SliceRuntime._run``,
-    where row-by-row isolation and dead letters live); the failed call's time is shared."""
-    stage = runtimes[0].stage
-    ran = [i for i in range(len(runtimes)) if bounds[i + 1] > bounds[i]]
+    """After a failed group call: each slice runs its admitted rows alone (``_run_each``, where
+    row-by-row isolation and dead letters live); the failed call's time is shared."""
     log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
-             stage.name, epoch, type(exc).__name__, exc, [runtimes[i].slice_id for i in ran])
-    rerun = {}
+             runtimes[0].stage.name, epoch, type(exc).__name__, exc,
+             [rt.slice_id for i, rt in enumerate(runtimes) if bounds[i + 1] > bounds[i]])
+    return _run_each(runtimes, merged, bounds, stream_id, failed_s)
+
+
+def _run_each(runtimes: list[SliceRuntime], merged: pa.Table, bounds: np.ndarray, stream_id: int,
+              shared_s: float) -> dict[int, dict[int, pa.Table]]:
+    """Each slice with rows runs its share of the admitted, merged rows (a zero-copy slice of
+    them) alone: its own operator call(s), chain and numbering (``SliceRuntime._run`` and
+    ``_emit``: the calls, row isolation, dead letters and errors of a slice alone, in slice
+    order). A vectorized operator that does not fuse slices runs so every epoch; ``shared_s``
+    (admission, merge, a failed group call) is shared out equally."""
+    ran = [i for i in range(len(runtimes)) if bounds[i + 1] > bounds[i]]
+    results = {}
     for i in ran:
         rt = runtimes[i]
         t1 = time.perf_counter()
         rows = merged.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
-        rerun[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
-        rt.busy_s += time.perf_counter() - t1 + failed_s / len(ran)
-    return {s: out for s, out in rerun.items() if out}
+        results[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
+        rt.busy_s += time.perf_counter() - t1 + shared_s / len(ran)
+    return {s: out for s, out in results.items() if out}
 
 
 def _chained(runtimes: list[SliceRuntime], chain: tuple, table: pa.Table,

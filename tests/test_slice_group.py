@@ -28,7 +28,7 @@ from containers.core import ContainerCore
 from containers.routing import OutputRoute, route
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
-from slices.group import fuses, grouped_merge_order, process_parts
+from slices.group import grouped_merge_order, process_parts, runs_grouped
 from slices.slice import SliceRuntime
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -442,7 +442,7 @@ def as_rows(outs):
 def test_a_group_epoch_equals_each_slice_alone_row_for_row():
     """Outputs per slice and stream (rows, _slice, _seq, lineage), counters and progress vectors."""
     plan, stage = count_plan()
-    assert fuses(stage)
+    assert runs_grouped(stage)
     rng = np.random.default_rng(3)
     vocab = [f"w{i}" for i in range(40)]
     epochs = [([vocab[i] for i in rng.integers(0, 40, 200)], [1] * 200) for _ in range(4)]
@@ -464,7 +464,7 @@ def test_a_chain_after_the_group_runs_once_and_equals_each_slices_chain_row_for_
     aggregate: run once over the group's output, each slice gets the rows, ``_seq`` numbers and
     dead letters (naming it) that it gets running its chain alone."""
     plan, stage = count_plan(dead_letters=True, chained=True)
-    assert fuses(stage)
+    assert runs_grouped(stage)
     rng = np.random.default_rng(4)
     vocab = [f"w{i}" for i in range(12)]
     epochs = [([vocab[i] for i in rng.integers(0, 12, 80)], [1] * 80) for _ in range(3)]
@@ -574,7 +574,7 @@ def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same
     slice's outputs, chain, numbering, counters, progress vector and dead letters (an event
     raising midway) equal running it alone, epoch after epoch (so its state does too)."""
     plan, stage = tally_plan(dead_letters=True, declared=declared)
-    assert fuses(stage)
+    assert runs_grouped(stage)
     rng = np.random.default_rng(8)
     vocab = [f"w{i}" for i in range(30)]
     epochs = [([vocab[i] for i in rng.integers(0, 30, 150)], rng.integers(1, 4, 150).tolist()) for _ in range(4)]
@@ -607,6 +607,63 @@ def test_a_chain_error_of_an_earlier_slice_fails_the_group_before_a_later_slices
     with pytest.raises(EventError) as grouped_error:
         process_parts([SliceRuntime(plan, stage.stage_id, s) for s in range(SLICES)], 0, [part])
     assert f"poison word {low}" in str(alone_error.value) and str(grouped_error.value) == str(alone_error.value)
+
+
+class BatchTally(cs.Operator):
+    """Vectorized ``Tally`` that does not fuse slices: each row gets its key's running total of
+    ``v`` (column ``total``). A batch holding a total divisible by ``poison_every`` raises
+    before it touches state (the row-wise contract: the runtime retries its rows one by one)."""
+
+    def __init__(self, poison_every: int = 0) -> None:
+        self.poison_every = poison_every
+
+    def setup(self) -> None:
+        self.totals = self.register_state("totals")
+
+    def consume_batch(self, stream_id: str, batch: pa.Table) -> None:
+        running: dict[str, int] = {}
+        totals = []
+        for w, v in zip(batch["w"].to_pylist(), batch["v"].to_pylist()):
+            running[w] = running.get(w, self.totals.get(w, 0)) + v
+            totals.append(running[w])
+            if self.poison_every and running[w] % self.poison_every == 0:
+                raise ValueError(f"total {running[w]} of {w!r}")
+        for w, total in running.items():
+            self.totals.set(w, total)
+        self.produce_batch("out", batch.select(["w", ORDER, SUB]).append_column("total", pa.array(totals, pa.int64())))
+
+
+def batch_tally_plan(dead_letters: bool = False):
+    lines = pa.table({"w": ["a"], "v": pa.array([1], pa.int64())})
+    q = cs.Query()
+    q.source("s", lines, slices=1).key_by("w").apply(BatchTally, 5, slices=SLICES, name="tally") \
+        .map_batches(lambda t: t.append_column("twice", pc.multiply(t["total"], 2))).sink(name="out")
+    if dead_letters:
+        q.dead_letters()
+    plan, _ = compile_query(q)
+    return plan, next(s for s in plan.stages if s.name == "tally")
+
+
+def test_a_vectorized_operators_group_epoch_equals_each_slice_alone_with_the_same_dead_letters():
+    """A ``consume_batch`` operator without ``consume_slices`` runs as a group (one admission and
+    merge, then each slice's own call on its share): outputs, chain, numbering, counters,
+    progress vectors and dead letters (poison rows retried one by one) equal each slice alone."""
+    plan, stage = batch_tally_plan(dead_letters=True)
+    assert runs_grouped(stage) and not BatchTally.fuses_slices()
+    rng = np.random.default_rng(9)
+    vocab = [f"w{i}" for i in range(30)]
+    epochs = [([vocab[i] for i in rng.integers(0, 30, 150)], rng.integers(1, 4, 150).tolist()) for _ in range(4)]
+    alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
+    assert as_rows(og) == as_rows(oa)
+    assert sum(len(e) for e in og) > SLICES
+    dead_a = [d for rt in alone for d in rt.take_dead_letters()]
+    dead_g = [d for rt in grouped for d in rt.take_dead_letters()]
+    assert len(dead_a) > SLICES and dead_g == dead_a
+    for a, g in zip(alone, grouped):
+        assert (a.events_in, a.events_out, a.last_epoch, a.next_seq) == (g.events_in, g.events_out,
+                                                                       g.last_epoch, g.next_seq)
+        assert a.progress.as_dict() == g.progress.as_dict()
+        assert sorted(a.ctx.states["totals"].items()) == sorted(g.ctx.states["totals"].items())
 
 
 # -- a job whose container runs its slices as a group ------------------------------------------
@@ -779,3 +836,31 @@ def test_outputs_taken_together_equal_each_contexts_own_and_need_a_declared_sche
     table, bounds = together["out"]
     assert bounds.tolist() == [0, 4, 4, 6]
     assert alone[1] is None and table.to_pylist() == alone[0].to_pylist() + alone[2].to_pylist()
+
+
+def batch_tally_job(slices: int, poison_every: int = 0) -> cs.Query:
+    rng = np.random.default_rng(7)
+    words = [f"w{int(i)}" for i in rng.zipf(1.3, 3000) % 400]
+    q = cs.Query(epoch_events=257)
+    q.source("words", pa.table({"w": words, "v": pa.array(rng.integers(1, 5, 3000), pa.int64())}), slices=2) \
+        .key_by("w").apply(BatchTally, poison_every, slices=slices, name="tally").sink(name="counts")
+    return q
+
+
+@pytest.mark.parametrize("containers", [1, 2])
+def test_a_job_with_a_vectorized_operator_runs_it_grouped_and_equals_the_serial_oracle(containers):
+    plan, cores = run_local_job(batch_tally_job(16), containers)
+    stage = plan.stage("tally").stage_id
+    assert sum(c.grouped_epochs for c in cores.values() if c.stage.stage_id == stage) > 0
+    got = collect(plan, cores, "counts")
+    serial = cs.run_serial(batch_tally_job(16)).results("counts")
+    assert got.num_rows == 3000 and got.to_pylist() == serial.to_pylist()
+
+
+def test_a_grouped_vectorized_operator_that_raises_fails_the_job_with_the_serial_runs_error():
+    """The same stage, slice, source order and event as the serial executor names."""
+    with pytest.raises(EventError) as serial:
+        cs.run_serial(batch_tally_job(16, poison_every=97))
+    with pytest.raises(EventError) as grouped:
+        cs.run(batch_tally_job(16, poison_every=97), executor="local", containers=2)
+    assert "total 97" in str(serial.value) and str(grouped.value) == str(serial.value)
