@@ -150,12 +150,12 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     cls = type(runtimes[0].op)
     if not cls.fuses_slices():
         if cls.is_vectorized():
-            return _run_each(runtimes, merged, bounds, stream_id, time.perf_counter() - t0)
+            return _run_each(runtimes, merged, bounds, name, time.perf_counter() - t0)
         return _consume_events(runtimes, name, batch, bounds, time.perf_counter() - t0)
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
     except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
-        return _rerun_alone(runtimes, epoch, stream_id, merged, bounds, exc, time.perf_counter() - t0)
+        return _rerun_alone(runtimes, epoch, name, merged, bounds, exc, time.perf_counter() - t0)
     results = _chain_and_number(runtimes, outputs)
     # Busy time and counts per slice: its share of the group's rows.
     elapsed = time.perf_counter() - t0
@@ -281,30 +281,28 @@ def _chain_and_number(runtimes: list[SliceRuntime], outputs: dict[str, tuple[pa.
     return results
 
 
-def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, stream_id: int, merged: pa.Table,
+def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, name: str, merged: pa.Table,
                  bounds: np.ndarray, exc: Exception, failed_s: float) -> dict[int, dict[int, pa.Table]]:
     """After a failed group call: each slice runs its admitted rows alone (``_run_each``, where
     row-by-row isolation and dead letters live); the failed call's time is shared."""
     log.info("stage %s epoch %s: group call failed (%s: %s); slices %s run one by one",
              runtimes[0].stage.name, epoch, type(exc).__name__, exc,
              [rt.slice_id for i, rt in enumerate(runtimes) if bounds[i + 1] > bounds[i]])
-    return _run_each(runtimes, merged, bounds, stream_id, failed_s)
+    return _run_each(runtimes, merged, bounds, name, failed_s)
 
 
-def _run_each(runtimes: list[SliceRuntime], merged: pa.Table, bounds: np.ndarray, stream_id: int,
+def _run_each(runtimes: list[SliceRuntime], merged: pa.Table, bounds: np.ndarray, name: str,
               shared_s: float) -> dict[int, dict[int, pa.Table]]:
     """Each slice with rows runs its share of the admitted, merged rows (a zero-copy slice of
-    them) alone: its own operator call(s), chain and numbering (``SliceRuntime._run`` and
-    ``_emit``: the calls, row isolation, dead letters and errors of a slice alone, in slice
-    order). A vectorized operator that does not fuse slices runs so every epoch; ``shared_s``
+    them) alone: its own operator call, chain and numbering (``SliceRuntime.consume_merged``:
+    the call, row isolation, dead letters and errors of a slice alone, in slice order). A vectorized operator that does not fuse slices runs so every epoch; ``shared_s``
     (admission, merge, a failed group call) is shared out equally."""
     ran = [i for i in range(len(runtimes)) if bounds[i + 1] > bounds[i]]
     results = {}
     for i in ran:
         rt = runtimes[i]
         t1 = time.perf_counter()
-        rows = merged.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))
-        results[rt.slice_id] = rt._emit(rt._run({stream_id: [rows]}))
+        results[rt.slice_id] = rt.consume_merged(name, merged.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i])))
         rt.busy_s += time.perf_counter() - t1 + shared_s / len(ran)
     return {s: out for s, out in results.items() if out}
 

@@ -234,7 +234,6 @@ class SliceRuntime:
                 ev.pop()
 
     def _run_vectorized(self, tables, inp, local) -> None:
-        op = self.op
         # Runs of consecutive rows from one input, in merge order.
         n = len(inp)
         bounds = np.flatnonzero(np.diff(inp)) + 1
@@ -245,15 +244,26 @@ class SliceRuntime:
             _, name, t = tables[i]
             rows = local[s:e]
             identity = len(rows) == t.num_rows and bool(np.all(rows == np.arange(len(rows))))
-            batch = (t if identity else t.take(pa.array(rows))).drop_columns([SLICE, SEQ])
-            produced = {k: len(v) for k, v in self.ctx.batches.items()}
-            try:
-                op.consume_batch(name, batch)
-            except Exception:  # noqa: BLE001 - isolate the poison rows (row-wise contract)
-                # Drop what the failed call produced, then retry one row at a time.
-                for k, m in produced.items():
-                    del self.ctx.batches[k][m:]
-                self._consume_rows_one_by_one(name, batch)
+            self._consume_batch(name, (t if identity else t.take(pa.array(rows))).drop_columns([SLICE, SEQ]))
+
+    def consume_merged(self, name: str, rows: pa.Table) -> dict[int, pa.Table]:
+        """A vectorized operator's epoch over ``rows`` of input ``name``, already admitted and in
+        merge order (a slice group's share: ``slices.group``): one call, as ``process`` makes
+        for them, then the chain and numbering; returns numbered outputs by stream id."""
+        assert self.ctx is not None
+        self.events_in += rows.num_rows
+        self._consume_batch(name, rows.drop_columns([SLICE, SEQ]))
+        return self.emit_outputs()
+
+    def _consume_batch(self, name: str, batch: pa.Table) -> None:
+        produced = {k: len(v) for k, v in self.ctx.batches.items()}
+        try:
+            self.op.consume_batch(name, batch)
+        except Exception:  # noqa: BLE001 - isolate the poison rows (row-wise contract)
+            # Drop what the failed call produced, then retry one row at a time.
+            for k, m in produced.items():
+                del self.ctx.batches[k][m:]
+            self._consume_rows_one_by_one(name, batch)
 
     def _consume_rows_one_by_one(self, name: str, batch: pa.Table) -> None:
         for j in range(batch.num_rows):
