@@ -35,6 +35,14 @@ slices (``BatchWordCount``: ``consume_batch`` with Arrow and numpy, one
 state lookup per distinct word of a batch): a group admits and merges once,
 then runs each slice's call on its share. Until 2026-11-27 (eighteenth
 session) such stages always ran slice by slice.
+
+``--join`` runs a keyed join instead of the word count: ``--words`` orders
+joined with a twentieth as many customer updates on one of 20,000
+customers (seeded, uniform keys, event-time order), the join in
+``--counts`` slices; its slices run as a group (one admission per input,
+one merge) since 2026-11-27 (eighteenth session).
+
+    python -m benchmarks.slices --json --join --words 60000 --epoch 2048 --counts 1,64 --repeat 5
 """
 
 from __future__ import annotations
@@ -114,9 +122,32 @@ def word_count(table, slices: int, epoch: int, chained: bool = False, per_event:
     return q
 
 
+def orders_and_customers(n_orders: int, seed: int = 5) -> tuple[pa.Table, pa.Table]:
+    """The ``--join`` inputs: ``n_orders`` orders and ``n_orders // 20`` customer updates, each
+    on one of 20,000 customers (uniform), with event times ``t`` in increasing order."""
+    rng = np.random.default_rng(seed)
+    n_cust = max(1, n_orders // 20)
+    cust = pa.table({"cust": rng.integers(0, 20_000, n_cust), "tier": rng.choice(["a", "b", "c"], n_cust),
+                     "t": np.sort(rng.integers(0, 10**6, n_cust))})
+    orders = pa.table({"cust": rng.integers(0, 20_000, n_orders), "qty": rng.integers(1, 9, n_orders),
+                       "t": np.sort(rng.integers(0, 10**6, n_orders))})
+    return orders, cust
+
+
+def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs.Query:
+    """The ``--join`` query: orders x customer updates on ``cust`` in ``slices`` slices (stage
+    ``join``), into the memory sink ``counts``."""
+    orders, cust = inputs
+    q = cs.Query(epoch_events=epoch)
+    o = q.source("orders", orders, order_by="t").key_by("cust")
+    c = q.source("customers", cust, order_by="t").key_by("cust")
+    cs.join(o, c, slices=slices, name="join").sink(name="counts")
+    return q
+
+
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
-            per_event: bool = False, vectorized: bool = False) -> float:
-    q = word_count(table, slices, epoch, chained, per_event, vectorized)
+            per_event: bool = False, vectorized: bool = False, join: bool = False) -> float:
+    q = join_query(table, slices, epoch) if join else word_count(table, slices, epoch, chained, per_event, vectorized)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -140,19 +171,26 @@ def main() -> None:
                      help="count with a per-event operator (WordTally) instead of the built-in count")
     how.add_argument("--vectorized", action="store_true",
                      help="count with a user's vectorized operator that does not fuse slices (BatchWordCount)")
+    how.add_argument("--join", action="store_true",
+                     help="a keyed join of --words orders with customer updates instead of the word count")
     args = p.parse_args()
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
         raise SystemExit(f"--counts: a slice count must be at least 1, got {counts[0]}")
     words = 100_000 if args.quick else args.words
-    table = zipf_text(words // 10, seed=1)  # 10 words per line
-    n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
+    if args.join:
+        table = orders_and_customers(words)
+        n_words = table[0].num_rows + table[1].num_rows  # events in
+    else:
+        table = zipf_text(words // 10, seed=1)  # 10 words per line
+        n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
     times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
     configs = [(n, g) for n in counts for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
-                                            per_event=args.per_event, vectorized=args.vectorized))
+                                            per_event=args.per_event, vectorized=args.vectorized,
+                                            join=args.join))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -161,8 +199,9 @@ def main() -> None:
              "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1),
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
-    emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch, "chained": args.chained,
-          "per_event": args.per_event, "vectorized": args.vectorized, "rows": rows}, args.json)
+    emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
+          "chained": args.chained, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
+          "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,9 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
 
 
 def _slow_sources(job: Any, pace_s: float) -> list[tuple[Any, float]]:
-    """Slow every source host to at least ``pace_s`` per epoch; return (handle, delay it had)."""
+    """Slow every source host to at least ``pace_s`` per epoch; return (handle, delay it had).
+    (A host the delay is set on slows all its containers: a source restored onto another
+    stage's host by a recovery slows that stage's container there too.)"""
     import ray
 
     handles = ray.get(job.master.container_handles.remote())

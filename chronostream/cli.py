@@ -79,8 +79,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     for f in faults:
         print("scheduled:", f.describe())
     report = run_with_faults(query, faults, containers=args.containers, checkpoint_every=args.checkpoint_every,
-                             backup_factor=args.backup_factor)
+                             backup_factor=args.backup_factor, settle_pace_s=args.settle_pace)
     print(report.format_timeline())
+    print(f"applied {len(report.applied)} of {len(faults)} faults"
+          + ("" if len(report.applied) == len(faults) else
+             " (the job ended before the rest: raise --delay or --settle-pace)"))
     for name, n in report.rows.items():
         verdict = "OK" if name not in report.mismatches else f"DIFFERS: {report.mismatches[name]}"
         print(f"sink {name!r}: {n} rows, {verdict} (vs the serial executor)")
@@ -207,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backup-factor", type=int, default=2)
     c.add_argument("--delay", type=float, default=0.0,
                    help="slow the source by S seconds per epoch, so faults land mid-stream")
+    c.add_argument("--settle-pace", type=float, default=0.0,
+                   help="while a fault applies and settles, slow the sources to S seconds per epoch "
+                        "(so the job does not end before the later faults)")
     for name, help_ in [("jobs", "list the jobs running on the Ray cluster"),
                         ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
                         ("scale-out", "add hosts to a stage of a running job"),

@@ -44,7 +44,7 @@ from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from containers.spill import SpillStore
 from containers.threads import SliceThreads, ThreadControlTable
-from slices.group import process_parts, reads_key_codes, runs_grouped
+from slices.group import process_inputs, process_parts, reads_key_codes, runs_grouped
 from slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.container")
@@ -142,7 +142,8 @@ class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
     #: Run the local slices of a groupable stage (``slices.group.runs_grouped``: an
-    #: operator with one input) as one group (slices/group.py). Off: each
+    #: operator with one input, or a per-event one with several) as one group
+    #: (slices/group.py). Off: each
     #: slice alone (benchmarks.slices compares the two; outputs are the same). A diagnostic
     #: switch: ``CHRONOSTREAM_GROUP_SLICES=0`` in the environment of the processes that host
     #: containers (Ray workers inherit the driver's when ``cs.run`` starts Ray) turns it off.
@@ -436,9 +437,14 @@ class ContainerCore:
                 # One vectorized pass per thread for the slices the thread-control table
                 # gives it (slices/group.py), over the senders' parts as they came; one
                 # group when the container has one thread.
-                parts = [part for _stream_id, part in _stream_parts(messages)]
-                results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_parts(
-                    [self.slices[s] for s in group], epoch, parts))
+                stream_parts = _stream_parts(messages)
+                if len(self.stage.inputs) == 1:
+                    parts = [part for _stream_id, part in stream_parts]
+                    results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_parts(
+                        [self.slices[s] for s in group], epoch, parts))
+                else:  # a per-event operator with several inputs (a join)
+                    results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_inputs(
+                        [self.slices[s] for s in group], epoch, stream_parts))
                 self.grouped_epochs += 1
             else:
                 todo = self._inputs_by_slice(epoch, messages)

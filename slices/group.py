@@ -33,7 +33,13 @@ a group too: steps 1 and 2 once, the rows turned into dicts once, then each
 slice's own per-event loop over its share (``SliceRuntime.consume_events``):
 an event that raises is that slice's error or dead letter, as alone, and
 nothing is rerun. Steps 4 and 5 run once when the stage declares its output
-schemas; else each slice emits its own outputs. Knows no Ray and no container.
+schemas; else each slice emits its own outputs. A per-event operator with
+several inputs (a join) runs the same way (``process_inputs``): admission
+once per input stream, one merge of all inputs' rows for every slice.
+
+Senders' parts whose schemas differ are never joined into one table (Arrow
+would promote every slice's rows to one schema): such an epoch runs each
+slice alone on its rows of each part. Knows no Ray and no container.
 """
 
 from __future__ import annotations
@@ -64,13 +70,16 @@ def _single_input_operator(stage: StagePlan) -> type | None:
 
 
 def runs_grouped(stage: StagePlan) -> bool:
-    """Whether a stage's slices can run as one group: any operator with one input. One that
-    fuses many slices' batches (``Operator.fuses_slices``) runs one call for the group, and
-    stateless chains on its produced streams then run once over the group's output; a
-    per-event one runs each slice's loop over its share of the group's rows; any other
-    vectorized one runs each slice's call on its share (see ``process_parts``). Admission
-    and merge are once per group in every case."""
-    return _single_input_operator(stage) is not None
+    """Whether a stage's slices can run as one group: any operator with one input, and
+    per-event operators with several (joins: ``process_inputs``). One that fuses many slices'
+    batches (``Operator.fuses_slices``) runs one call for the group, and stateless chains on
+    its produced streams then run once over the group's output; a per-event one runs each
+    slice's loop over its share of the group's rows; any other vectorized one runs each
+    slice's call on its share (see ``process_parts``). Admission and merge are once per group
+    in every case."""
+    if stage.kind != "operator":
+        return False
+    return len(stage.inputs) == 1 or not stage.factory[0].is_vectorized()  # type: ignore[index]
 
 
 def reads_key_codes(stage: StagePlan) -> bool:
@@ -131,13 +140,15 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     t0 = time.perf_counter()
     stage = runtimes[0].stage
     stream_id = stage.inputs[0].stream_id
-    position = np.full(stage.num_slices, -1, dtype=np.int64)  # slice id -> index in runtimes
-    for i, rt in enumerate(runtimes):
-        if epoch > rt.last_epoch:
-            position[rt.slice_id] = i
+    position = _positions(runtimes, epoch)
     admitted, owners = _admit_parts(runtimes, epoch, stream_id, parts, position)
     if not admitted:
         return {}
+    if any(not t.schema.equals(admitted[0].schema) for t in admitted[1:]):
+        # Senders' parts of different schemas (a column typed null in one, or missing): one
+        # table would promote every slice's rows to one schema, where alone a slice joins
+        # only its own parts. Each slice runs alone on its rows of each part.
+        return _run_alone_from_parts(runtimes, {stream_id: (admitted, owners)}, time.perf_counter() - t0)
     combined = pa.concat_tables(admitted, promote_options="permissive") if len(admitted) > 1 else admitted[0]
     owner = np.concatenate(owners) if len(owners) > 1 else owners[0]
     cols = {k: np.asarray(combined.column(k)) for k in (ORDER, SUB, SLICE, SEQ)}
@@ -151,7 +162,11 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     if not cls.fuses_slices():
         if cls.is_vectorized():
             return _run_each(runtimes, merged, bounds, name, time.perf_counter() - t0)
-        return _consume_events(runtimes, name, batch, bounds, time.perf_counter() - t0)
+        n = batch.num_rows
+        events = event_dicts(batch)
+        order, sub = np.asarray(batch.column(ORDER)), np.asarray(batch.column(SUB))
+        return _consume_events(runtimes, [name], [events], np.zeros(n, dtype=np.int64), np.arange(n), order, sub,
+                               bounds, time.perf_counter() - t0)
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
     except Exception as exc:  # noqa: BLE001 - rerun per slice: row-by-row isolation, dead letters
@@ -168,11 +183,21 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     return results
 
 
+def _positions(runtimes: list[SliceRuntime], epoch: int) -> np.ndarray:
+    """Slice id -> index in ``runtimes``; -1 for other slices and slices restored past ``epoch``."""
+    position = np.full(runtimes[0].stage.num_slices, -1, dtype=np.int64)
+    for i, rt in enumerate(runtimes):
+        if epoch > rt.last_epoch:
+            position[rt.slice_id] = i
+    return position
+
+
 def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts: list[Part],
-                 position: np.ndarray) -> tuple[list[pa.Table], list[np.ndarray]]:
+                 position: np.ndarray, begin: bool = True) -> tuple[list[pa.Table], list[np.ndarray]]:
     """Every slice's progress-vector admission of the parts, in one pass per part: the kept
     rows and their owners (index in ``runtimes``), per part. Each slice with rows begins the
-    epoch; its vector then holds what it consumed, and ``duplicates_dropped`` counts the rest.
+    epoch (``begin``; else the caller began it); its vector then holds what it consumed, and
+    ``duplicates_dropped`` counts the rest.
 
     Per channel (owner, producer slice) this is ``ProgressVector.admit`` applied part after
     part: a part's rows of one channel come in increasing out_seq, and a copy of them in a
@@ -186,7 +211,7 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     users = np.flatnonzero(begun).tolist()
     if not users:
         return [], []
-    for i in users:
+    for i in users if begin else ():
         runtimes[i]._begin(epoch)
     # The users' vectors of this stream as the rows of one matrix, all of one width.
     need = max(int(prod.max()) + 1 for _t, _pos, prod, _s in live)
@@ -220,19 +245,18 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     return kept_tables, owners
 
 
-def _consume_events(runtimes: list[SliceRuntime], name: str, batch: pa.Table, bounds: np.ndarray,
+def _consume_events(runtimes: list[SliceRuntime], names: list[str], events: list[list[dict]], inp: np.ndarray,
+                    local: np.ndarray, order: np.ndarray, sub: np.ndarray, bounds: np.ndarray,
                     shared_s: float) -> dict[int, dict[int, pa.Table]]:
-    """A per-event operator's epoch: the group's rows become dicts once, then each slice runs
-    its own loop over its share (``SliceRuntime.consume_events``: the same calls, lineage,
-    errors and dead letters as alone). The outputs become one table per stream when the
-    stage declares their schemas (``OperatorContext.take_outputs_together``), chained and
-    numbered once as a fused group's; else each slice emits its own. ``shared_s`` (admission,
-    merge) and the group's emitting are shared out by rows."""
-    t0 = time.perf_counter()
+    """A per-event operator's epoch: the group's rows as dicts (``events[k]``: input
+    ``names[k]``'s), the group's merge order as (``inp``, ``local``) with each row's lineage
+    (``order``, ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own
+    loop over its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
+    dead letters as alone). The outputs become one table per stream when the stage declares
+    their schemas (``OperatorContext.take_outputs_together``), chained and numbered once as a
+    fused group's; else each slice emits its own. ``shared_s`` (admission, merge, dicts) and
+    the group's emitting are shared out by rows."""
     stage = runtimes[0].stage
-    events = event_dicts(batch)
-    order, sub = np.asarray(batch.column(ORDER)), np.asarray(batch.column(SUB))
-    shared_s += time.perf_counter() - t0
     ran: list[int] = []
     for i, rt in enumerate(runtimes):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
@@ -241,8 +265,7 @@ def _consume_events(runtimes: list[SliceRuntime], name: str, batch: pa.Table, bo
         t1 = time.perf_counter()
         rt.events_in += hi - lo
         try:
-            rt.consume_events([name], [events], np.zeros(hi - lo, dtype=np.int64), np.arange(lo, hi),
-                              order[lo:hi], sub[lo:hi])
+            rt.consume_events(names, events, inp[lo:hi], local[lo:hi], order[lo:hi], sub[lo:hi])
         except Exception:
             # Alone, each slice emitted (ran its chain) before the next one's loop: a chain
             # error of an earlier slice is the one the job fails with.
@@ -291,11 +314,76 @@ def _rerun_alone(runtimes: list[SliceRuntime], epoch: int, name: str, merged: pa
     return _run_each(runtimes, merged, bounds, name, failed_s)
 
 
+def _run_alone_from_parts(runtimes: list[SliceRuntime], admitted: dict[int, tuple[list[pa.Table], list[np.ndarray]]],
+                          shared_s: float) -> dict[int, dict[int, pa.Table]]:
+    """Each slice runs alone (``SliceRuntime._run`` and ``_emit``) on its rows of every admitted
+    part (``admitted``: stream id -> kept tables and their rows' owners), in sender order: the
+    tables it would have admitted alone."""
+    results = {}
+    ran = sorted({int(i) for _, owners in admitted.values() for o in owners for i in np.unique(o)})
+    for i in ran:
+        rt = runtimes[i]
+        t1 = time.perf_counter()
+        inputs = {sid: [t.filter(pa.array(o == i)) for t, o in zip(tables, owners) if bool(np.any(o == i))]
+                  for sid, (tables, owners) in admitted.items()}
+        results[rt.slice_id] = rt._emit(rt._run({sid: ts for sid, ts in inputs.items() if ts}))
+        rt.busy_s += time.perf_counter() - t1 + shared_s / len(ran)
+    return {s: out for s, out in results.items() if out}
+
+
+def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[int, Part]]
+                   ) -> dict[int, dict[int, pa.Table]]:
+    """One epoch of the group ``runtimes`` of a per-event operator with several inputs (a
+    join): ``parts`` are (input stream id, part), senders in order. Admission once per stream
+    (``_admit_parts``), one merge of every slice's rows of every input in each slice's
+    ``merge_order``, the rows as dicts once per input, then each slice's own loop over its
+    share (``_consume_events``). Returns numbered outputs by slice, then stream id.
+    """
+    t0 = time.perf_counter()
+    stage = runtimes[0].stage
+    inputs = {i.stream_id: i for i in stage.inputs}
+    unknown = sorted({sid for sid, _ in parts} - set(inputs))
+    if unknown:
+        raise ValueError(f"{stage.name}: got stream(s) {unknown}, not inputs of the stage")
+    position = _positions(runtimes, epoch)
+    begun = np.zeros(len(runtimes), dtype=bool)
+    for _sid, (t, dst) in parts:
+        if t.num_rows:
+            pos = position[dst]
+            begun[pos[pos >= 0]] = True
+    for i in np.flatnonzero(begun).tolist():
+        runtimes[i]._begin(epoch)
+    admitted = {}
+    for sid in sorted(inputs, key=lambda k: inputs[k].index):
+        kept = _admit_parts(runtimes, epoch, sid, [p for s, p in parts if s == sid], position, begin=False)
+        if kept[0]:
+            admitted[sid] = kept
+    if not admitted:
+        return {}
+    if any(not t.schema.equals(tables[0].schema) for tables, _ in admitted.values() for t in tables[1:]):
+        return _run_alone_from_parts(runtimes, admitted, time.perf_counter() - t0)  # (as in process_parts)
+    names, events, cols = [], [], []
+    for k, (sid, (tables, owners)) in enumerate(admitted.items()):
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        names.append(inputs[sid].name)
+        events.append(event_dicts(table))
+        n = table.num_rows
+        cols.append([np.concatenate(owners)] + [np.asarray(table.column(c)) for c in (ORDER, SUB)]
+                    + [np.full(n, inputs[sid].index, dtype=np.int64)]
+                    + [np.asarray(table.column(c)) for c in (SLICE, SEQ)] + [np.arange(n), np.full(n, k)])
+    owner, order, sub, input_idx, producer, seq, local, inp = (np.concatenate(c) for c in zip(*cols))
+    perm = np.lexsort((seq, producer, input_idx, sub, order, owner))  # per slice: merge_order's order
+    bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
+    return _consume_events(runtimes, names, events, inp[perm], local[perm], order[perm], sub[perm], bounds,
+                           time.perf_counter() - t0)
+
+
 def _run_each(runtimes: list[SliceRuntime], merged: pa.Table, bounds: np.ndarray, name: str,
               shared_s: float) -> dict[int, dict[int, pa.Table]]:
     """Each slice with rows runs its share of the admitted, merged rows (a zero-copy slice of
     them) alone: its own operator call, chain and numbering (``SliceRuntime.consume_merged``:
-    the call, row isolation, dead letters and errors of a slice alone, in slice order). A vectorized operator that does not fuse slices runs so every epoch; ``shared_s``
+    the call, row isolation, dead letters and errors of a slice alone, in slice order). A
+    vectorized operator that does not fuse slices runs so every epoch; ``shared_s``
     (admission, merge, a failed group call) is shared out equally."""
     ran = [i for i in range(len(runtimes)) if bounds[i + 1] > bounds[i]]
     results = {}

@@ -39,7 +39,7 @@ def test_scale_out_one_to_two_to_four_then_in_to_one_gives_the_serial_output(ray
     faults = [SLOW_SOURCE, Fault("scale_out", 10, "running_sum", n=1), Fault("scale_out", 40, "running_sum", n=2),
               Fault("scale_in", 80, "running_sum", n=3)]
     report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 1, "stats": 1},
-                             checkpoint_every=4)
+                             checkpoint_every=4, settle_pace_s=0.25)
     assert report.ok, report.mismatches
     assert len(report.applied) == 4, "every rescale landed mid-stream"
     done = migrations(report)

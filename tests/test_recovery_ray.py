@@ -236,6 +236,26 @@ def test_the_harness_slows_the_sources_while_a_fault_settles_then_gives_back_the
         job.stop()
 
 
+def test_the_chaos_command_applies_every_fault_and_checks_the_output_against_the_serial_run(ray_session, tmp_path,
+                                                                                           capsys):
+    from chronostream.cli import main
+
+    f = tmp_path / "q.py"
+    f.write_text("import sys\n"
+                 f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+                 "from queries import running_sum\n"
+                 "def build():\n"
+                 "    q = running_sum(6, n=2400)\n"
+                 "    q.epoch_events = 40\n"
+                 "    return q\n")
+    assert main(["chaos", str(f), "--kill", "running_sum@10", "--kill", "stats@20", "--delay", "0.05",
+                 "--settle-pace", "0.5", "--containers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "applied 3 of 3 faults\n" in out
+    assert "sink 'sums': 2400 rows, OK" in out and "sink 'stats': 2400 rows, OK" in out
+    assert out.count("recovery_end") == 2
+
+
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
     faults = [SLOW_SOURCE, Fault("kill_master", at_epoch=10), Fault("kill", at_epoch=25, stage="stats")]
     report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 3},
