@@ -149,7 +149,7 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         # table would promote every slice's rows to one schema, where alone a slice joins
         # only its own parts. Each slice runs alone on its rows of each part.
         return _run_alone_from_parts(runtimes, {stream_id: (admitted, owners)}, time.perf_counter() - t0)
-    combined = pa.concat_tables(admitted, promote_options="permissive") if len(admitted) > 1 else admitted[0]
+    combined = pa.concat_tables(admitted) if len(admitted) > 1 else admitted[0]
     owner = np.concatenate(owners) if len(owners) > 1 else owners[0]
     cols = {k: np.asarray(combined.column(k)) for k in (ORDER, SUB, SLICE, SEQ)}
     perm = grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE], cols[SEQ])

@@ -568,15 +568,11 @@ def tally_plan(dead_letters: bool = False, declared: bool = False, chain_poison:
     return plan, next(s for s in plan.stages if s.name == "tally")
 
 
-@pytest.mark.parametrize("declared", [False, True])
-def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same_dead_letters(declared):
-    """A per-event operator runs as a group (one admission, merge and dict conversion for all
-    slices; with a declared output schema one output table, chain and numbering too): each
-    slice's outputs, chain, numbering, counters, progress vector and dead letters (an event
-    raising midway) equal running it alone, epoch after epoch (so its state does too)."""
-    plan, stage = tally_plan(dead_letters=True, declared=declared)
-    assert runs_grouped(stage)
-    rng = np.random.default_rng(8)
+def tallies_alone_and_grouped(plan, stage, seed: int) -> list[tuple[SliceRuntime, SliceRuntime]]:
+    """4 seeded epochs of words and values (dead letters on) through each slice alone and through
+    the group: asserts outputs, dead letters, counters and progress vectors equal; returns the
+    (alone, grouped) runtimes of each slice for more checks."""
+    rng = np.random.default_rng(seed)
     vocab = [f"w{i}" for i in range(30)]
     epochs = [([vocab[i] for i in rng.integers(0, 30, 150)], rng.integers(1, 4, 150).tolist()) for _ in range(4)]
     alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
@@ -589,6 +585,18 @@ def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same
         assert (a.events_in, a.events_out, a.last_epoch, a.next_seq) == (g.events_in, g.events_out,
                                                                        g.last_epoch, g.next_seq)
         assert a.progress.as_dict() == g.progress.as_dict()
+    return list(zip(alone, grouped))
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same_dead_letters(declared):
+    """A per-event operator runs as a group (one admission, merge and dict conversion for all
+    slices; with a declared output schema one output table, chain and numbering too): each
+    slice's outputs, chain, numbering, counters, progress vector and dead letters (an event
+    raising midway) equal running it alone, epoch after epoch (so its state does too)."""
+    plan, stage = tally_plan(dead_letters=True, declared=declared)
+    assert runs_grouped(stage)
+    for a, g in tallies_alone_and_grouped(plan, stage, seed=8):
         assert g.busy_s > 0
 
 
@@ -651,19 +659,7 @@ def test_a_vectorized_operators_group_epoch_equals_each_slice_alone_with_the_sam
     progress vectors and dead letters (poison rows retried one by one) equal each slice alone."""
     plan, stage = batch_tally_plan(dead_letters=True)
     assert runs_grouped(stage) and not BatchTally.fuses_slices()
-    rng = np.random.default_rng(9)
-    vocab = [f"w{i}" for i in range(30)]
-    epochs = [([vocab[i] for i in rng.integers(0, 30, 150)], rng.integers(1, 4, 150).tolist()) for _ in range(4)]
-    alone, grouped, oa, og = run_both(plan, stage, epochs, dead=True)
-    assert as_rows(og) == as_rows(oa)
-    assert sum(len(e) for e in og) > SLICES
-    dead_a = [d for rt in alone for d in rt.take_dead_letters()]
-    dead_g = [d for rt in grouped for d in rt.take_dead_letters()]
-    assert len(dead_a) > SLICES and dead_g == dead_a
-    for a, g in zip(alone, grouped):
-        assert (a.events_in, a.events_out, a.last_epoch, a.next_seq) == (g.events_in, g.events_out,
-                                                                       g.last_epoch, g.next_seq)
-        assert a.progress.as_dict() == g.progress.as_dict()
+    for a, g in tallies_alone_and_grouped(plan, stage, seed=9):
         assert sorted(a.ctx.states["totals"].items()) == sorted(g.ctx.states["totals"].items())
 
 
