@@ -396,6 +396,13 @@ class ResourceContainer:
             for dq in inflight.values():
                 while dq:
                     await self._acknowledged(*dq.popleft())
+            if not self.stopped and cid in self.cores:
+                # The master gets the rows not handed over yet before it hears "done".
+                core.hand_over_last_sink_parts()
+                parts = core.take_sink_parts()
+                if parts:
+                    self._ship[cid] = asyncio.get_running_loop().create_task(
+                        self._ship_checkpoint(cid, self._ship.get(cid), [], parts, {}))
             if cid in self._ship:
                 await self._ship[cid]
             if cid not in self.cores:

@@ -382,6 +382,18 @@ class ContainerCore:
             writers[dead_letter_sink_id(self.stage.stage_id)] = self.dead_letter_writer
         return writers
 
+    def hand_over_last_sink_parts(self) -> None:
+        """Queue every memory-sink part not handed to the master yet (``take_sink_parts``).
+
+        Called once the container processed its last epoch, before it reports done: the master
+        then holds every row a finished container made, so a host that dies after the job's end
+        loses none (checkpoints hand over the rows up to them; without checkpoints, or for a
+        container whose slices all migrated away, this is the only hand-over)."""
+        for k, w in self._all_writers().items():
+            parts = w.take_parts(self.next_epoch)
+            if parts:
+                add_sink_parts(self.outgoing_sink_parts, {k: parts})
+
     def take_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
         """Memory-sink parts to hand to the master, by sink id (``dead_letter_sink_id`` for dead letters)."""
         out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}

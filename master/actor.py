@@ -269,6 +269,9 @@ class JobMaster:
                 self._event("fault_detected", host=h, by=f"no heartbeat for {now - self.last_seen[h]:.1f}s")
             if (dead | silent) and self.state == "running":
                 await self._recover(dead | silent)
+            elif self.state == "finished":
+                for h in dead:  # (a silent host may just be slow: only a dead one is forgotten)
+                    self._lost_after_end(h, RayActorError())
 
     async def _probe(self, hosts: list[int]) -> set[int]:
         """Hosts whose actor is dead (a ping raises). A busy host just answers late: not dead."""
@@ -1346,9 +1349,34 @@ class JobMaster:
         """All rows of a memory sink (or the dead letters), sorted by (producer slice, out_seq)."""
         ids = memory_sink_ids(self.plan, sink_name)
         parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
-        for held in await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in sorted(self.alive)]):
-            add_sink_parts(parts, held)
+        hosts = sorted(self.alive)
+        held = await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in hosts], return_exceptions=True)
+        for h, got in zip(hosts, held):
+            if isinstance(got, RayActorError):
+                self._lost_after_end(h, got)
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                add_sink_parts(parts, got)
         return sink_table(parts, self.plan.source_dead_letters)
+
+    def _lost_after_end(self, host: int, error: BaseException) -> None:
+        """A dead host the job no longer needs: every container on it reported done, and a
+        container hands every memory-sink row it made to the master before it does
+        (``ContainerCore.hand_over_last_sink_parts``). Forget the host; raise when a container on
+        it had not finished (its rows since its last checkpoint died with it). Containers that
+        left the placement (slices migrated away) handed theirs over, or their slices'
+        new owners re-made them."""
+        live = {c for ids in self.placement.containers.values() for c in ids}
+        on_it = sorted(c for c, h in self.host_of.items() if h == host and c in live)
+        unfinished = [c for c in on_it if c not in self.done]
+        if unfinished:
+            raise RuntimeError(f"host {host} died holding containers {unfinished}, which had not finished "
+                               f"(job {self.state}): their memory-sink rows since their last checkpoint "
+                               f"are lost") from error
+        if host in self.alive:
+            self.alive.discard(host)
+            self._event("host_lost_after_end", host=host, containers=on_it)
 
     async def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
         """(slice, epoch) -> first time a live host wrote that part of a memory sink (diagnostics)."""

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import chronostream as cs
-from chronostream.chaos import Fault, apply_schedule, compare_with_serial, random_faults, run_with_faults
+from chronostream.chaos import Fault, apply_schedule, compare_with_serial, inject, random_faults, run_with_faults
 from master.recovery import RECOVERY_STEPS
 from queries import rekey_pipeline, running_sum
 
@@ -259,6 +259,24 @@ def test_the_chaos_command_applies_every_fault_and_checks_the_output_against_the
     assert "applied 3 of 3 faults\n" in out
     assert "sink 'sums': 2400 rows, OK" in out and "sink 'stats': 2400 rows, OK" in out
     assert out.count("recovery_end") == 2
+
+
+@pytest.mark.parametrize("checkpoint_every", [2, 0])
+def test_a_host_that_dies_after_the_job_finished_takes_none_of_its_rows_with_it(ray_session, checkpoint_every):
+    """Every container hands the master its memory-sink rows before it reports done (with
+    checkpoints: the rows since the last one; without: all of them), so ``results()`` after a
+    host's death equals the serial run. Before, collecting asked the dead host: ActorDiedError."""
+    job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 2},
+                 checkpoint_every=checkpoint_every)
+    try:
+        assert job.wait(timeout_s=300).state == "finished"
+        hit = inject(job, Fault("kill", at_epoch=0, stage="running_sum", index=1))
+        mismatches, rows = compare_with_serial(job, query())
+        assert mismatches == {} and all(rows.values()), (mismatches, rows)
+        lost = [i for _, k, i in job.timeline() if k == "host_lost_after_end"]
+        assert [i["host"] for i in lost] == [hit["host"]], job.timeline()
+    finally:
+        job.stop()
 
 
 def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_processing(ray_session):
