@@ -30,6 +30,12 @@ numbers one output table (the schema is declared; slices/group.py). Until
 
     python -m benchmarks.slices --json --per-event --words 200000 --epoch 1024
 
+``--undeclared`` (with ``--per-event``): ``WordTally`` without its output
+schema. Since 2026-11-27 (nineteenth session) a group builds each slice's
+output table as alone (Arrow infers its types) and, when every slice's
+inferred schema is the same, joins them and chains and numbers them once;
+before, each slice chained and numbered its own.
+
 ``--vectorized`` counts with a user's vectorized operator that does not fuse
 slices (``BatchWordCount``: ``consume_batch`` with Arrow and numpy, one
 state lookup per distinct word of a batch): a group admits and merges once,
@@ -83,6 +89,12 @@ class WordTally(cs.Operator):
         self.produce("out", {"word": event["word"], "count": n})
 
 
+class UndeclaredWordTally(WordTally):
+    """``--undeclared``: ``WordTally`` whose output types Arrow infers, per slice and epoch."""
+
+    output_schemas: dict[str, pa.Schema] = {}
+
+
 class BatchWordCount(cs.Operator):
     """The ``--vectorized`` count: ``consume_batch`` with Arrow and numpy, as a user would write
     it without ``consume_slices`` (so slices are not fused): each row gets its word's running
@@ -108,14 +120,15 @@ class BatchWordCount(cs.Operator):
 
 
 def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False,
-               vectorized: bool = False) -> cs.Query:
+               vectorized: bool = False, undeclared: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
     the built-in ``count`` (``per_event``: by ``WordTally``; ``vectorized``: by
     ``BatchWordCount``) in ``slices`` slices (stage ``count``), into the memory sink ``counts``;
-    ``chained``: through ``doubled_count`` on the way."""
+    ``chained``: through ``doubled_count`` on the way; ``undeclared``: ``UndeclaredWordTally``."""
     q = cs.Query(epoch_events=epoch)
     words = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word")
-    counter = WordTally if per_event else BatchWordCount if vectorized else None
+    counter = (UndeclaredWordTally if undeclared else WordTally) if per_event else \
+        BatchWordCount if vectorized else None
     counts = (words.apply(counter, slices=slices, name="count") if counter is not None
               else words.count(slices=slices, name="count"))
     (counts.map_batches(doubled_count) if chained else counts).sink(name="counts")
@@ -146,8 +159,9 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 
 
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
-            per_event: bool = False, vectorized: bool = False, join: bool = False) -> float:
-    q = join_query(table, slices, epoch) if join else word_count(table, slices, epoch, chained, per_event, vectorized)
+            per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False) -> float:
+    q = join_query(table, slices, epoch) if join else \
+        word_count(table, slices, epoch, chained, per_event, vectorized, undeclared)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -173,7 +187,11 @@ def main() -> None:
                      help="count with a user's vectorized operator that does not fuse slices (BatchWordCount)")
     how.add_argument("--join", action="store_true",
                      help="a keyed join of --words orders with customer updates instead of the word count")
+    p.add_argument("--undeclared", action="store_true",
+                   help="with --per-event: the operator declares no output schema (Arrow infers it per slice)")
     args = p.parse_args()
+    if args.undeclared and not args.per_event:
+        raise SystemExit("--undeclared goes with --per-event")
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
         raise SystemExit(f"--counts: a slice count must be at least 1, got {counts[0]}")
@@ -190,7 +208,7 @@ def main() -> None:
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
                                             per_event=args.per_event, vectorized=args.vectorized,
-                                            join=args.join))
+                                            join=args.join, undeclared=args.undeclared))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -201,7 +219,7 @@ def main() -> None:
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
           "chained": args.chained, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
-          "rows": rows}, args.json)
+          "undeclared": args.undeclared, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

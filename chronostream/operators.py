@@ -113,19 +113,31 @@ class OperatorContext:
                               ) -> dict[str, tuple[pa.Table, np.ndarray]] | None:
         """Every context's per-event outputs as one table per output stream, ``ctxs[i]``'s rows
         at ``bounds[i]:bounds[i + 1]`` (a slice group's), as ``(table, bounds)``; or None, with
-        nothing taken, when an output has no declared schema or a context produced batches:
-        Arrow would then infer one type for every context's rows, where ``take_outputs`` infers
-        each one's own (an int column in one slice, a float one in another)."""
+        nothing taken, when a context produced batches, or when an output without a declared
+        schema came out of different contexts with different inferred schemas.
+
+        A declared schema builds one table for all contexts. Without one each context's rows
+        are built on their own, as ``take_outputs`` builds them (Arrow infers each one's types:
+        an int column in one slice, a float one in another), and joined only when every
+        context's inferred schema is the same, so no row's type depends on its neighbours."""
         names = ctxs[0].output_names if ctxs else ()
-        if any(schemas.get(n) is None for n in names) or any(c.batches[n] for c in ctxs for n in names):
+        if any(c.batches[n] for c in ctxs for n in names):
             return None
         out: dict[str, tuple[pa.Table, np.ndarray]] = {}
         for name in names:
             counts = np.array([len(c.events[name]) for c in ctxs], dtype=np.int64)
-            if counts.sum():
+            if not counts.sum():
+                continue
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            if schemas.get(name) is not None:
                 events = list(itertools.chain.from_iterable(c.events[name] for c in ctxs))
                 lineage = list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs))
-                out[name] = (_events_table(events, lineage, schemas[name]), np.concatenate(([0], np.cumsum(counts))))
+                out[name] = (_events_table(events, lineage, schemas[name]), bounds)
+                continue
+            tables = [_events_table(c.events[name], c.lineage[name], None) for c in ctxs if c.events[name]]
+            if any(t.schema != tables[0].schema for t in tables[1:]):
+                return None
+            out[name] = (pa.concat_tables(tables), bounds)
         for c in ctxs:
             c.reset()
         return out

@@ -28,6 +28,7 @@ from containers.core import ContainerCore
 from containers.routing import OutputRoute, route
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
+import slices.group
 from slices.group import grouped_merge_order, process_inputs, process_parts, runs_grouped
 from slices.slice import SliceRuntime
 from queries import keyed_join
@@ -591,7 +592,8 @@ def tallies_alone_and_grouped(plan, stage, seed: int) -> list[tuple[SliceRuntime
 @pytest.mark.parametrize("declared", [False, True])
 def test_a_per_event_operators_group_epoch_equals_each_slice_alone_with_the_same_dead_letters(declared):
     """A per-event operator runs as a group (one admission, merge and dict conversion for all
-    slices; with a declared output schema one output table, chain and numbering too): each
+    slices; one output table, chain and numbering too, its schema declared or inferred alike by
+    every slice): each
     slice's outputs, chain, numbering, counters, progress vector and dead letters (an event
     raising midway) equal running it alone, epoch after epoch (so its state does too)."""
     plan, stage = tally_plan(dead_letters=True, declared=declared)
@@ -661,6 +663,45 @@ def test_a_vectorized_operators_group_epoch_equals_each_slice_alone_with_the_sam
     assert runs_grouped(stage) and not BatchTally.fuses_slices()
     for a, g in tallies_alone_and_grouped(plan, stage, seed=9):
         assert sorted(a.ctx.states["totals"].items()) == sorted(g.ctx.states["totals"].items())
+
+
+class HalfOrWhole(cs.Operator):
+    """Per event, no declared schema: ``v`` halved for words starting with ``h`` (a float), as it
+    is for the others (an int): Arrow infers each slice's ``v`` type from its own rows."""
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        v = event["v"] / 2 if event["w"].startswith("h") else event["v"]
+        self.produce("out", {"w": event["w"], "v": v})
+
+
+def test_undeclared_outputs_a_group_builds_keep_each_slices_inferred_types(monkeypatch):
+    """A slice whose rows all give ints keeps an int64 column, one whose rows give floats a double
+    one, as alone: one table for the group would type them alike (then each slice builds its own);
+    when every slice infers alike the group builds one."""
+    q = cs.Query()
+    q.source("s", pa.table({"w": ["a"], "v": pa.array([1], pa.int64())}), slices=1).key_by("w") \
+        .apply(HalfOrWhole, slices=SLICES, name="halves").sink(name="out")
+    plan, _ = compile_query(q)
+    stage = next(st for st in plan.stages if st.name == "halves")
+    vocab = [f"h{i}" for i in range(3)] + [f"w{i}" for i in range(37)]
+    owner = slice_of([pa.array(vocab)], SLICES)
+    floats = {int(o) for w, o in zip(vocab, owner) if w.startswith("h")}
+    ints_only = [w for w, o in zip(vocab, owner) if int(o) not in floats]
+    assert ints_only, "some slice owns only whole-number words"
+    rng = np.random.default_rng(5)
+    mixed = [vocab[i] for i in rng.integers(0, 40, 120)]
+    alike = [ints_only[i] for i in rng.integers(0, len(ints_only), 60)]
+    together = []
+    chain_and_number = slices.group._chain_and_number
+    monkeypatch.setattr(slices.group, "_chain_and_number",
+                        lambda rts, outs: together.append(len(rts)) or chain_and_number(rts, outs))
+    alone, grouped, oa, og = run_both(plan, stage, [(mixed, [3] * 120), (alike, [3] * 60)])
+    assert together == [SLICES], "the epoch typed alike, and only it, built one table"
+    assert as_rows(og) == as_rows(oa)
+    types = lambda outs: {(e, s): str(t.schema.field("v").type)  # noqa: E731
+                          for e, per in enumerate(outs) for s, o in per.items() for t in o.values()}
+    assert types(og) == types(oa)
+    assert set(types(oa).values()) == {"int64", "double"}
 
 
 class TypeProbe(cs.Operator):
@@ -925,7 +966,7 @@ def test_a_grouped_per_event_operator_that_raises_fails_the_job_with_the_serial_
     assert "total 97" in str(serial.value) and str(grouped.value) == str(serial.value)
 
 
-def test_outputs_taken_together_equal_each_contexts_own_and_need_a_declared_schema():
+def test_outputs_taken_together_equal_each_contexts_own_and_undeclared_ones_join_only_when_typed_alike():
     def filled(slice_id: int, values: list) -> OperatorContext:
         ctx = OperatorContext("st", slice_id, ["out"])
         for j, v in enumerate(values):
@@ -943,6 +984,13 @@ def test_outputs_taken_together_equal_each_contexts_own_and_need_a_declared_sche
     table, bounds = together["out"]
     assert bounds.tolist() == [0, 4, 4, 6]
     assert alone[1] is None and table.to_pylist() == alone[0].to_pylist() + alone[2].to_pylist()
+    # Undeclared and inferred alike (ints in both slices): each context's own table, joined.
+    alone = [c.take_outputs({"out": None})["out"] for c in [filled(0, [1, 2]), filled(2, [7])]]
+    together = OperatorContext.take_outputs_together([filled(0, [1, 2]), filled(1, []), filled(2, [7])],
+                                                     {"out": None})
+    table, bounds = together["out"]
+    assert bounds.tolist() == [0, 4, 4, 6] and table.schema == alone[0].schema
+    assert table.to_pylist() == alone[0].to_pylist() + alone[1].to_pylist()
 
 
 def batch_tally_job(slices: int, poison_every: int = 0) -> cs.Query:
