@@ -385,10 +385,10 @@ class ContainerCore:
     def hand_over_last_sink_parts(self) -> None:
         """Queue every memory-sink part not handed to the master yet (``take_sink_parts``).
 
-        Called once the container processed its last epoch, before it reports done: the master
-        then holds every row a finished container made, so a host that dies after the job's end
-        loses none (checkpoints hand over the rows up to them; without checkpoints, or for a
-        container whose slices all migrated away, this is the only hand-over)."""
+        Called, with checkpoints, once the container processed its last epoch, before it reports
+        done: the master then holds every row a finished container made, so a host that dies
+        after the job's end loses none (the last epoch is a checkpoint, which handed over the rows
+        up to it; for a container whose slices all migrated away this is the only hand-over)."""
         for k, w in self._all_writers().items():
             parts = w.take_parts(self.next_epoch)
             if parts:

@@ -269,7 +269,7 @@ class JobMaster:
                 self._event("fault_detected", host=h, by=f"no heartbeat for {now - self.last_seen[h]:.1f}s")
             if (dead | silent) and self.state == "running":
                 await self._recover(dead | silent)
-            elif self.state == "finished":
+            elif self.state == "finished" and self.opts.checkpointing:
                 for h in dead:  # (a silent host may just be slow: only a dead one is forgotten)
                     self._lost_after_end(h, RayActorError())
 
@@ -1361,12 +1361,13 @@ class JobMaster:
         return sink_table(parts, self.plan.source_dead_letters)
 
     def _lost_after_end(self, host: int, error: BaseException) -> None:
-        """A dead host the job no longer needs: every container on it reported done, and a
-        container hands every memory-sink row it made to the master before it does
-        (``ContainerCore.hand_over_last_sink_parts``). Forget the host; raise when a container on
-        it had not finished (its rows since its last checkpoint died with it). Containers that
-        left the placement (slices migrated away) handed theirs over, or their slices'
-        new owners re-made them."""
+        """A dead host the job no longer needs: with checkpoints, every container on it that
+        reported done had handed the master every memory-sink row it made (its last epoch is a
+        checkpoint; ``ContainerCore.hand_over_last_sink_parts`` covers the rest). Forget the host;
+        raise, naming them, when a container on it had not finished (its rows since its last
+        checkpoint died with it) or the job ran without checkpoints (its rows lived only there).
+        Containers that left the placement (slices migrated away) handed theirs over, or their
+        slices' new owners re-made them."""
         live = {c for ids in self.placement.containers.values() for c in ids}
         on_it = sorted(c for c, h in self.host_of.items() if h == host and c in live)
         unfinished = [c for c in on_it if c not in self.done]
@@ -1374,6 +1375,11 @@ class JobMaster:
             raise RuntimeError(f"host {host} died holding containers {unfinished}, which had not finished "
                                f"(job {self.state}): their memory-sink rows since their last checkpoint "
                                f"are lost") from error
+        if not self.opts.checkpointing and on_it:
+            raise RuntimeError(f"host {host} died after the job's end holding the memory-sink rows of "
+                               f"containers {on_it}: without checkpoints a container keeps its rows "
+                               f"until they are read; run with checkpoint_every=K to hand them to the "
+                               f"master as the job goes") from error
         if host in self.alive:
             self.alive.discard(host)
             self._event("host_lost_after_end", host=host, containers=on_it)

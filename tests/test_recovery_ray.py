@@ -261,20 +261,36 @@ def test_the_chaos_command_applies_every_fault_and_checks_the_output_against_the
     assert out.count("recovery_end") == 2
 
 
-@pytest.mark.parametrize("checkpoint_every", [2, 0])
-def test_a_host_that_dies_after_the_job_finished_takes_none_of_its_rows_with_it(ray_session, checkpoint_every):
-    """Every container hands the master its memory-sink rows before it reports done (with
-    checkpoints: the rows since the last one; without: all of them), so ``results()`` after a
-    host's death equals the serial run. Before, collecting asked the dead host: ActorDiedError."""
+def run_then_kill_a_host(checkpoint_every: int):
+    """A job run to its end, then one running_sum container's host killed: (job, what was hit)."""
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 2},
                  checkpoint_every=checkpoint_every)
+    assert job.wait(timeout_s=300).state == "finished"
+    return job, inject(job, Fault("kill", at_epoch=0, stage="running_sum", index=1))
+
+
+def test_a_host_that_dies_after_the_job_finished_takes_none_of_its_rows_with_it(ray_session):
+    """With checkpoints every container has handed the master its memory-sink rows before it
+    reports done (its last epoch is a checkpoint), so ``results()`` after a host's death equals
+    the serial run. Before, collecting asked the dead host: a raw ActorDiedError."""
+    job, hit = run_then_kill_a_host(checkpoint_every=2)
     try:
-        assert job.wait(timeout_s=300).state == "finished"
-        hit = inject(job, Fault("kill", at_epoch=0, stage="running_sum", index=1))
         mismatches, rows = compare_with_serial(job, query())
         assert mismatches == {} and all(rows.values()), (mismatches, rows)
         lost = [i for _, k, i in job.timeline() if k == "host_lost_after_end"]
         assert [i["host"] for i in lost] == [hit["host"]], job.timeline()
+    finally:
+        job.stop()
+
+
+def test_without_checkpoints_a_host_dead_after_the_end_makes_results_name_it_and_its_containers(ray_session):
+    """Without checkpoints a container keeps its rows until they are read: results() says which
+    host and containers took them, and how to keep them, rather than Ray's ActorDiedError."""
+    job, hit = run_then_kill_a_host(checkpoint_every=0)
+    try:
+        with pytest.raises(Exception, match=rf"host {hit['host']} died after the job's end .*"
+                                            rf"containers \[{hit['container']}\].*checkpoint_every"):
+            job.results("sums")
     finally:
         job.stop()
 
