@@ -1361,13 +1361,16 @@ class JobMaster:
         return sink_table(parts, self.plan.source_dead_letters)
 
     def _lost_after_end(self, host: int, error: BaseException) -> None:
-        """A dead host the job no longer needs: with checkpoints, every container on it that
+        """A dead host of a job that ended (while it runs: ``error``, and the watch loop
+        recovers the host). With checkpoints, every container on it that
         reported done had handed the master every memory-sink row it made (its last epoch is a
         checkpoint; ``ContainerCore.hand_over_last_sink_parts`` covers the rest). Forget the host;
         raise, naming them, when a container on it had not finished (its rows since its last
         checkpoint died with it) or the job ran without checkpoints (its rows lived only there).
         Containers that left the placement (slices migrated away) handed theirs over, or their
         slices' new owners re-made them."""
+        if self.state == "running":
+            raise error  # the watch loop recovers it (its output logs may still be replayed)
         live = {c for ids in self.placement.containers.values() for c in ids}
         on_it = sorted(c for c, h in self.host_of.items() if h == host and c in live)
         unfinished = [c for c in on_it if c not in self.done]
