@@ -52,6 +52,7 @@ from containers.core import (END_KEY, ContainerCore, ContainerStatistics, Messag
                              hand_over)
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
+from containers.sink_parts import PackedSinkParts, pack_sink_parts
 from slices.checkpoint import RestorePoint
 
 log = logging.getLogger("chronostream.container")
@@ -451,7 +452,7 @@ class ResourceContainer:
         for dst, ref in pushes:
             await self._acknowledged(dst, ref)
         if parts:
-            await self.master.store_sink_parts.remote(parts)
+            await self.master.store_sink_parts.remote(pack_sink_parts(parts))
         for peer, blobs in backups.items():
             actor = self.hosts.get(peer)
             if actor is None:
@@ -777,7 +778,7 @@ class ResourceContainer:
                 cond.notify_all()
         core.close()
 
-    async def drain_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
+    async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""
         out: dict[int, dict[tuple[int, int], pa.Table]] = {}
         for core in self.cores.values():
@@ -785,7 +786,7 @@ class ResourceContainer:
                 parts = getattr(w, "parts", None)
                 if parts:
                     out.setdefault(k, {}).update(parts)
-        return out
+        return pack_sink_parts(out)
 
     async def ping(self) -> int:
         """Liveness probe of the master."""
@@ -919,12 +920,12 @@ class ResourceContainer:
         return {c: {"restored_at": dict(core.restored_at), "first_output_at": dict(core.first_output_at)}
                 for c, core in self.cores.items() if core.restored_at}
 
-    async def sink_parts(self, sink_ids: list[int]) -> dict[int, dict[tuple[int, int], pa.Table]]:
+    async def sink_parts(self, sink_ids: list[int]) -> PackedSinkParts:
         """Sink id -> (slice, epoch) -> rows of memory sinks (or dead letters) over the hosted containers."""
         out: dict[int, dict[tuple[int, int], pa.Table]] = {i: {} for i in sink_ids}
         for core in self.cores.values():
             add_sink_parts(out, core.sink_parts(sink_ids))
-        return out
+        return pack_sink_parts(out)
 
     async def sink_write_times(self, sink_id: int) -> dict[tuple[int, int], float]:
         """(slice, epoch) -> when a memory sink of this host's containers first wrote it (wall time)."""

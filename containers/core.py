@@ -42,6 +42,7 @@ from containers.backup_store import BackupStore
 from containers.checkpointing import SliceCheckpointer
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
+from containers.sink_parts import SinkParts, add_sink_parts  # noqa: F401 - SinkParts: re-exported
 from containers.spill import SpillStore
 from containers.threads import SliceThreads, ThreadControlTable
 from slices.group import process_inputs, process_parts, reads_key_codes, runs_grouped
@@ -77,20 +78,6 @@ def is_dead_letter_sink_id(sink_id: int) -> bool:
     """True for a ``dead_letter_sink_id``."""
     return sink_id < 0
 
-
-SinkParts = dict[tuple[int, int], pa.Table]  # (slice, epoch) -> the rows that slice wrote in that epoch
-
-
-def add_sink_parts(into: dict[int, SinkParts], more: dict[int, SinkParts]) -> None:
-    """Merge memory-sink parts by sink id (a part held twice, by a migrated slice's source and
-    destination, is the same rows: kept once).
-
-    >>> held = {0: {(0, 1): "a"}}
-    >>> add_sink_parts(held, {0: {(1, 1): "b"}, -1: {(0, 1): "c"}}); sorted(held[0]), held[-1]
-    ([(0, 1), (1, 1)], {(0, 1): 'c'})
-    """
-    for sink_id, parts in more.items():
-        into.setdefault(sink_id, {}).update(parts)
 
 #: What a sender's message covers: the (stage id, slice id) pairs it carries rows of.
 Coverage = frozenset

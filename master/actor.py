@@ -26,7 +26,8 @@ from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer
-from containers.core import ContainerStatistics, add_sink_parts
+from containers.core import ContainerStatistics
+from containers.sink_parts import PackedSinkParts, add_sink_parts
 from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
@@ -1280,10 +1281,10 @@ class JobMaster:
         """A container hit an error it cannot handle."""
         self._fail(container_id, error)
 
-    async def store_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
+    async def store_sink_parts(self, packed: PackedSinkParts) -> None:
         """Memory-sink rows up to a checkpoint (they outlive the container that made them)."""
-        self.catalog.add_sink_parts(parts)
-        add_sink_parts(self.sink_parts, parts)
+        self.catalog.add_sink_parts(packed)
+        add_sink_parts(self.sink_parts, packed.unpack())
 
     # -- reading ---------------------------------------------------------------
 
@@ -1357,7 +1358,7 @@ class JobMaster:
             elif isinstance(got, BaseException):
                 raise got
             else:
-                add_sink_parts(parts, got)
+                add_sink_parts(parts, got.unpack())
         return sink_table(parts, self.plan.source_dead_letters)
 
     def _lost_after_end(self, host: int, error: BaseException) -> None:

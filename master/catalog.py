@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from containers.lmdb_store import put_all
+from containers.sink_parts import PackedSinkParts, SinkParts, add_sink_parts
 from master.placement import Placement
 
 
@@ -57,6 +58,7 @@ class MasterCatalog:
         # sync=True: the catalog is small and must survive the master's process.
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0)
         self.closed = False
+        self.sink_keys: int | None = None  # sink-part keys stored (counted on the first add)
 
     def exists(self) -> bool:
         """True when a layout was saved (the job was deployed)."""
@@ -135,24 +137,45 @@ class MasterCatalog:
         """The saved result of a control request (None: not done)."""
         return self._get(b"request:" + request.encode(), None) if request else None
 
-    def add_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
-        """Memory-sink rows (sink id -> (slice, epoch) -> rows), one key per part."""
+    def add_sink_parts(self, packed: PackedSinkParts) -> None:
+        """Memory-sink rows (sink id -> (slice, epoch) -> rows), one key per packed group,
+        numbered in the order they came (a part stored again replaces the earlier copy)."""
         if self.closed:
             return  # the job was stopped: late reports are not kept
-        items = [(f"sink:{k}:{s}:{e}".encode(), _ipc(t)) for k, per in parts.items() for (s, e), t in per.items()]
+        if self.sink_keys is None:
+            self.sink_keys = self._count_sink_keys()
+        items = []
+        for sink_id, table, index in packed.groups:
+            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), _ipc(table)])))
+            self.sink_keys += 1
         put_all(self.env, items)
 
-    def load_sink_parts(self) -> dict[int, dict[tuple[int, int], pa.Table]]:
+    def _count_sink_keys(self) -> int:
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            n = 0
+            if cur.set_range(b"sink:"):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(b"sink:"):
+                        break
+                    n += 1
+            return n
+
+    def load_sink_parts(self) -> dict[int, SinkParts]:
         """Every saved memory-sink part."""
-        out: dict[int, dict[tuple[int, int], pa.Table]] = {}
+        groups = []
         with self.env.begin() as txn:
             cur = txn.cursor()
             if cur.set_range(b"sink:"):
                 for key, value in cur:
                     if not key.startswith(b"sink:"):
                         break
-                    _, k, s, e = key.decode().split(":")
-                    out.setdefault(int(k), {})[(int(s), int(e))] = pa.ipc.open_stream(pa.py_buffer(value)).read_all()
+                    sink_id, index, ipc = _unpack(value)
+                    groups.append((sink_id, pa.ipc.open_stream(pa.py_buffer(ipc)).read_all(),
+                                   np.frombuffer(index, dtype=np.int64).reshape(-1, 3)))
+        out: dict[int, SinkParts] = {}
+        for group in groups:  # in the order stored: a later copy of a part replaces an earlier one
+            add_sink_parts(out, PackedSinkParts([group]).unpack())
         return out
 
     def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]]) -> None:

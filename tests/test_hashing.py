@@ -347,6 +347,17 @@ def test_slice_of_scalar_agrees_with_slice_of_columns(key, n):
     assert slice_of_scalar(key, n) == int(slice_of(cols, n)[0])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(ints, st.floats(), st.booleans(), texts, st.binary(max_size=4), st.none()),
+                min_size=1, max_size=12), st.integers(1, 64))
+def test_remembered_scalar_slices_equal_the_slices_of_fresh_one_row_columns(values, n):
+    """The serial executor remembers the slices of plain keys: asked again, and asked for values
+    that compare equal across types (1, True, 1.0; -0.0, 0.0; NaN), each answer is still its own
+    one-row column's slice."""
+    for v in values + [True, 1, 1.0, -0.0, 0.0, float("nan")] + values[::-1]:
+        assert slice_of_scalar([v], n) == int(slice_of([pa.array([v])], n)[0]), (v, n)
+
+
 def test_slice_of_with_one_slice_is_all_zero():
     """With one slice every row goes to slice 0."""
     assert slice_of([pa.array(["a", "b", None])], 1).tolist() == [0, 0, 0]
