@@ -114,7 +114,8 @@ class OperatorContext:
         """Every context's per-event outputs as one table per output stream, ``ctxs[i]``'s rows
         at ``bounds[i]:bounds[i + 1]`` (a slice group's), as ``(table, bounds)``; or None, with
         nothing taken, when a context produced batches, or when an output without a declared
-        schema came out of different contexts with different inferred schemas.
+        schema came out of different contexts with different inferred schemas (then each
+        context holds that output's table as ``take_outputs`` would build it, as a batch).
 
         A declared schema builds one table for all contexts. Without one each context's rows
         are built on their own, as ``take_outputs`` builds them (Arrow infers each one's types:
@@ -134,10 +135,13 @@ class OperatorContext:
                 lineage = list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs))
                 out[name] = (_events_table(events, lineage, schemas[name]), bounds)
                 continue
-            tables = [_events_table(c.events[name], c.lineage[name], None) for c in ctxs if c.events[name]]
-            if any(t.schema != tables[0].schema for t in tables[1:]):
+            built = [(c, _events_table(c.events[name], c.lineage[name], None)) for c in ctxs if c.events[name]]
+            if any(t.schema != built[0][1].schema for _, t in built[1:]):
+                for c, t in built:  # each context keeps its table: the per-slice emit does not build it again
+                    c.events[name], c.lineage[name] = [], []
+                    c.batches[name].append(t)
                 return None
-            out[name] = (pa.concat_tables(tables), bounds)
+            out[name] = (pa.concat_tables([t for _, t in built]), bounds)
         for c in ctxs:
             c.reset()
         return out

@@ -977,7 +977,9 @@ def test_outputs_taken_together_equal_each_contexts_own_and_undeclared_ones_join
     schema = pa.schema([("v", pa.float64())])
     # Undeclared, an int slice and a float slice would be typed alike together: refused, nothing taken.
     ctxs = [filled(0, [1, 2]), filled(1, [0.5])]
-    assert OperatorContext.take_outputs_together(ctxs, {"out": None}) is None and len(ctxs[0].events["out"]) == 4
+    assert OperatorContext.take_outputs_together(ctxs, {"out": None}) is None
+    assert [c.take_outputs({"out": None})["out"] for c in ctxs] == \
+        [c.take_outputs({"out": None})["out"] for c in [filled(0, [1, 2]), filled(1, [0.5])]]
     alone = [c.take_outputs({"out": schema}).get("out") for c in [filled(0, [1, 2]), filled(1, []), filled(2, [0.5])]]
     together = OperatorContext.take_outputs_together([filled(0, [1, 2]), filled(1, []), filled(2, [0.5])],
                                                      {"out": schema})
@@ -991,6 +993,22 @@ def test_outputs_taken_together_equal_each_contexts_own_and_undeclared_ones_join
     table, bounds = together["out"]
     assert bounds.tolist() == [0, 4, 4, 6] and table.schema == alone[0].schema
     assert table.to_pylist() == alone[0].to_pylist() + alone[1].to_pylist()
+
+
+def test_outputs_refused_together_for_their_types_are_built_once(monkeypatch):
+    """An int slice and a float slice: each table is built once, and each slice's emit takes it
+    as built (the rows of the slice alone, with its own types)."""
+    import chronostream.operators as operators
+    built = []
+    real = operators._events_table
+    monkeypatch.setattr(operators, "_events_table", lambda *a: built.append(1) or real(*a))
+    ctxs = [OperatorContext("st", s, ["out"]) for s in range(2)]
+    for ctx, v in zip(ctxs, [1, 0.5]):
+        ctx.begin_event(ctx.slice_id, 0)
+        ctx.produce("out", {"v": v})
+    assert OperatorContext.take_outputs_together(ctxs, {"out": None}) is None
+    types = [c.take_outputs({"out": None})["out"].schema.field("v").type for c in ctxs]
+    assert types == [pa.int64(), pa.float64()] and len(built) == 2
 
 
 def batch_tally_job(slices: int, poison_every: int = 0) -> cs.Query:
