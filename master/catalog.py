@@ -5,7 +5,8 @@ placement (containers per stage, slice -> container, stage of each
 container), which host runs each container, the live hosts and their
 nodes, the next free id, the containers that finished, the memory-sink rows
 handed over at checkpoints, the job's state and its timeline. Values are
-msgpack (Arrow IPC for sink rows). Each ``save_*`` call is one lmdb
+msgpack (sink rows: one key per packed group, ``containers.sink_parts``, its
+rows as Arrow IPC). Each ``save_*`` call is one lmdb
 transaction. Knows no Ray.
 
 >>> import tempfile, numpy as np

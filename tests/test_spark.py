@@ -188,18 +188,22 @@ def test_validator_catches_a_wrong_value(spark, small_output):
     assert "FAIL" in report.summary()
 
 
-def test_cli_validate_passes_on_good_output_and_fails_on_bad(spark, small_output, tmp_path):
-    """`chronostream validate OUT --expected FILE` exits 0 on valid output, 1 after a corruption."""
+def test_cli_validate_passes_on_good_output_and_fails_on_bad(spark, small_output, tmp_path, capsys):
+    """`chronostream validate OUT --expected FILE` exits 0 on valid output, 1 after a corruption.
+    The first run is the real command in its own process; the second calls the same entry point
+    in this one (with the session's Spark: a second JVM start cost the test about 25 s)."""
     import subprocess
+
+    from chronostream.cli import main
 
     out, expected = small_output
     exp_path = tmp_path / "expected.parquet"
     expected.toPandas().to_parquet(exp_path)
-    cmd = [sys.executable, "-m", "chronostream", "validate", str(out), "--expected", str(exp_path), "--key", "_order"]
-    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    args = ["validate", str(out), "--expected", str(exp_path), "--key", "_order"]
+    ok = subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "validation: PASS" in ok.stdout
     _rewrite_first_file(out, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
-    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1
-    assert "validation: FAIL" in bad.stdout and "duplicated identities" in bad.stdout
+    assert main(args) == 1
+    printed = capsys.readouterr().out
+    assert "validation: FAIL" in printed and "duplicated identities" in printed
