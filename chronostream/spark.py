@@ -46,6 +46,10 @@ def spark_session(master: str = "local[2]", app: str = "chronostream") -> Any:
             .config("spark.sql.shuffle.partitions", "4")
             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
             .config("spark.sql.session.timeZone", "UTC")
+            # A job's Parquet sink is one small file per slice and epoch (1,888 files, 15 MB for
+            # the demo): at the default 4 MB a file, Spark cut it into 59 tasks; reading it
+            # took 3.8 s warm, 1.9 s at 1 MB.
+            .config("spark.sql.files.openCostInBytes", str(1 << 20))
             .config("spark.driver.memory", "2g")
             .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
@@ -295,43 +299,54 @@ def validate(output_dir: str | os.PathLike, expected_df: Any, key: Sequence[str]
     equal ``expected_df`` as multisets. ``key`` names the columns shown
     first in examples; ``round_digits`` rounds floating columns on both sides.
     """
+    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     spark = spark or spark_session()
-    out = spark.read.option("recursiveFileLookup", "true").parquet(str(output_dir))
-    total = out.count()
-    dup = (out.groupBy(SLICE, SEQ).count().where("count > 1").orderBy(SLICE, SEQ))
-    n_dup = dup.count()
-    dups = [(r[SLICE], r[SEQ]) for r in dup.limit(examples).collect()]
-    per_slice = out.groupBy(SLICE).agg(F.max(SEQ).alias("mx"), F.countDistinct(SEQ).alias("n")).collect()
-    n_missing_ids = sum(r["mx"] + 1 - r["n"] for r in per_slice)
-    missing_ids: list[tuple[int, int]] = []
-    if n_missing_ids:
-        for r in sorted(per_slice, key=lambda r: r[SLICE]):
-            if r["mx"] + 1 - r["n"] and len(missing_ids) < examples:
-                have = {x[SEQ] for x in out.where(F.col(SLICE) == r[SLICE]).select(SEQ).collect()}
-                missing_ids += [(r[SLICE], s) for s in range(r["mx"] + 1) if s not in have][: examples - len(missing_ids)]
-    cols = list(expected_df.columns)
-    absent = [c for c in cols if c not in out.columns]
-    if absent:
-        raise ValueError(f"expected columns {absent} are not in the output columns {out.columns}")
-    got = out.select(*cols)
-    exp = expected_df.select(*cols)
-    if round_digits is not None:
-        for name, typ in exp.dtypes:
-            if typ in ("double", "float"):
-                got = got.withColumn(name, F.round(name, round_digits))
-                exp = exp.withColumn(name, F.round(name, round_digits))
-    unexpected = got.exceptAll(exp)
-    missing = exp.exceptAll(got)
-    order = [c for c in (key or []) if c in cols] or cols[:1]
-    n_unexp, n_miss = unexpected.count(), missing.count()
-    report = ValidationReport(
-        output_rows=total, expected_rows=expected_df.count(), duplicate_identities=dups,
-        missing_identities=missing_ids,
-        unexpected_rows=[r.asDict() for r in unexpected.orderBy(*order).limit(examples).collect()] if n_unexp else [],
-        missing_rows=[r.asDict() for r in missing.orderBy(*order).limit(examples).collect()] if n_miss else [],
-        n_duplicates=n_dup, n_missing_identities=n_missing_ids, n_unexpected=n_unexp, n_missing=n_miss)
+    # Both sides are read several times (counts, the duplicate and gap checks, both
+    # exceptAlls): kept once, an expected side of window functions is computed once, not
+    # four times.
+    out = spark.read.option("recursiveFileLookup", "true").parquet(str(output_dir)).persist(StorageLevel.MEMORY_AND_DISK)
+    kept = [out]
+    try:
+        total = out.count()
+        dup = (out.groupBy(SLICE, SEQ).count().where("count > 1").orderBy(SLICE, SEQ))
+        n_dup = dup.count()
+        dups = [(r[SLICE], r[SEQ]) for r in dup.limit(examples).collect()]
+        per_slice = out.groupBy(SLICE).agg(F.max(SEQ).alias("mx"), F.countDistinct(SEQ).alias("n")).collect()
+        n_missing_ids = sum(r["mx"] + 1 - r["n"] for r in per_slice)
+        missing_ids: list[tuple[int, int]] = []
+        if n_missing_ids:
+            for r in sorted(per_slice, key=lambda r: r[SLICE]):
+                if r["mx"] + 1 - r["n"] and len(missing_ids) < examples:
+                    have = {x[SEQ] for x in out.where(F.col(SLICE) == r[SLICE]).select(SEQ).collect()}
+                    missing_ids += [(r[SLICE], s) for s in range(r["mx"] + 1) if s not in have][: examples - len(missing_ids)]
+        cols = list(expected_df.columns)
+        absent = [c for c in cols if c not in out.columns]
+        if absent:
+            raise ValueError(f"expected columns {absent} are not in the output columns {out.columns}")
+        got = out.select(*cols)
+        exp = expected_df.select(*cols)
+        if round_digits is not None:
+            for name, typ in exp.dtypes:
+                if typ in ("double", "float"):
+                    got = got.withColumn(name, F.round(name, round_digits))
+                    exp = exp.withColumn(name, F.round(name, round_digits))
+        exp = exp.persist(StorageLevel.MEMORY_AND_DISK)
+        kept.append(exp)
+        unexpected = got.exceptAll(exp)
+        missing = exp.exceptAll(got)
+        order = [c for c in (key or []) if c in cols] or cols[:1]
+        n_unexp, n_miss = unexpected.count(), missing.count()
+        report = ValidationReport(
+            output_rows=total, expected_rows=exp.count(), duplicate_identities=dups,
+            missing_identities=missing_ids,
+            unexpected_rows=[r.asDict() for r in unexpected.orderBy(*order).limit(examples).collect()] if n_unexp else [],
+            missing_rows=[r.asDict() for r in missing.orderBy(*order).limit(examples).collect()] if n_miss else [],
+            n_duplicates=n_dup, n_missing_identities=n_missing_ids, n_unexpected=n_unexp, n_missing=n_miss)
+    finally:
+        for df in kept:
+            df.unpersist()
     if show:
         print(report.summary())
     return report
