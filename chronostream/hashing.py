@@ -250,7 +250,8 @@ def slices_codes_and_hashes(columns: Sequence[pa.Array | pa.ChunkedArray], num_s
 
 # Key value types whose equal values (same exact type) always build the same
 # one-row Arrow array, so their slice can be remembered. Floats qualify: the
-# hash already treats -0.0 and 0.0 as one key, and NaN never finds itself.
+# hash already treats -0.0 and 0.0 as one key and every NaN as one key (a NaN
+# unequal to itself only misses the memo).
 _MEMO_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _MEMO_LIMIT = 1 << 16
 _scalar_slices: dict[tuple, int] = {}
