@@ -61,7 +61,7 @@ class PackedSinkParts:
         out: dict[int, SinkParts] = {}
         for sink_id, table, index in self.groups:
             parts = out.setdefault(sink_id, {})
-            starts = np.concatenate([[0], np.cumsum(index[:, 2])[:-1]]) if len(index) else index[:, 2]
+            starts = np.cumsum(index[:, 2]) - index[:, 2]
             for (s, e, n), start in zip(index.tolist(), starts.tolist()):
                 parts[(s, e)] = table.slice(start, n)
         return out
