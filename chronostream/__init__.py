@@ -14,7 +14,7 @@ The public names are re-exported here; the layers below (``slices``,
 ``containers``, ``master``) are internal.
 """
 
-from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, run
+from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_warm_hosts, run
 from chronostream.dag import (DEFAULT_EPOCH_EVENTS, DEFAULT_SLICES, DEFAULT_SOURCE_SLICES, JobPlan, Query,
                               Stream, compile_query, join)
 from chronostream.errors import ChronoStreamError, EventError, JobFailed, QueryError
@@ -29,7 +29,7 @@ from chronostream.windows import (CountWindow, HoppingWindow, LateEventError, Sl
                                   WindowAggregate)
 
 __all__ = [
-    "CompletedJob", "Job", "JobStatus", "ensure_ray", "run",
+    "CompletedJob", "Job", "JobStatus", "ensure_ray", "keep_warm_hosts", "run",
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
     "ChronoStreamError", "EventError", "JobFailed", "QueryError",

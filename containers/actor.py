@@ -126,14 +126,19 @@ class ResourceContainer:
     #: Replayed epochs per ``push_many`` call.
     REPLAY_BATCH = 16
 
-    def __init__(self, host_id: int, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
+    def __init__(self, host_id: int | None, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
+        """``host_id`` None: a warm spare (``master.host_pool``), a host of no job until ``adopt``."""
         configure_from_env()
-        self._stall_probe = start_stall_probe(f"host {host_id}")  # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
-        self.host_id = host_id
-        self.container_id = host_id  # the container it starts with
-        self.master = master
-        self.workdir = Path(workdir) / f"host-{host_id}"
+        # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
+        self._stall_probe = start_stall_probe("spare host" if host_id is None else f"host {host_id}")
+        self.host_id: int | None = None
+        self.container_id: int | None = None
+        self.master: Any = None
+        self.workdir = Path(workdir)
         self.heartbeat_s = heartbeat_s
+        self._lease: asyncio.TimerHandle | None = None  # a spare handed out and not adopted yet
+        if host_id is not None:
+            self._take_job(host_id, master, workdir, heartbeat_s)
         self.plan: JobPlan | None = None
         self.cores: dict[int, ContainerCore] = {}
         self.conds: dict[int, asyncio.Condition] = {}
@@ -168,6 +173,45 @@ class ResourceContainer:
         self._handovers: dict[int, _Handover] = {}
         self._handover_of: dict[int, int] = {}
 
+    def _take_job(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
+        self.host_id = host_id
+        self.container_id = host_id  # the container it starts with
+        self.master = master
+        self.workdir = Path(workdir) / f"host-{host_id}"
+        self.heartbeat_s = heartbeat_s
+        if self._stall_probe is not None:
+            self._stall_probe.name = f"host {host_id}"
+
+    async def ready(self) -> str:
+        """A spare's warm-up: pay the lazy imports now (``_warm_up``), before any job needs this
+        process. Returns the node id."""
+        _warm_up()
+        return ray.get_runtime_context().get_node_id()
+
+    async def lease(self, seconds: float) -> None:
+        """A spare handed to a master (``HostPool.take``): unless ``adopt`` follows within
+        ``seconds``, the process exits, so a master that died in between leaks no host."""
+        if self.host_id is None and self._lease is None:
+            self._lease = asyncio.get_running_loop().call_later(seconds, self._expire_lease)
+
+    def _expire_lease(self) -> None:
+        if self.host_id is None:
+            log.warning("spare host: not adopted within its lease; exiting")
+            os._exit(0)
+
+    async def adopt(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
+        """A spare becomes host ``host_id`` of the job ``master`` runs: what the constructor of a
+        host made for a job sets. Idempotent for the same ``host_id`` (a restarted master adopts
+        again the hosts it finds by name); another id raises ``ValueError``."""
+        if self.host_id is not None:
+            if self.host_id != host_id:
+                raise ValueError(f"host {self.host_id} cannot be adopted again as host {host_id}")
+            return
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        self._take_job(host_id, master, workdir, heartbeat_s)
+
     async def configure(self, plan: JobPlan, options: JobOptions) -> str:
         """Set the job-wide parameters and open the backup store. Returns the node id.
 
@@ -175,6 +219,8 @@ class ResourceContainer:
         again) returns the node id and changes nothing."""
         if self.plan is not None:
             return ray.get_runtime_context().get_node_id()
+        if self.host_id is None:
+            raise RuntimeError("a spare host runs no job: adopt() it first (master.host_pool)")
         self.plan = plan
         self.opts = options
         self.window = options.max_inflight_epochs

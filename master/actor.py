@@ -1,7 +1,8 @@
 """The JobMaster Ray actor: deploys the stages, owns the placement, watches hosts, recovers lost slices.
 
 Owns: creating the ResourceContainer actors (hosts, spread over the
-cluster's nodes), wiring their routing tables from the placement,
+cluster's nodes; warm spares adopted when the cluster keeps some,
+``master.host_pool``), wiring their routing tables from the placement,
 collecting heartbeats, progress and completion, detecting dead hosts, and
 running the recovery plan (``master.recovery``) when one dies. The data
 plane never waits on the master. Every recovery step is logged and kept in
@@ -33,6 +34,7 @@ from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.catalog import MasterCatalog
+from master.host_pool import take_spare
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
@@ -98,14 +100,17 @@ class JobMaster:
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
         self.gc_marks: dict[int, int] | None = {}
+        self.host_names: dict[int, str] = {}  # host id -> actor name, for adopted warm spares
         self.catalog = MasterCatalog(f"{workdir}/master")
+        self.host_names = self.catalog.load_host_names()  # (also after a restart in the middle of a deploy)
         self.resumed = self.catalog.exists()
         if self.resumed:
             self.gc_marks = None
             self._resume()
 
     def _host_name(self, host_id: int) -> str:
-        return f"chronostream-{self.job_key}-host-{host_id}"
+        """The host's actor name: a warm spare's own (``master.host_pool``), else the job's naming."""
+        return self.host_names.get(host_id) or f"chronostream-{self.job_key}-host-{host_id}"
 
     def _resume(self) -> None:
         """A restarted master: reload the catalog and find the hosts again."""
@@ -175,28 +180,54 @@ class JobMaster:
         self.catalog.add_event(len(self.timeline), event)
         log.info("%s %s", kind, info)
 
-    def _new_or_found_host(self, host_id: int) -> Any:
-        """The host ``host_id`` a recovery planned: found by name when a previous master
-        process created it already, else created now."""
+    async def _new_or_found_host(self, host_id: int, node: str | None = None) -> Any:
+        """Host ``host_id`` (a deploy's, a recovery's or a scale-out's new one): found by name when
+        a previous master process created or adopted it already (and died before it saved its
+        layout, or in a recovery), else made now on ``node``."""
         try:
             h = ray.get_actor(self._host_name(host_id))
-        except ValueError:
-            return self._new_host(host_id, None)
+            if host_id in self.host_names:  # a spare: its adoption may not have happened
+                await h.adopt.remote(host_id, ray.get_runtime_context().current_actor, self.workdir,
+                                     self.heartbeat_s)
+        except (ValueError, RayActorError):
+            return await self._new_host(host_id, node)
         self.handles[host_id] = h
         self.alive.add(host_id)
         self.last_seen[host_id] = time.monotonic()
         return h
 
-    def _new_host(self, host_id: int, node: str | None) -> Any:
+    async def _new_host(self, host_id: int, node: str | None) -> Any:
+        """Host ``host_id`` on ``node`` (None: any): a warm spare when the cluster keeps some
+        (``master.host_pool``), else a new process."""
         me = ray.get_runtime_context().current_actor
-        strategy: Any = "SPREAD" if node is None else NodeAffinitySchedulingStrategy(node, soft=False)
-        # Detached and named: a host outlives a master restart and is found again by name.
-        h = ResourceContainer.options(scheduling_strategy=strategy, max_concurrency=1000, lifetime="detached",
-                                      name=self._host_name(host_id)).remote(
-            host_id, me, self.workdir, self.heartbeat_s)
+        h = await self._adopted_spare(host_id, node, me)
+        if h is None:
+            strategy: Any = "SPREAD" if node is None else NodeAffinitySchedulingStrategy(node, soft=False)
+            if self.host_names.pop(host_id, None) is not None:
+                self.catalog.save_host_name(host_id, None)
+            # Detached and named: a host outlives a master restart and is found again by name.
+            h = ResourceContainer.options(scheduling_strategy=strategy, max_concurrency=1000, lifetime="detached",
+                                          name=self._host_name(host_id)).remote(
+                host_id, me, self.workdir, self.heartbeat_s)
         self.handles[host_id] = h
         self.alive.add(host_id)
         self.last_seen[host_id] = time.monotonic()
+        return h
+
+    async def _adopted_spare(self, host_id: int, node: str | None, me: Any) -> Any:
+        """A warm spare adopted as host ``host_id``, or None when the pool had none ready."""
+        spare = await take_spare(node)
+        if spare is None:
+            return None
+        name, h = spare
+        # Named in the catalog before the adoption: a restarted master finds and adopts it.
+        self.host_names[host_id] = name
+        self.catalog.save_host_name(host_id, name)
+        try:
+            await h.adopt.remote(host_id, me, self.workdir, self.heartbeat_s)
+        except RayActorError:
+            return None
+        self._event("spare_adopted", host=host_id, spare=name)
         return h
 
     def _stage_hosts(self, stage_id: int) -> dict[int, Any]:
@@ -220,7 +251,7 @@ class JobMaster:
         for stage_id, ids in self.placement.containers.items():
             for i, c in enumerate(ids):
                 self.host_of[c] = c
-                self._new_host(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
+                await self._new_or_found_host(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
         self.next_id = max(self.host_of) + 1
         configured = {h: a.configure.remote(self.plan, self.opts) for h, a in self.handles.items()}
         for h, ref in configured.items():
@@ -297,7 +328,7 @@ class JobMaster:
         hosts = sorted(self.alive)
         try:
             held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
-            marks = low_water_marks(self.plan, list(held))
+            marks = low_water_marks(self.plan, list(held), recovery_slack(self.opts))
             known = self.gc_marks or {}
             self.gc_marks = {st: max(marks.get(st, -1), known.get(st, -1)) for st in set(marks) | set(known)}
             if any(v >= 0 for v in marks.values()):
@@ -498,7 +529,7 @@ class JobMaster:
         """Steps 1-2 of a plan: consumers hear of the new containers, then each host restores its
         share, in parallel; what each container restored (``add_container``)."""
         for h in new_hosts:
-            self._new_or_found_host(h)
+            await self._new_or_found_host(h)
             self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
         # 1. Consumers accept the new containers as senders (before any sends); ``not_made``
         #    containers get theirs from the placement when they are made.
@@ -811,7 +842,7 @@ class JobMaster:
                 if t.target not in made:
                     h = self.next_id
                     self.next_id += 1
-                    self._new_host(h, self._least_used_node())
+                    await self._new_or_found_host(h, self._least_used_node())
                     self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
                     made[t.target] = h
                 t.host = made[t.target]

@@ -105,6 +105,31 @@ class MasterCatalog:
         return (placement, {int(k): v for k, v in d["host_of"].items()}, set(d["alive"]),
                 {int(k): v for k, v in d["nodes"].items()}, d["next_id"])
 
+    def save_host_name(self, host_id: int, name: str | None) -> None:
+        """The actor name of host ``host_id`` when it is not the job's own naming (a warm spare the
+        master adopted, ``master.host_pool``): saved before the adoption, so a restarted master
+        finds the host by it.
+
+        >>> import tempfile, shutil
+        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
+        >>> cat.save_host_name(3, "chronostream-spare-ab12")
+        >>> cat.load_host_names()
+        {3: 'chronostream-spare-ab12'}
+        >>> cat.close(); shutil.rmtree(d)
+        """
+        if self.closed:
+            return
+        names = self._get(b"host_names", {})
+        if name is None:  # (the host has the job's naming after all)
+            names.pop(host_id, None)
+        else:
+            names[host_id] = name
+        put_all(self.env, [(b"host_names", _pack(names))])
+
+    def load_host_names(self) -> dict[int, str]:
+        """Host id -> actor name of every host saved with ``save_host_name``."""
+        return {int(k): v for k, v in self._get(b"host_names", {}).items()}
+
     def save_progress(self, state: str, done: set[int], started_at: float, finished_at: float) -> None:
         """Job state, finished containers and times."""
         if self.closed:

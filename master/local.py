@@ -36,7 +36,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
-                             plan_recovery, rebuildable_stages, restore_floor, restore_order)
+                             plan_recovery, rebuildable_stages, recovery_slack, restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
 
@@ -237,7 +237,8 @@ class LocalCluster:
 
     def collect_garbage(self) -> int:
         """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
-        marks = low_water_marks(self.plan, [store.epochs() for store in self.stores.values()])
+        marks = low_water_marks(self.plan, [store.epochs() for store in self.stores.values()],
+                                recovery_slack(self))
         self.gc_marks = {st: max(marks.get(st, -1), self.gc_marks.get(st, -1)) for st in set(marks) | set(self.gc_marks)}
         dropped = 0
         for core in self.cores.values():
@@ -586,7 +587,7 @@ class LocalCluster:
         plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
                              self.checkpointed, self.recompute_lost,
                              {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
-                             restore_floor(self.plan, self.gc_marks), max(2, 2 * self.checkpoint_every),
+                             restore_floor(self.plan, self.gc_marks), recovery_slack(self),
                              rebuildable_stages(self.plan))
         self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
         for a in plan:

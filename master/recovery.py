@@ -124,6 +124,11 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                 oldest_ok = newest if floor is None or stage not in floor else max(newest - slack, floor[stage])
                 epoch_of = dict(copies)
                 best = [h for h, e in copies if e >= oldest_ok]
+                if not best:  # (the holders of newer copies died; logs were trimmed past these)
+                    raise BackupsLost(
+                        f"every usable backup of stage {names.get(stage, stage)!r} slice {s} is lost: the copies "
+                        f"left ({', '.join(f'host {h} at epoch {e}' for h, e in copies)}) are older than epoch "
+                        f"{oldest_ok}, where its producers' output logs now begin")
                 # Among the holders of a recent enough backup, the least loaded so far
                 # (a dead container's slices spread over all its peers), then the newest.
                 order = (chain or {}).get((stage, s), [])
@@ -236,14 +241,19 @@ def off_stage_backup_hosts(home: int, job_hosts: Sequence[int], node_of: dict[in
     return others
 
 
-def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]]) -> dict[int, int]:
+def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]], slack: int = 0) -> dict[int, int]:
     """Producer stage -> the last epoch whose outputs no consumer can need again (GC).
 
-    A consumer slice restored after a failure resumes after its newest
-    backed-up checkpoint; so a producer's outputs of epochs up to the
-    oldest such checkpoint over all slices of all its consumer stages are
-    never replayed again (-1: keep everything). ``backup_epochs``: what each
-    live holder reports (``BackupStore.epochs``).
+    A consumer slice restored after a failure resumes after the checkpoint
+    it is restored from: its newest backup, or one at most ``slack`` epochs
+    older (``plan_recovery`` takes those as good, and takes them when the
+    holder of the newest died with the slice). So a slice needs its
+    producers' outputs after the oldest of its copies within ``slack`` of
+    its newest, and a producer's outputs of epochs up to the oldest such
+    checkpoint over all slices of all its consumer stages are never
+    replayed again (-1: keep everything). ``backup_epochs``: what each live
+    holder reports (``BackupStore.epochs``). A copy more than ``slack``
+    behind (a holder the chain left) holds nothing back.
 
     >>> import chronostream as cs
     >>> from chronostream.dag import compile_query
@@ -252,11 +262,22 @@ def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]]) -> dict[int,
     >>> plan, _ = compile_query(q)
     >>> low_water_marks(plan, [{(1, 0): 7}, {(1, 1): 5, (1, 0): 9}])
     {0: 5}
+    >>> low_water_marks(plan, [{(1, 0): 7, (1, 1): 9}, {(1, 1): 8, (1, 0): 9}], slack=2)
+    {0: 7}
+    >>> low_water_marks(plan, [{(1, 0): 1, (1, 1): 9}, {(1, 1): 8, (1, 0): 9}], slack=2)
+    {0: 8}
     """
     newest: dict[SliceKey, int] = {}
     for held in backup_epochs:
         for key, e in held.items():
             newest[key] = max(newest.get(key, -1), e)
+    if slack > 0:  # the oldest copy a recovery would still take
+        kept = dict(newest)
+        for held in backup_epochs:
+            for key, e in held.items():
+                if e >= newest[key] - slack:
+                    kept[key] = min(kept[key], e)
+        newest = kept
     covered = {st.stage_id: min(newest.get((st.stage_id, s), -1) for s in range(st.num_slices))
                for st in plan.stages}
     return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))

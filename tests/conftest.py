@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+#: Spare hosts the test session keeps warm (a job here runs 3-9 hosts).
+WARM_HOSTS = 6
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -17,6 +20,9 @@ def ray_session():
     import chronostream as cs
 
     cs.ensure_ray(num_cpus=2)
+    # Warm spare hosts (master.host_pool): jobs deploy onto processes started while the tests
+    # before them ran. $CHRONOSTREAM_TEST_WARM_HOSTS=0 runs every test on hosts started for it.
+    cs.keep_warm_hosts(int(os.environ.get("CHRONOSTREAM_TEST_WARM_HOSTS", WARM_HOSTS)))
     yield ray
     ray.shutdown()
 

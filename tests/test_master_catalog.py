@@ -37,3 +37,16 @@ def test_the_record_is_cleared_by_the_final_layout(tmp_path):
 
 def test_a_new_catalog_has_no_recovery_in_progress(tmp_path):
     assert MasterCatalog(tmp_path).load_recovery() is None
+
+
+def test_adopted_spare_names_survive_a_reopen_and_a_dropped_name_stays_dropped(tmp_path):
+    cat = MasterCatalog(tmp_path)
+    cat.save_host_name(2, "chronostream-spare-aa")
+    cat.save_host_name(5, "chronostream-spare-bb")
+    cat.save_host_name(2, None)  # host 2 became a host of the job's own naming
+    cat.close()
+    assert MasterCatalog(tmp_path).load_host_names() == {5: "chronostream-spare-bb"}
+
+
+def test_a_new_catalog_names_no_spare(tmp_path):
+    assert MasterCatalog(tmp_path).load_host_names() == {}

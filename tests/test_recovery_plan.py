@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from master.recovery import BackupsLost, plan_recovery
+import chronostream as cs
+from chronostream.dag import compile_query
+from master.recovery import BackupsLost, low_water_marks, plan_recovery
 
 # Dead container 0 of stage 1 had slices 0..3; hosts 1 and 2 hold their backups.
 LOST = {0: (1, [0, 1, 2, 3])}
 LIVE = {1: [1, 2]}
+
+
+def two_stage_query() -> cs.Query:
+    """A source (stage 0) feeding a count of 2 slices (stage 1)."""
+    q = cs.Query()
+    q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    return q
 
 
 def hosts_by_slice(plan) -> dict[int, int]:
@@ -44,6 +53,25 @@ def test_a_backup_older_than_the_gc_floor_is_never_chosen():
     backups = {(1, s): [(1, 8), (2, 6)] for s in range(4)}
     plan = plan_recovery(LOST, backups, LIVE, 10, floor={1: 7}, slack=4)
     assert set(hosts_by_slice(plan).values()) == {1}
+
+
+def test_copies_all_older_than_the_gc_floor_are_a_clear_loss_naming_the_slice():
+    """The holder of the newest copy died too: what is left cannot be replayed from."""
+    backups = {(1, s): [(2, 6)] for s in range(4)}
+    with pytest.raises(BackupsLost, match=r"slice 0 is lost: the copies left \(host 2 at epoch 6\) are older "
+                                          r"than epoch 7"):
+        plan_recovery(LOST, backups, LIVE, 10, floor={1: 7}, slack=4)
+
+
+def test_gc_keeps_the_logs_a_copy_within_the_slack_needs():
+    """A copy one checkpoint behind the newest is one a recovery takes (the newest's holder dead
+    with the slice), so GC keeps its producers' outputs; a copy far behind holds nothing back."""
+    plan, _ = compile_query(two_stage_query())
+    lagging = [{(1, 0): 8, (1, 1): 8}, {(1, 0): 6, (1, 1): 8}]
+    assert low_water_marks(plan, lagging, slack=4) == {0: 6}
+    assert low_water_marks(plan, lagging) == {0: 8}
+    stale = [{(1, 0): 8, (1, 1): 8}, {(1, 0): 1, (1, 1): 8}]
+    assert low_water_marks(plan, stale, slack=4) == {0: 8}
 
 
 def test_a_stage_with_no_live_host_is_adopted_by_the_holders_of_its_backups():

@@ -1,0 +1,157 @@
+"""Warm spare hosts (``master.host_pool``, ``cs.keep_warm_hosts``) on Ray: real spare processes.
+
+Method: the pool is filled and waited for, then a job deploys, scales out or
+loses its master; the timeline's ``spare_adopted`` events say which hosts
+were spares, and each sink must equal the serial executor's row for row.
+The pool is the test session's (conftest may keep one for every test):
+each test here sets the size it needs and gives the session's size back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.exceptions import RayActorError
+
+import chronostream as cs
+from chronostream.chaos import Fault, apply_schedule, compare_with_serial, run_with_faults
+from chronostream.client import RAY_NAMESPACE
+from master.host_pool import HOST_POOL_NAME
+from queries import running_sum
+
+SLOW_SOURCE = Fault("delay", at_epoch=0, stage="payments", seconds=0.05)
+
+
+def query(n: int = 3000) -> cs.Query:
+    q = running_sum(6, n=n)
+    q.epoch_events = 40
+    return q
+
+
+@pytest.fixture
+def warm_pool(ray_session):
+    """A function filling the session's pool to a size (and waiting for it); the size before
+    the test comes back after it."""
+    before = _pool_size() if _pool_exists() else 0
+
+    def fill(size: int) -> dict:
+        stats = cs.keep_warm_hosts(size, wait_s=90)
+        assert stats["ready"] == size, stats
+        return stats
+
+    yield fill
+    cs.keep_warm_hosts(before)
+
+
+def _pool_exists() -> bool:
+    try:
+        ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _pool_size() -> int:
+    return ray.get(ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE).stats.remote())["size"]
+
+
+def _pool():
+    return ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE)
+
+
+def adopted(timeline) -> list[dict]:
+    return [i for _, k, i in timeline if k == "spare_adopted"]
+
+
+def test_a_job_deploys_and_scales_out_onto_warm_spares_with_the_serial_output(warm_pool):
+    spares = set(warm_pool(4)["names"])
+    q = query()
+    job = cs.run(q, containers={"payments": 1, "running_sum": 1, "stats": 1}, checkpoint_every=2)
+    try:
+        apply_schedule(job, [SLOW_SOURCE, Fault("scale_out", 10, "running_sum", n=1)])
+        job.wait(timeout_s=300)
+        mismatches, _rows = compare_with_serial(job, q)
+        took = adopted(job.timeline())
+    finally:
+        job.stop()
+    assert not mismatches, mismatches
+    assert len(took) == 4, "three hosts at deploy and the scale-out's new host were spares"
+    assert {i["spare"] for i in took} == spares
+    assert len({i["host"] for i in took}) == 4
+
+
+def test_without_a_ready_spare_a_job_starts_its_hosts_itself(warm_pool):
+    warm_pool(0)
+    q = query(1200)
+    job = cs.run(q, containers={"payments": 1, "running_sum": 1, "stats": 1})
+    try:
+        job.wait(timeout_s=300)
+        mismatches, _rows = compare_with_serial(job, q)
+        took = adopted(job.timeline())
+    finally:
+        job.stop()
+    assert not mismatches, mismatches
+    assert took == []
+
+
+def test_a_restarted_master_finds_the_spares_it_adopted_and_recovers_nothing(warm_pool):
+    warm_pool(4)
+    report = run_with_faults(query(), [SLOW_SOURCE, Fault("kill_master", at_epoch=15)],
+                             containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2)
+    assert report.ok, report.mismatches
+    kinds = [k for _, k, _ in report.timeline]
+    assert "master_restarted" in kinds
+    assert len(adopted(report.timeline)) == 4
+    assert "recovery_start" not in kinds, "every adopted host was found again by its name"
+
+
+def test_a_spare_handed_out_and_never_adopted_exits_when_its_lease_ends(warm_pool):
+    warm_pool(1)
+    name, spare = ray.get(_pool().take.remote(None, 0.5))
+    time.sleep(2.0)
+    with pytest.raises(RayActorError):
+        ray.get(spare.ready.remote(), timeout=30)
+
+
+def test_an_adopted_spare_keeps_its_id_and_refuses_another(warm_pool, tmp_path):
+    warm_pool(1)
+    _name, spare = ray.get(_pool().take.remote())
+    try:
+        ray.get(spare.adopt.remote(7, None, str(tmp_path), 0.5))
+        ray.get(spare.adopt.remote(7, None, str(tmp_path), 0.5))  # again, as a restarted master does
+        with pytest.raises(ValueError, match="host 7 cannot be adopted again as host 8"):
+            ray.get(spare.adopt.remote(8, None, str(tmp_path), 0.5))
+    finally:
+        ray.kill(spare)
+
+
+def test_a_spare_refuses_to_run_a_job_before_it_is_adopted(warm_pool):
+    warm_pool(1)
+    _name, spare = ray.get(_pool().take.remote())
+    try:
+        with pytest.raises(RuntimeError, match="adopt"):
+            ray.get(spare.configure.remote(None, None))
+    finally:
+        ray.kill(spare)
+
+
+def test_a_pool_resized_to_zero_stops_its_spares(warm_pool):
+    names = warm_pool(2)["names"]
+    assert cs.keep_warm_hosts(0)["ready"] == 0
+    for name in names:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).ready.remote(), timeout=5)
+            except (ValueError, RayActorError):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"spare {name} still answers after the pool was resized to 0")
+
+
+def test_a_negative_pool_size_is_refused():
+    with pytest.raises(ValueError, match="size must be >= 0"):
+        cs.keep_warm_hosts(-1)
