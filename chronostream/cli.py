@@ -160,6 +160,18 @@ def _control(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm_hosts(args: argparse.Namespace) -> int:
+    """``warm-hosts N``: resize the cluster's pool of spare hosts; print its counts as JSON."""
+    from chronostream.client import keep_warm_hosts
+
+    if args.n < 0:
+        print(f"chronostream warm-hosts: N must be >= 0, got {args.n}", file=sys.stderr)
+        return 1
+    stats = keep_warm_hosts(args.n, wait_s=args.wait, address=args.address)
+    print(json.dumps({k: v for k, v in stats.items() if k != "names"}))
+    return 0
+
+
 def cmd_autoscale_sim(args: argparse.Namespace) -> int:
     """Replay a metrics trace (``Job.autoscale_trace`` written with ``write_trace``) through a policy."""
     from chronostream.autoscale import BUILTIN, read_trace, simulate
@@ -236,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("scale-up", "scale-down"):
             p.add_argument("container", type=int)
             p.add_argument("-t", "--threads", type=int, default=1, help="threads to add or remove (default 1)")
+    w = sub.add_parser("warm-hosts", help="keep N warm spare hosts on the Ray cluster for later jobs (0: none)")
+    w.add_argument("n", type=int)
+    w.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    w.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for the spares to be ready")
     a = sub.add_parser("autoscale-sim", help="replay a recorded metrics trace through an autoscaling policy")
     a.add_argument("trace", help="a JSON-lines trace (chronostream.autoscale.write_trace)")
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
@@ -246,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_control(args)
     if args.command == "autoscale-sim":
         return cmd_autoscale_sim(args)
+    if args.command == "warm-hosts":
+        return cmd_warm_hosts(args)
     if args.command == "chaos":
         return cmd_chaos(args)
     if args.command == "validate":

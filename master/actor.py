@@ -100,9 +100,10 @@ class JobMaster:
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
         self.gc_marks: dict[int, int] | None = {}
-        self.host_names: dict[int, str] = {}  # host id -> actor name, for adopted warm spares
         self.catalog = MasterCatalog(f"{workdir}/master")
-        self.host_names = self.catalog.load_host_names()  # (also after a restart in the middle of a deploy)
+        # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
+        # after a restart in the middle of a deploy.
+        self.host_names: dict[int, str] = self.catalog.load_host_names()
         self.resumed = self.catalog.exists()
         if self.resumed:
             self.gc_marks = None

@@ -9,6 +9,7 @@ each test here sets the size it needs and gives the session's size back.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -155,3 +156,13 @@ def test_a_pool_resized_to_zero_stops_its_spares(warm_pool):
 def test_a_negative_pool_size_is_refused():
     with pytest.raises(ValueError, match="size must be >= 0"):
         cs.keep_warm_hosts(-1)
+
+
+def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
+    from chronostream.cli import main
+
+    assert main(["warm-hosts", "2", "--wait", "90"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["size"] == 2 and printed["ready"] == 2
+    assert main(["warm-hosts", "-1"]) == 1
+    assert "N must be >= 0" in capsys.readouterr().err
