@@ -43,6 +43,8 @@ HOST_POOL_NAME = "chronostream-host-pool"
 SPARE_PREFIX = "chronostream-spare-"
 #: Seconds a spare handed out waits for its ``adopt`` before it exits.
 LEASE_S = 120.0
+#: Seconds a spare has to answer when it is taken (else it is dropped as dead).
+ANSWER_S = 10.0
 
 
 @ray.remote(num_cpus=0)
@@ -56,6 +58,7 @@ class HostPool:
         self.spares: list[tuple[str, Any, str]] = []  # (actor name, handle, node id), oldest first
         self.handed_out = 0
         self.started = 0
+        self.dropped = 0  # spares found dead when taken
         self._filling: asyncio.Task | None = None
 
     async def resize(self, size: int) -> None:
@@ -70,25 +73,35 @@ class HostPool:
 
     async def take(self, node: str | None = None, lease_s: float = LEASE_S) -> tuple[str, Any] | None:
         """A ready spare on ``node`` (any node when None) as (actor name, handle), leased
-        for ``lease_s``; None when none is ready (the caller starts a host itself)."""
-        for i, (name, handle, on) in enumerate(self.spares):
-            if node is None or on == node:
-                del self.spares[i]
-                self.handed_out += 1
-                handle.lease.remote(lease_s)
-                self._refill()
-                return name, handle
+        for ``lease_s``; None when none is ready (the caller starts a host itself). A spare
+        that does not take its lease within ``ANSWER_S`` (its process or node died) is
+        dropped and the next one tried."""
+        for spare in list(self.spares):
+            name, handle, on = spare
+            if node is not None and on != node:
+                continue
+            self.spares.remove(spare)
+            try:  # (a spare whose process or node died since: dropped, the next one tried)
+                await asyncio.wait_for(handle.lease.remote(lease_s), timeout=ANSWER_S)
+            except Exception as exc:  # noqa: BLE001 - dead, or not answering: not handed out
+                log.warning("spare host %s did not answer (%s); dropped", name, type(exc).__name__)
+                ray.kill(handle)
+                self.dropped += 1
+                continue
+            self.handed_out += 1
+            self._refill()
+            return name, handle
         self._refill()
         return None
 
     async def stats(self) -> dict[str, Any]:
-        """The target size, ready spares (count, per node, their actor names), spares handed out
-        and started so far."""
+        """The target size, ready spares (count, per node, their actor names), spares handed out,
+        started and found dead so far."""
         nodes: dict[str, int] = {}
         for _name, _handle, node in self.spares:
             nodes[node] = nodes.get(node, 0) + 1
         return {"size": self.size, "ready": len(self.spares), "by_node": nodes, "handed_out": self.handed_out,
-                "started": self.started, "names": [name for name, _handle, _node in self.spares]}
+                "started": self.started, "dropped": self.dropped, "names": [name for name, _handle, _node in self.spares]}
 
     async def wait_full(self, timeout_s: float = 60.0) -> bool:
         """Wait until ``size`` spares are ready (or ``timeout_s``); True when they are."""

@@ -166,3 +166,14 @@ def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
     assert printed["size"] == 2 and printed["ready"] == 2
     assert main(["warm-hosts", "-1"]) == 1
     assert "N must be >= 0" in capsys.readouterr().err
+
+
+def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(warm_pool):
+    first, second = warm_pool(2)["names"]
+    ray.kill(ray.get_actor(first, namespace=RAY_NAMESPACE))
+    name, spare = ray.get(_pool().take.remote())
+    try:
+        assert name == second
+        assert ray.get(_pool().stats.remote())["dropped"] >= 1
+    finally:
+        ray.kill(spare)
