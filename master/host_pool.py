@@ -51,10 +51,8 @@ ANSWER_S = 10.0
 class HostPool:
     """Keeps ``size`` warm spare hosts; ``take`` hands one out and starts its replacement."""
 
-    def __init__(self, size: int) -> None:
-        if size < 0:
-            raise ValueError(f"a host pool's size must be >= 0, got {size}")
-        self.size = size
+    def __init__(self) -> None:
+        self.size = 0  # (set by ``resize``)
         self.spares: list[tuple[str, Any, str]] = []  # (actor name, handle, node id), oldest first
         self.handed_out = 0
         self.started = 0
@@ -150,11 +148,8 @@ class HostPool:
 
 def keep_warm_hosts(size: int, namespace: str) -> Any:
     """The cluster's host pool (created detached when missing), resized to ``size`` spares."""
-    try:
-        pool = ray.get_actor(HOST_POOL_NAME, namespace=namespace)
-    except ValueError:
-        pool = HostPool.options(name=HOST_POOL_NAME, namespace=namespace, lifetime="detached",
-                                get_if_exists=True).remote(size)
+    pool = HostPool.options(name=HOST_POOL_NAME, namespace=namespace, lifetime="detached",
+                            get_if_exists=True).remote()
     ray.get(pool.resize.remote(size))
     return pool
 

@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 
 import chronostream as cs
-from chronostream.chaos import Fault, apply_schedule, compare_with_serial, run_with_faults
+from chronostream.chaos import Fault, run_with_faults
 from chronostream.client import RAY_NAMESPACE
 from master.host_pool import HOST_POOL_NAME
 from queries import running_sum
@@ -35,7 +35,7 @@ def query(n: int = 3000) -> cs.Query:
 def warm_pool(ray_session):
     """A function filling the session's pool to a size (and waiting for it); the size before
     the test comes back after it."""
-    before = _pool_size() if _pool_exists() else 0
+    before = _pool_size()
 
     def fill(size: int) -> dict:
         stats = cs.keep_warm_hosts(size, wait_s=90)
@@ -46,20 +46,16 @@ def warm_pool(ray_session):
     cs.keep_warm_hosts(before)
 
 
-def _pool_exists() -> bool:
-    try:
-        ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE)
-        return True
-    except ValueError:
-        return False
+def _pool():
+    return ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE)
 
 
 def _pool_size() -> int:
-    return ray.get(ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE).stats.remote())["size"]
-
-
-def _pool():
-    return ray.get_actor(HOST_POOL_NAME, namespace=RAY_NAMESPACE)
+    """The session pool's size (0 when no pool was made)."""
+    try:
+        return ray.get(_pool().stats.remote())["size"]
+    except ValueError:
+        return 0
 
 
 def adopted(timeline) -> list[dict]:
@@ -68,16 +64,10 @@ def adopted(timeline) -> list[dict]:
 
 def test_a_job_deploys_and_scales_out_onto_warm_spares_with_the_serial_output(warm_pool):
     spares = set(warm_pool(4)["names"])
-    q = query()
-    job = cs.run(q, containers={"payments": 1, "running_sum": 1, "stats": 1}, checkpoint_every=2)
-    try:
-        apply_schedule(job, [SLOW_SOURCE, Fault("scale_out", 10, "running_sum", n=1)])
-        job.wait(timeout_s=300)
-        mismatches, _rows = compare_with_serial(job, q)
-        took = adopted(job.timeline())
-    finally:
-        job.stop()
-    assert not mismatches, mismatches
+    report = run_with_faults(query(), [SLOW_SOURCE, Fault("scale_out", 10, "running_sum", n=1)],
+                             containers={"payments": 1, "running_sum": 1, "stats": 1}, checkpoint_every=2)
+    assert report.ok, report.mismatches
+    took = adopted(report.timeline)
     assert len(took) == 4, "three hosts at deploy and the scale-out's new host were spares"
     assert {i["spare"] for i in took} == spares
     assert len({i["host"] for i in took}) == 4
@@ -85,16 +75,9 @@ def test_a_job_deploys_and_scales_out_onto_warm_spares_with_the_serial_output(wa
 
 def test_without_a_ready_spare_a_job_starts_its_hosts_itself(warm_pool):
     warm_pool(0)
-    q = query(1200)
-    job = cs.run(q, containers={"payments": 1, "running_sum": 1, "stats": 1})
-    try:
-        job.wait(timeout_s=300)
-        mismatches, _rows = compare_with_serial(job, q)
-        took = adopted(job.timeline())
-    finally:
-        job.stop()
-    assert not mismatches, mismatches
-    assert took == []
+    report = run_with_faults(query(1200), [], containers={"payments": 1, "running_sum": 1, "stats": 1})
+    assert report.ok, report.mismatches
+    assert adopted(report.timeline) == []
 
 
 def test_a_restarted_master_finds_the_spares_it_adopted_and_recovers_nothing(warm_pool):
