@@ -53,3 +53,13 @@ def test_parts_handed_to_another_writer_keep_whether_a_checkpoint_took_them():
     assert sorted(b.written_at) == [(0, 1), (0, 2), (3, 2)]
     assert sorted(b.take_parts(9)) == [(0, 2), (3, 2)]
     assert sorted(a.take_parts(9)) == [(5, 2)]
+
+
+def test_results_sort_rows_by_slice_then_sequence_only_when_they_are_out_of_order():
+    from chronostream.sinks import sort_output
+
+    shuffled = pa.table({"_slice": [0, 1, 0], "_seq": [1, 0, 0], "x": [2, 3, 1]})
+    assert sort_output(shuffled)["x"].to_pylist() == [1, 2, 3]
+    in_order = pa.concat_tables([pa.table({"_slice": [0, 0], "_seq": [0, 1], "x": [1, 2]}),
+                                 pa.table({"_slice": [1], "_seq": [0], "x": [3]})])
+    assert sort_output(in_order) is in_order  # joined parts in (slice, epoch) order: no copy
