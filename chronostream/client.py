@@ -46,6 +46,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
     Ray started here gets ``RAY_SYSTEM_CONFIG`` and an object store of
     ``$CHRONOSTREAM_OBJECT_STORE_BYTES`` (default 1 GiB); a cluster you connect to keeps its own.
+    Without an address this always starts a Ray of its own: Ray's own default would join the
+    latest cluster started on the machine (``/tmp/ray/ray_current_cluster``), another
+    program's, or fail with a ``ValueError`` when that file names one that died.
     """
     import ray
 
@@ -55,8 +58,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
         return
-    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False, logging_level="WARNING",
-             namespace=RAY_NAMESPACE,
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+             logging_level="WARNING", namespace=RAY_NAMESPACE,
              object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
              log_to_driver=True, _system_config=dict(RAY_SYSTEM_CONFIG))
 

@@ -159,6 +159,29 @@ def test_cli_run_executes_a_query_file(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1])["c"] == 3
 
 
+def test_ray_started_by_the_runtime_is_its_own_even_when_ray_names_a_dead_cluster_as_the_latest():
+    """Ray's default joins the cluster named in its ``ray_current_cluster`` file, which a killed
+    cluster leaves behind: ``ensure_ray`` without an address then failed with Ray's 'num_cpus
+    must not be provided' ValueError. It starts a Ray of its own instead."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    before = path.read_text() if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("127.0.0.1:9")  # nothing listens there
+    try:
+        out = subprocess.run([sys.executable, "-c", "import chronostream as cs, ray; cs.ensure_ray(num_cpus=1); "
+                              "print(ray.cluster_resources()['CPU']); ray.shutdown()"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(before)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1.0"
+
+
 def test_demo_on_a_flights_subset_validates(ray_session, tmp_path, capsys):
     """The demo's job, run on 240,000 flights (paced), kills a container, scales out and in,
     merges the containers on each host into one, and passes its own validation."""
