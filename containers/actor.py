@@ -946,6 +946,20 @@ class ResourceContainer:
                 lambda: sum(store.trim_outputs(stage_id, lw) for stage_id, lw in low_water.items() if lw >= 0))
         return dropped
 
+    async def drop_backups(self, keys: list[tuple[int, int]]) -> int:
+        """Forget the backups of these (stage, slice) keys: copies off their slice's chain that the
+        master's GC found stale (``master.backups.stale_backups``). Returns how many were held."""
+        if self.backup_store is None or self.stopped:
+            return 0
+        store = self.backup_store
+
+        def drop() -> int:
+            held = [k for k in keys if k in store.chains]
+            for stage_id, slice_id in held:
+                store.drop(stage_id, slice_id)
+            return len(held)
+        return await self._in_store_thread(drop)
+
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes | np.ndarray:
         """A full checkpoint of a hosted slice now (does not start a new delta); ``from_wire`` reads it."""
         from slices.checkpoint import capture, encode

@@ -327,9 +327,11 @@ class BackupStore:
         self.flush()
 
     def drop(self, stage_id: int, slice_id: int) -> None:
-        """Forget a slice's backups (it moved, or this container no longer backs it up)."""
+        """Forget a slice's backups and the outputs carried with them (it moved, or this container
+        no longer backs it up), in memory and in lmdb."""
         key = (stage_id, slice_id)
         self.chains.pop(key, None)
+        self.outputs.pop(key, None)
         self.chain_end.pop(key, None)
         self.newest.pop(key, None)
         self.damaged.discard(key)
@@ -337,6 +339,8 @@ class BackupStore:
         self._persisted.pop(key, None)
         self._rewrite.discard(key)
         self._delete_chains([key])
+        with self.env.begin(write=True) as txn:
+            txn.delete(f"out:{stage_id}:{slice_id}".encode())
 
     def close(self, flush: bool = True) -> None:
         """Close the lmdb environment (after a flush unless ``flush=False``: the buffer is then lost)."""

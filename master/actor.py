@@ -33,6 +33,7 @@ from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
+from master.backups import stale_backups
 from master.catalog import MasterCatalog
 from master.host_pool import take_spare
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
@@ -89,6 +90,7 @@ class JobMaster:
         self._watching = False
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
+        self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
         self.policy = policy  # an autoscaling policy (chronostream.autoscale), or None
         self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
         self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
@@ -335,12 +337,33 @@ class JobMaster:
             if any(v >= 0 for v in marks.values()):
                 dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
                 self.gc_dropped += sum(dropped)
+            await self._drop_stale_backups(dict(zip(hosts, held)))
         except RayActorError:
             pass  # a host died: the watch loop recovers it; GC waits for the next round
         except Exception:  # noqa: BLE001
             if self.state == "running":
                 raise
             # The job was stopped mid-round (hosts closing their stores): nothing to collect.
+
+    async def _drop_stale_backups(self, held: dict[int, dict[tuple[int, int], int]]) -> None:
+        """Tell hosts to forget the copies their slices' chains left behind once the chain holds
+        newer ones (``stale_backups``): a scale-out or recovery re-plans chains, and the old
+        holders' copies would otherwise take their disk for the rest of the job.
+
+        Under the control lock: a migration or recovery that started since ``held`` was read
+        could make a host a chain member again, or warm a destination up with a copy it is about
+        to rebuild from; neither runs while the copies are judged and dropped."""
+        if self.recovery_lock.locked():
+            return  # (a migration or recovery runs: the next round judges the chains it leaves)
+        async with self.recovery_lock:
+            chains = {(st, s): hs for st, peers in (await self.backup_plan()).items() for s, hs in peers.items()}
+            stale = stale_backups(chains, held, recovery_slack(self.opts))
+            hosts = sorted(stale)
+            dropped = await asyncio.gather(*[self.handles[h].drop_backups.remote(stale[h]) for h in hosts])
+        for h, n in zip(hosts, dropped):
+            if n:
+                self.stale_backups_dropped += n
+                self._event("stale_backups_dropped", host=h, slices=[list(k) for k in stale[h]])
 
     async def container_unreachable(self, container_id: int, reporter: int) -> None:
         """A host could not push to ``container_id``: check its host now rather than at the next probe."""
@@ -1335,6 +1358,7 @@ class JobMaster:
             "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
             "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
             "gc_dropped": self.gc_dropped,
+            "stale_backups_dropped": self.stale_backups_dropped,
         }
 
     async def plan_of(self) -> JobPlan:

@@ -38,3 +38,36 @@ def backup_plan(containers: list[int], slices_of: dict[int, list[int]], backup_f
         for m, s in enumerate(sorted(slices_of[c])):
             plan[s] = chained_backup_peers(m, peers, backup_factor)
     return plan
+
+
+SliceKey = tuple[int, int]  # (stage id, slice id)
+
+
+def stale_backups(chains: dict[SliceKey, list[int]], held: dict[int, dict[SliceKey, int]],
+                  slack: int) -> dict[int, list[SliceKey]]:
+    """Host -> the backup copies it holds that no recovery can take any more.
+
+    A copy is stale when its holder is not in the slice's chain now (the
+    slice moved, or its stage's hosts changed: ``chains``, slice -> the hosts
+    its checkpoints go to) and a host of the chain holds a copy more than
+    ``slack`` epochs newer. A recovery only restores from copies within
+    ``slack`` of the newest (``master.recovery.plan_recovery``), and GC trims
+    the logs an older one would replay (``low_water_marks``), so such a copy
+    only takes disk. A copy whose chain holds nothing newer yet is kept: the
+    chain is still filling (a retarget makes each slice's next checkpoint a
+    full one).
+
+    >>> held = {1: {(1, 0): 9, (1, 1): 9}, 2: {(1, 0): 3, (1, 1): 8}, 3: {(1, 0): 12}}
+    >>> stale_backups({(1, 0): [1, 3], (1, 1): [1]}, held, slack=2)
+    {2: [(1, 0)]}
+    """
+    stale: dict[int, list[SliceKey]] = {}
+    for h in sorted(held):
+        for key, epoch in sorted(held[h].items()):
+            chain = chains.get(key, [])
+            if h in chain:
+                continue
+            newest = max((held[c][key] for c in chain if key in held.get(c, {})), default=None)
+            if newest is not None and epoch < newest - slack:
+                stale.setdefault(h, []).append(key)
+    return stale

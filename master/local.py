@@ -33,6 +33,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of)
+from master.backups import stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
@@ -126,6 +127,7 @@ class LocalCluster:
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.sent = 0
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
+        self.stale_backups_dropped = 0  # copies off their slice's chain dropped by GC
         self.migrations: list[Transfer] = []  # in progress, advanced once per round
         self.migrated: list[Transfer] = []  # finished or aborted
         self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
@@ -246,6 +248,13 @@ class LocalCluster:
         for store in self.stores.values():
             for stage_id, lw in marks.items():
                 dropped += store.trim_outputs(stage_id, lw)
+        chains = {(st.stage_id, s): hosts for st in self.plan.stages
+                  for peers in self._backup_chain(st.stage_id).values() for s, hosts in peers.items()}
+        held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive}
+        for h, keys in stale_backups(chains, held, recovery_slack(self)).items():
+            for stage_id, slice_id in keys:
+                self.stores[h].drop(stage_id, slice_id)
+            self.stale_backups_dropped += len(keys)
         return dropped
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ----------

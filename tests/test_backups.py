@@ -151,6 +151,18 @@ def test_a_restore_point_is_the_merged_chain_its_outputs_and_the_frames_that_reb
     assert (again.epoch, again.next_seq, outs_again) == (5, {0: 50}, outs)
 
 
+def test_a_dropped_slice_leaves_no_checkpoint_nor_carried_output_in_memory_or_after_a_reopen(tmp_path):
+    store = BackupStore(tmp_path)
+    for f in (ckpt(3, "full", -1, 30), outputs(0, 3, True), ckpt(5, "delta", 3, 50), outputs(4, 5, False)):
+        store.put(f)
+    store.flush()
+    store.drop(1, 4)
+    assert (store.holds(), store.carried_outputs(1, 4), store.size(1, 4), store.epochs()) == ([], [], 0, {})
+    store.close()
+    again = BackupStore(tmp_path)
+    assert (again.holds(), again.carried_outputs(1, 4)) == ([], [])
+
+
 def test_store_persists_lazily_and_survives_a_reopen(tmp_path):
     """Backups live in memory until flush(); after it, a new store on the same path has them."""
     store = BackupStore(tmp_path / "a")

@@ -610,3 +610,40 @@ def test_a_replay_read_in_rounds_equals_one_replay_and_the_per_epoch_reference()
         for sid, (table, dst) in whole[e].items():
             for other in (rounds[e][sid], reference[e][sid]):
                 assert table.equals(other[0]) and np.array_equal(dst, other[1])
+
+
+def _off_chain_copies(cl: LocalCluster) -> list[tuple[int, tuple[int, int]]]:
+    """(host, slice key) of every live copy whose host is not in its slice's chain now."""
+    chains = {(st.stage_id, s): hosts for st in cl.plan.stages
+              for peers in cl._backup_chain(st.stage_id).values() for s, hosts in peers.items()}
+    return [(h, k) for h, store in cl.stores.items() if h in cl.alive for k in store.holds()
+            if h not in chains.get(k, [])]
+
+
+def test_copies_a_scale_out_left_off_the_chain_are_dropped_once_the_chain_holds_newer_ones():
+    """A scale-out lays the stage's backup chain over its new hosts: the copies the old chain
+    left behind are dropped by GC once the new chain holds a checkpoint more than the recovery
+    slack newer (until then a recovery could still need them). The output is the serial one."""
+    cl = cluster("long_sum", containers=2, checkpoint_every=1, backup_factor=1)
+    stage = operator_stage(cl)
+    seen: list[int] = []
+    cl.run(faults={6: lambda cl: cl.scale_out(stage, 1),
+                   **{r: lambda cl: seen.append(len(_off_chain_copies(cl))) for r in range(7, 10_000)}})
+    assert cl.migrated and max(seen) > 0, "the scale-out left copies off the new chain"
+    assert cl.stale_backups_dropped > 0 and _off_chain_copies(cl) == []
+    assert_equals_serial("long_sum", cl)
+
+
+def test_a_host_dying_after_stale_copies_were_dropped_recovers_from_the_chain_exactly():
+    cl = cluster("long_sum", containers=2, checkpoint_every=1, backup_factor=1)
+    stage = operator_stage(cl)
+
+    def kill_a_first_host_once_dropped(cl):
+        if cl.stale_backups_dropped and not any(k == "recovery_start" for _, k, _ in cl.timeline):
+            cl.kill([min(hosts_of(cl, stage))])
+
+    cl.run(faults={6: lambda cl: cl.scale_out(stage, 1),
+                   **{r: kill_a_first_host_once_dropped for r in range(20, 10_000)}})
+    assert cl.stale_backups_dropped > 0
+    assert any(k == "recovery_end" for _, k, _ in cl.timeline)
+    assert_equals_serial("long_sum", cl)

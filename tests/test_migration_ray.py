@@ -324,6 +324,34 @@ def test_a_stage_scaled_in_to_one_host_is_backed_up_off_it_and_its_death_restore
     assert all(e > 10 for i in starts for e in i["backup_epochs"].values()), report.format_timeline()
 
 
+def test_copies_a_scale_out_left_off_the_chain_are_dropped_while_the_job_runs(ray_session):
+    """The scale-out re-plans the stage's backup chain over three hosts: the copies the old
+    chain left on hosts no longer in it are dropped by GC once the new chain holds newer ones,
+    and the output is still the serial one."""
+    q = query(2400)
+    q.epoch_events = 20  # 120 epochs
+    job = cs.run(q, containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2,
+                 gc_interval_s=0.25)
+    try:
+        apply_schedule(job, [Fault("delay", 0, "payments", seconds=0.04), Fault("scale_out", 20, "running_sum", n=1)])
+        job.wait(timeout_s=180)
+        import ray
+        status = ray.get(job.master.status.remote())
+        mismatches, _ = compare_with_serial(job, query(2400))
+        assert not mismatches, mismatches
+        sid = next(st.stage_id for st in job.plan.stages if st.name == "running_sum")
+        dropped = [i for _, k, i in job.timeline() if k == "stale_backups_dropped"]
+        chain = ray.get(job.master.backup_plan.remote())[sid]
+        held = ray.get(job.master.backup_catalog.remote())
+    finally:
+        job.stop()
+    assert status["stale_backups_dropped"] > 0 and any(st == sid for i in dropped for st, _ in i["slices"])
+    for i in dropped:  # the host dropped copies of slices whose chain it is not in, and holds them no more
+        gone = [s for st, s in i["slices"] if st == sid]
+        assert all(i["host"] not in chain[s] for s in gone)
+        assert not {(sid, s) for s in gone} & {(st, s) for st, s, _e in held.get(i["host"], [])}
+
+
 def test_bad_scaling_requests_are_refused_with_a_clear_error(ray_session):
     job = cs.run(query(2000), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
