@@ -94,12 +94,15 @@ class HostPool:
 
     async def stats(self) -> dict[str, Any]:
         """The target size, ready spares (count, per node, their actor names), spares handed out,
-        started and found dead so far."""
+        started and found dead so far (dead when taken, or on a node that died), and the pool's
+        own node."""
+        self._refill()
         nodes: dict[str, int] = {}
         for _name, _handle, node in self.spares:
             nodes[node] = nodes.get(node, 0) + 1
         return {"size": self.size, "ready": len(self.spares), "by_node": nodes, "handed_out": self.handed_out,
-                "started": self.started, "dropped": self.dropped, "names": [name for name, _handle, _node in self.spares]}
+                "started": self.started, "dropped": self.dropped, "names": [name for name, _handle, _node in self.spares],
+                "pool_node": ray.get_runtime_context().get_node_id()}
 
     async def wait_full(self, timeout_s: float = 60.0) -> bool:
         """Wait until ``size`` spares are ready (or ``timeout_s``); True when they are."""
@@ -110,6 +113,7 @@ class HostPool:
         return len(self.spares) >= self.size
 
     def _refill(self) -> None:
+        self._drop_spares_of_dead_nodes()
         if len(self.spares) < self.size and (self._filling is None or self._filling.done()):
             self._filling = asyncio.get_running_loop().create_task(self._fill())
 
@@ -134,6 +138,18 @@ class HostPool:
                 break
             self.spares.append((name, handle, on))
 
+    def _drop_spares_of_dead_nodes(self) -> None:
+        """Forget the spares of nodes that died: they would count as ready forever (a master
+        never asks for a dead node), and the pool would stay short on the live ones."""
+        if not self.spares:
+            return
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        gone = [spare for spare in self.spares if spare[2] not in alive]
+        for spare in gone:
+            log.warning("spare host %s: its node %s died; dropped", spare[0], spare[2][:12])
+            self.spares.remove(spare)
+            self.dropped += 1
+
     def _emptiest_node(self) -> str | None:
         """The alive node holding the fewest ready spares; None on a one-node cluster."""
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
@@ -147,9 +163,14 @@ class HostPool:
 
 
 def keep_warm_hosts(size: int, namespace: str) -> Any:
-    """The cluster's host pool (created detached when missing), resized to ``size`` spares."""
+    """The cluster's host pool (created detached when missing), resized to ``size`` spares.
+
+    A new pool is placed on the caller's node (usually the head, the node least likely to go
+    away; Ray's soft affinity placed it on a worker all the same, so the affinity is hard). A
+    pool that dies forgets its spares: they would live on, unadopted."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     pool = HostPool.options(name=HOST_POOL_NAME, namespace=namespace, lifetime="detached",
-                            get_if_exists=True).remote()
+                            get_if_exists=True, scheduling_strategy=here).remote()
     ray.get(pool.resize.remote(size))
     return pool
 

@@ -16,12 +16,16 @@ import chronostream as cs
 from queries import QUERIES
 
 
-def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: bool = False) -> None:
+def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: bool = False,
+                spares: int = 0) -> None:
     """A job on 3 nodes loses a worker node mid-stream (its processes and local stores); with
     ``master_dies_at`` (a ``master.recovery.RECOVERY_STEPS`` step) the master's process dies
     there in that recovery too. With ``one_host`` the source and ``running_sum`` run one
     container each (on two nodes) and the node lost is one of theirs: that stage's slices must
-    come back from copies on other nodes (``restored_from_backup``)."""
+    come back from copies on other nodes (``restored_from_backup``). With ``spares`` the cluster
+    keeps that many warm spare hosts (``cs.keep_warm_hosts``, spread over the nodes): the verdict
+    says how many the job adopted, the pool's spares per node just before the kill, and the pool
+    once refilled after it."""
     import shutil
     import time
     from pathlib import Path
@@ -32,6 +36,8 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
     query = build(7)
     query.epoch_events = 40
     containers = {"payments": 1, "running_sum": 1, "stats": 3} if one_host else 3
+    if spares:
+        cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address)
     job = cs.run(query, containers=containers, address=cluster.address, checkpoint_every=2, heartbeat_timeout_s=5)
     apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.08)])
     while job.progress()["min_epoch"] < 20:
@@ -54,6 +60,7 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
         one_host_stage = next(name for name in ("running_sum", "payments") if node_of(name) in worker_ids)
         victim = worker_ids[node_of(one_host_stage)]
     lost = sorted(h for h, node in placement["nodes"].items() if node == victim.node_id)
+    pool_before = cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address) if spares else None
     cluster.remove_node(victim)
     workdir = Path(job.workdir)
     for h in lost:  # the node's local store goes with it
@@ -70,9 +77,18 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
                   for e in i["backup_epochs"].values()]
         restored_from_backup = bool(epochs) and min(epochs) >= 0
     job.stop()
+    pool = None
+    if spares:
+        after = cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address)
+        pool = {"victim_before": pool_before["by_node"].get(victim.node_id, 0), "ready_after": after["ready"],
+                "pool_on_victim": pool_before["pool_node"] == victim.node_id,
+                "victim_after": after["by_node"].get(victim.node_id, 0), "dropped": after["dropped"],
+                "adopted": kinds.count("spare_adopted")}
+        cs.keep_warm_hosts(0, address=cluster.address)
     print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end"),
                       "resumed": kinds.count("recovery_resumed"), "crashes": kinds.count("master_crash_injected"),
-                      "one_host_stage": one_host_stage, "restored_from_backup": restored_from_backup}))
+                      "one_host_stage": one_host_stage, "restored_from_backup": restored_from_backup,
+                      "pool": pool}))
 
 
 def main() -> None:
@@ -85,7 +101,8 @@ def main() -> None:
     if sys.argv[1:2] == ["kill-node"]:
         try:
             arg = sys.argv[2] if len(sys.argv) > 2 else None
-            kill_a_node(cluster, None if arg == "one-host" else arg, one_host=arg == "one-host")
+            kill_a_node(cluster, None if arg in ("one-host", "spares") else arg, one_host=arg == "one-host",
+                        spares=3 if arg == "spares" else 0)
         finally:
             ray.shutdown()
             cluster.shutdown()

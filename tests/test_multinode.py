@@ -40,10 +40,15 @@ def run_node_kill(*args: str) -> dict:
 
 def test_a_node_killed_mid_stream_loses_one_container_per_stage_and_the_output_is_exact():
     """A worker node is removed (its hosts die, their local stores are deleted); one recovery
-    rebuilds a container of every stage at once and the output equals the oracle's."""
-    verdict = run_node_kill()
+    rebuilds a container of every stage at once and the output equals the oracle's. The cluster
+    keeps 3 warm spares, one a node: the job adopts some, and the pool drops the spare that died
+    with the node and refills on the live ones (the other node-loss tests run without a pool)."""
+    verdict = run_node_kill("spares")
     assert verdict["lost_hosts"] == 3 and verdict["recoveries"] >= 1
     assert verdict["equal"] is True
+    pool = verdict["pool"]
+    assert pool["adopted"] >= 1 and pool["victim_before"] >= 1 and not pool["pool_on_victim"], verdict
+    assert pool["ready_after"] == 3 and pool["victim_after"] == 0 and pool["dropped"] >= 1, verdict
 
 
 def test_a_master_dying_in_a_node_loss_recovery_finishes_it_once_restarted():
