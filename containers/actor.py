@@ -194,6 +194,14 @@ class ResourceContainer:
         if self.host_id is None and self._lease is None:
             self._lease = asyncio.get_running_loop().call_later(seconds, self._expire_lease)
 
+    async def spare_state(self) -> dict[str, Any] | None:
+        """For a host pool that lost track of this spare (a pool that died, then made anew):
+        None once adopted by a job; else its node and whether a take leased it (a master is
+        about to adopt it)."""
+        if self.host_id is not None:
+            return None
+        return {"node": ray.get_runtime_context().get_node_id(), "leased": self._lease is not None}
+
     def _expire_lease(self) -> None:
         if self.host_id is None:
             log.warning("spare host: not adopted within its lease; exiting")

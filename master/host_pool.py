@@ -57,13 +57,19 @@ class HostPool:
         self.handed_out = 0
         self.started = 0
         self.dropped = 0  # spares found dead when taken
+        self.found = 0  # spares an earlier pool left, kept by this one
         self._filling: asyncio.Task | None = None
+        self._looked_for_orphans = False
 
     async def resize(self, size: int) -> None:
-        """Keep ``size`` spares from now on: more are started, spares over it are stopped."""
+        """Keep ``size`` spares from now on: more are started, spares over it are stopped.
+        A new pool's first call also takes over the spares a pool before it left (it died)."""
         if size < 0:
             raise ValueError(f"a host pool's size must be >= 0, got {size}")
         self.size = size
+        if not self._looked_for_orphans:
+            self._looked_for_orphans = True
+            await self._take_over_orphans()
         while len(self.spares) > size:
             _name, handle, _node = self.spares.pop()
             ray.kill(handle)
@@ -94,14 +100,15 @@ class HostPool:
 
     async def stats(self) -> dict[str, Any]:
         """The target size, ready spares (count, per node, their actor names), spares handed out,
-        started and found dead so far (dead when taken, or on a node that died), and the pool's
-        own node."""
+        started and found dead so far (dead when taken, or on a node that died), kept from an
+        earlier pool, and the pool's own node."""
         self._refill()
         nodes: dict[str, int] = {}
         for _name, _handle, node in self.spares:
             nodes[node] = nodes.get(node, 0) + 1
         return {"size": self.size, "ready": len(self.spares), "by_node": nodes, "handed_out": self.handed_out,
-                "started": self.started, "dropped": self.dropped, "names": [name for name, _handle, _node in self.spares],
+                "started": self.started, "dropped": self.dropped, "found": self.found,
+                "names": [name for name, _handle, _node in self.spares],
                 "pool_node": ray.get_runtime_context().get_node_id()}
 
     async def wait_full(self, timeout_s: float = 60.0) -> bool:
@@ -138,6 +145,33 @@ class HostPool:
                 break
             self.spares.append((name, handle, on))
 
+    async def _take_over_orphans(self) -> None:
+        """Spares named like ours that no pool knows: an earlier pool started them and died.
+        Unadopted and unleased ones are kept (up to ``size``) or stopped, so none lives on
+        unadopted for good; adopted or leased ones belong to a master."""
+        namespace = ray.get_runtime_context().namespace
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == namespace and a["name"].startswith(SPARE_PREFIX))
+        known = {name for name, _handle, _node in self.spares}
+
+        async def state_of(name: str) -> tuple[Any, dict | None]:
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                return handle, await asyncio.wait_for(handle.spare_state.remote(), timeout=ANSWER_S)
+            except Exception:  # noqa: BLE001 - gone or not answering: not ours to keep
+                return None, None
+        unknown = [name for name in names if name not in known]
+        for name, (handle, state) in zip(unknown, await asyncio.gather(*[state_of(n) for n in unknown])):
+            if state is None or state["leased"]:
+                continue
+            if len(self.spares) < self.size:
+                self.spares.append((name, handle, state["node"]))
+                self.found += 1
+            else:
+                ray.kill(handle)
+        if names:
+            log.info("host pool: %d spare(s) of an earlier pool kept, of %d named", self.found, len(names))
+
     def _drop_spares_of_dead_nodes(self) -> None:
         """Forget the spares of nodes that died: they would count as ready forever (a master
         never asks for a dead node), and the pool would stay short on the live ones."""
@@ -167,7 +201,7 @@ def keep_warm_hosts(size: int, namespace: str) -> Any:
 
     A new pool is placed on the caller's node (usually the head, the node least likely to go
     away; Ray's soft affinity placed it on a worker all the same, so the affinity is hard). A
-    pool that dies forgets its spares: they would live on, unadopted."""
+    pool that dies forgets its spares; the next pool made (this call, again) takes them over."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     pool = HostPool.options(name=HOST_POOL_NAME, namespace=namespace, lifetime="detached",
                             get_if_exists=True, scheduling_strategy=here).remote()
