@@ -960,13 +960,7 @@ class ResourceContainer:
         if self.backup_store is None or self.stopped:
             return 0
         store = self.backup_store
-
-        def drop() -> int:
-            held = [k for k in keys if k in store.chains]
-            for stage_id, slice_id in held:
-                store.drop(stage_id, slice_id)
-            return len(held)
-        return await self._in_store_thread(drop)
+        return await self._in_store_thread(lambda: sum(store.drop(stage_id, slice_id) for stage_id, slice_id in keys))
 
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes | np.ndarray:
         """A full checkpoint of a hosted slice now (does not start a new delta); ``from_wire`` reads it."""

@@ -326,11 +326,11 @@ class BackupStore:
         self._rewrite.add((stage_id, slice_id))
         self.flush()
 
-    def drop(self, stage_id: int, slice_id: int) -> None:
+    def drop(self, stage_id: int, slice_id: int) -> bool:
         """Forget a slice's backups and the outputs carried with them (it moved, or this container
-        no longer backs it up), in memory and in lmdb."""
+        no longer backs it up), in memory and in lmdb. Returns whether it held a chain for it."""
         key = (stage_id, slice_id)
-        self.chains.pop(key, None)
+        held = self.chains.pop(key, None) is not None
         self.outputs.pop(key, None)
         self.chain_end.pop(key, None)
         self.newest.pop(key, None)
@@ -341,6 +341,7 @@ class BackupStore:
         self._delete_chains([key])
         with self.env.begin(write=True) as txn:
             txn.delete(f"out:{stage_id}:{slice_id}".encode())
+        return held
 
     def close(self, flush: bool = True) -> None:
         """Close the lmdb environment (after a flush unless ``flush=False``: the buffer is then lost)."""

@@ -33,7 +33,7 @@ from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
-from master.backups import stale_backups
+from master.backups import chains_by_slice, stale_backups
 from master.catalog import MasterCatalog
 from master.host_pool import take_spare
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
@@ -356,7 +356,7 @@ class JobMaster:
         if self.recovery_lock.locked():
             return  # (a migration or recovery runs: the next round judges the chains it leaves)
         async with self.recovery_lock:
-            chains = {(st, s): hs for st, peers in (await self.backup_plan()).items() for s, hs in peers.items()}
+            chains = chains_by_slice({st: self._backup_chain(st) for st in self.placement.containers})
             stale = stale_backups(chains, held, recovery_slack(self.opts))
             hosts = sorted(stale)
             dropped = await asyncio.gather(*[self.handles[h].drop_backups.remote(stale[h]) for h in hosts])

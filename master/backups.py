@@ -43,6 +43,17 @@ def backup_plan(containers: list[int], slices_of: dict[int, list[int]], backup_f
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
 
+def chains_by_slice(per_stage: dict[int, dict[int, dict[int, list[int]]]]) -> dict[SliceKey, list[int]]:
+    """Flatten stage -> container -> slice -> its backup hosts (each stage's
+    ``host_backup_peers``) into (stage, slice) -> its backup hosts, in chain order.
+
+    >>> chains_by_slice({1: {10: {0: [2], 2: [3]}, 11: {1: [1]}}, 4: {12: {0: []}}})
+    {(1, 0): [2], (1, 2): [3], (1, 1): [1], (4, 0): []}
+    """
+    return {(st, s): hosts for st, by_container in per_stage.items()
+            for peers in by_container.values() for s, hosts in peers.items()}
+
+
 def stale_backups(chains: dict[SliceKey, list[int]], held: dict[int, dict[SliceKey, int]],
                   slack: int) -> dict[int, list[SliceKey]]:
     """Host -> the backup copies it holds that no recovery can take any more.

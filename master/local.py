@@ -20,7 +20,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
@@ -33,7 +33,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of)
-from master.backups import stale_backups
+from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
@@ -239,8 +239,8 @@ class LocalCluster:
 
     def collect_garbage(self) -> int:
         """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
-        marks = low_water_marks(self.plan, [store.epochs() for store in self.stores.values()],
-                                recovery_slack(self))
+        held = {h: store.epochs() for h, store in self.stores.items()}  # (a dead host's store is gone)
+        marks = low_water_marks(self.plan, list(held.values()), recovery_slack(self))
         self.gc_marks = {st: max(marks.get(st, -1), self.gc_marks.get(st, -1)) for st in set(marks) | set(self.gc_marks)}
         dropped = 0
         for core in self.cores.values():
@@ -248,13 +248,8 @@ class LocalCluster:
         for store in self.stores.values():
             for stage_id, lw in marks.items():
                 dropped += store.trim_outputs(stage_id, lw)
-        chains = {(st.stage_id, s): hosts for st in self.plan.stages
-                  for peers in self._backup_chain(st.stage_id).values() for s, hosts in peers.items()}
-        held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive}
-        for h, keys in stale_backups(chains, held, recovery_slack(self)).items():
-            for stage_id, slice_id in keys:
-                self.stores[h].drop(stage_id, slice_id)
-            self.stale_backups_dropped += len(keys)
+        for h, keys in stale_backups(self.slice_chains(), held, recovery_slack(self)).items():
+            self.stale_backups_dropped += sum(self.stores[h].drop(stage_id, slice_id) for stage_id, slice_id in keys)
         return dropped
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ----------
@@ -645,13 +640,16 @@ class LocalCluster:
                 if c in self.cores and self.cores[c].checkpointer is not None:
                     self.cores[c].checkpointer.retarget(peers)
 
+    def slice_chains(self, stages: Iterable[int] | None = None) -> dict[tuple[int, int], list[int]]:
+        """(stage, slice) -> its backup hosts in chain order (l = 1 first), as placed now, for
+        ``stages`` (default: every stage)."""
+        stages = [st.stage_id for st in self.plan.stages] if stages is None else stages
+        return chains_by_slice({st: self._backup_chain(st) for st in stages})
+
     def chain_order(self, lost: dict[int, tuple[int, list[int]]]) -> dict[tuple[int, int], list[int]]:
-        """(stage, slice) -> its backup hosts in chain order (l = 1 first), as they were shipped to."""
-        out = {}
-        for st in {st for st, _ in lost.values()}:
-            for c, peers in self._backup_chain(st).items():
-                out.update({(st, s): hs for s, hs in peers.items()})
-        return out
+        """(stage, slice) -> its backup hosts in chain order, as they were shipped to, for the
+        stages of the ``lost`` containers."""
+        return self.slice_chains({st for st, _ in lost.values()})
 
     def _load_backup(self, stage_id: int, slice_id: int, holders: list[int]) -> RestorePoint:
         """The ``RestorePoint`` of the newest verified checkpoint among ``holders``

@@ -156,8 +156,9 @@ def test_a_dropped_slice_leaves_no_checkpoint_nor_carried_output_in_memory_or_af
     for f in (ckpt(3, "full", -1, 30), outputs(0, 3, True), ckpt(5, "delta", 3, 50), outputs(4, 5, False)):
         store.put(f)
     store.flush()
-    store.drop(1, 4)
+    assert store.drop(1, 4) is True
     assert (store.holds(), store.carried_outputs(1, 4), store.size(1, 4), store.epochs()) == ([], [], 0, {})
+    assert store.drop(1, 4) is False, "a second drop finds nothing to forget"
     store.close()
     again = BackupStore(tmp_path)
     assert (again.holds(), again.carried_outputs(1, 4)) == ([], [])

@@ -614,8 +614,7 @@ def test_a_replay_read_in_rounds_equals_one_replay_and_the_per_epoch_reference()
 
 def _off_chain_copies(cl: LocalCluster) -> list[tuple[int, tuple[int, int]]]:
     """(host, slice key) of every live copy whose host is not in its slice's chain now."""
-    chains = {(st.stage_id, s): hosts for st in cl.plan.stages
-              for peers in cl._backup_chain(st.stage_id).values() for s, hosts in peers.items()}
+    chains = cl.slice_chains()
     return [(h, k) for h, store in cl.stores.items() if h in cl.alive for k in store.holds()
             if h not in chains.get(k, [])]
 
