@@ -24,7 +24,7 @@ from chronostream.sinks import MemorySink, Sink
 from chronostream.readers import LogSource
 from chronostream.sourcelog import SourceLog
 from chronostream.sources import SourceData, assign_global_order, to_table
-from chronostream.windows import WindowAggregate, WindowSpec, plan_windows
+from chronostream.windows import ClosingWindowAggregate, WindowAggregate, WindowSpec, plan_windows
 
 #: Slices of a stateful stage when ``slices=`` is not given. Slices are the
 #: unit of migration and recovery: more slices = finer elasticity, at a small
@@ -241,7 +241,10 @@ class Stream:
             for c in ([cols] if isinstance(cols, str) else cols):
                 specs.append((agg, c))
         normalized, lateness = plan_windows(windows, specs, allowed_lateness)
-        return self.query.operator(WindowAggregate, {"in": self}, list(self.key), normalized, specs, lateness,
+        # Windows emitted on close also emit those still open at the end of the input.
+        cls = ClosingWindowAggregate if normalized[0].kind == "hopping" and normalized[0].emit == "close" \
+            else WindowAggregate
+        return self.query.operator(cls, {"in": self}, list(self.key), normalized, specs, lateness,
                                    slices=slices, name=name or f"{self.name}.window")
 
     def count(self, slices: int | None = None, name: str | None = None) -> "Stream":
@@ -435,6 +438,11 @@ class StagePlan:
     output_schemas: dict[str, pa.Schema]
     source_rows: int = 0
 
+    @property
+    def ends(self) -> bool:
+        """True when the stage's operator has an end-of-input hook (``Operator.on_end``)."""
+        return self.factory is not None and self.factory[0].has_end_hook()
+
 
 @dataclass
 class SinkPlan:
@@ -464,7 +472,34 @@ class JobPlan:
         """Number of epochs of a bounded input (at least one); None while it may grow."""
         if self.order_end is None:
             return None
-        return max(1, -(-self.order_end // self.epoch_events))
+        return self.epochs_until(self.order_end)
+
+    def epochs_until(self, order_end: int) -> int:
+        """Number of epochs of an input that ends before ``order_end`` (at least one). With an
+        end-of-input hook in the job the last epoch always has room after the input's last order
+        for the hooks' rows (``end_order``): an input that fills its last epoch gets one more,
+        empty, epoch.
+
+        >>> plan = JobPlan([], [], [], epoch_events=10, total_events=0, dead_letter_sink=None,
+        ...                source_dead_letters=[])
+        >>> plan.epochs_until(20), plan.epochs_until(21), plan.epochs_until(0)
+        (2, 3, 1)
+        """
+        if self.has_end_hooks:
+            return order_end // self.epoch_events + 1
+        return max(1, -(-order_end // self.epoch_events))
+
+    def end_order(self, num_epochs: int) -> int:
+        """The lineage order of rows made at the end of the input (``Operator.on_end``): the last
+        order of the last epoch, above every source row's (``epochs_until``) and inside that
+        epoch's range, as every row of an epoch is (replays cut epochs by order); the same in
+        every executor."""
+        return num_epochs * self.epoch_events - 1
+
+    @property
+    def has_end_hooks(self) -> bool:
+        """True when some stage's operator has an end-of-input hook (``Operator.on_end``)."""
+        return any(st.ends for st in self.stages)
 
     def upstream_stages(self, stage_id: int) -> list[int]:
         """Stages whose streams feed ``stage_id`` (sorted)."""

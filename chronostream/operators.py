@@ -269,6 +269,24 @@ class Operator:
         """The ``k`` best-scored items per key (``offer(key, score, item)``, ``items``)."""
         return self._register_handle("topk", name, k=k)
 
+    def on_end(self) -> None:
+        """Called once per slice when the input ends, after the slice's last input event: rows
+        ``produce``d here follow every other output of the slice (a window that closes only on a
+        later event emits what is still open). Not overridden: never called.
+
+        Runs in the job's last epoch (a bounded input, or a followed source log once sealed; an
+        input that fills its last epoch gets one more, empty, epoch for the hooks:
+        ``JobPlan.epochs_until``). The rows' lineage is ``(end order, 0)``, the end order the
+        last of that epoch, above every source row's (``JobPlan.end_order``), so downstream
+        stages consume them after all others, then run their own ``on_end``. Iterate state in a
+        deterministic order (sorted keys): insertion order differs after a restore.
+        """
+
+    @classmethod
+    def has_end_hook(cls) -> bool:
+        """True when the class overrides ``on_end``."""
+        return cls.on_end is not Operator.on_end
+
     @classmethod
     def is_vectorized(cls) -> bool:
         """True when the class overrides ``consume_batch`` (the fast path)."""

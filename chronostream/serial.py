@@ -25,7 +25,7 @@ from chronostream.operators import Operator, OperatorContext
 from chronostream.readers import LogReader, LogSource
 from chronostream.sinks import MemorySink, sort_output
 from chronostream.sources import source_orders
-from chronostream.types import ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
+from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
 
 
 class SerialResult:
@@ -139,9 +139,11 @@ class _SerialRun:
     def run(self) -> SerialResult:
         plan = self.plan
         feed: list[tuple[int, int, dict]] = []
+        order_end = plan.order_end or 0
         for stage_id, table in self.sources.items():
             if isinstance(table, LogSource):
-                table = _read_log_source(table)
+                table, log_end = _read_log_source(table)
+                order_end = max(order_end, log_end)
             user = table.select([c for c in table.schema.names if not c.startswith("_")]).to_pylist()
             for o, ev in zip(source_orders(table).tolist(), user):
                 feed.append((o, stage_id, ev))
@@ -150,14 +152,29 @@ class _SerialRun:
             pending: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
             n_src = plan.stages[stage_id].num_slices
             self.emit(stage_id, order % n_src, "out", order, [(ev, 0)], pending)
-            for st in plan.stages:
-                if st.kind != "operator" or st.stage_id not in pending:
-                    continue
-                for slice_id in sorted(pending[st.stage_id]):
-                    items = sorted(pending[st.stage_id][slice_id], key=lambda x: x[:4])
-                    self.consume(st.stage_id, slice_id, order, items, pending)
+            self.deliver(order, pending)
+        if plan.has_end_hooks:  # (the runtime's epoch count: ContainerCore._source_ready)
+            self.end_of_input(plan.end_order(plan.epochs_until(order_end)))
         self.write_file_sinks()
         return SerialResult(plan, self.sink_rows, self.dead)
+
+    def deliver(self, order: int, pending: dict[int, dict[int, list]], end: bool = False) -> None:
+        """Run every operator stage, in plan order, on the events ``pending`` for it (those the
+        stages before it add included); with ``end``, then each of its slices' end hook."""
+        for st in self.plan.stages:
+            if st.kind != "operator":
+                continue
+            for slice_id in sorted(pending.get(st.stage_id, ())):
+                items = sorted(pending[st.stage_id][slice_id], key=lambda x: x[:4])
+                self.consume(st.stage_id, slice_id, order, items, pending)
+            if end and st.ends:
+                for slice_id in range(st.num_slices):
+                    self.finish(st.stage_id, slice_id, order, pending)
+
+    def end_of_input(self, end_order: int) -> None:
+        """The end of the input: every stage's end hook (``Operator.on_end``), in plan order, each
+        after the rows the hooks before it made for it (lineage ``(end_order, ...)``)."""
+        self.deliver(end_order, defaultdict(lambda: defaultdict(list)), end=True)
 
     def write_file_sinks(self) -> None:
         """Write the rows of non-memory sinks (Parquet...) through their writers, one part per slice."""
@@ -190,29 +207,47 @@ class _SerialRun:
                 ctx.reset()
                 self.fail(st.name, slice_id, order, sub, exc, ev)
                 continue
-            for out_name in st.outputs:
-                produced: list[tuple[dict, int]] = []
-                for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
-                    produced.append((e, s if k < 0 else _sub_child(s, k)))
-                for b in ctx.batches[out_name]:
-                    t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
-                    subs = t.column(SUB).to_pylist()
-                    user = t.select([c for c in t.schema.names if not c.startswith("_")]).to_pylist()
-                    produced.extend(zip(user, subs))
-                if produced:
-                    self.emit(stage_id, slice_id, out_name, order, produced, pending)
+            self.emit_produced(stage_id, slice_id, order, pending)
+
+    def finish(self, stage_id: int, slice_id: int, end_order: int, pending) -> None:
+        """One slice's end hook, with lineage ``(end_order, 0)``, as ``SliceRuntime.finish``."""
+        op, ctx = self.op(stage_id, slice_id)
+        ctx.reset()
+        ctx.begin_event(end_order, 0)
+        try:
+            op.on_end()
+        except Exception as exc:  # noqa: BLE001 - user code
             ctx.reset()
+            self.fail(self.plan.stages[stage_id].name, slice_id, end_order, 0, exc, END_OF_INPUT)
+            return
+        self.emit_produced(stage_id, slice_id, end_order, pending)
+
+    def emit_produced(self, stage_id: int, slice_id: int, order: int, pending) -> None:
+        """Emit what the slice's operator produced for the current event, then forget it."""
+        op, ctx = self.op(stage_id, slice_id)
+        for out_name in self.plan.stages[stage_id].outputs:
+            produced: list[tuple[dict, int]] = []
+            for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
+                produced.append((e, s if k < 0 else _sub_child(s, k)))
+            for b in ctx.batches[out_name]:
+                t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
+                subs = t.column(SUB).to_pylist()
+                user = t.select([c for c in t.schema.names if not c.startswith("_")]).to_pylist()
+                produced.extend(zip(user, subs))
+            if produced:
+                self.emit(stage_id, slice_id, out_name, order, produced, pending)
+        ctx.reset()
 
 
-def _read_log_source(spec: LogSource, poll_s: float = 0.05) -> pa.Table:
-    """All rows of a log source (waiting for a followed log to be sealed)."""
+def _read_log_source(spec: LogSource, poll_s: float = 0.05) -> tuple[pa.Table, int]:
+    """All rows of a log source (waiting for a followed log to be sealed), and its end order."""
     import time
 
     reader = LogReader(spec)
     while reader.end_order() is None:
         time.sleep(poll_s)
         reader.refresh()
-    return reader.rows(0, reader.end_order())
+    return reader.rows(0, reader.end_order()), reader.end_order()
 
 
 def _rows(t: pa.Table | pa.RecordBatch) -> list[dict]:

@@ -21,6 +21,8 @@ SLICE = "_slice"
 SEQ = "_seq"
 
 SYSTEM_COLUMNS = (ORDER, SUB, SLICE, SEQ)
+#: The "event" a dead letter names when an operator's end-of-input hook (``Operator.on_end``) raised.
+END_OF_INPUT = "<end of input>"
 
 #: Prefix of the column routing adds beside a stream's one string key column
 #: for consumers that group by it: the key dictionary-encoded, as routing's

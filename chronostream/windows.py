@@ -6,7 +6,7 @@ window contents and incremental aggregates in registered state (the state
 library), the late-event policy, and the validation the builder
 (``Stream.window`` in dag.py) runs. Must not touch: executors, slices,
 checkpoints -- windows are a per-event operator like any user's, so the
-runtime checkpoints, restores and (one day) migrates them with the slice.
+runtime checkpoints, restores and migrates them with the slice.
 
 **Sliding windows are exact** (Railgun's "real sliding windows"): at every
 event of a key with (effective) time ``t``, the aggregates cover exactly the
@@ -23,8 +23,10 @@ every window whose range holds its time (``ceil(size / hop)`` of them).
 in start order, with that window's aggregates over its events so far.
 ``emit="close"``: a window emits one row when the first event of its key at
 or past its end arrives (rows carry that event's lineage); windows still
-open when the input ends are not emitted (there is no end-of-input or timer
-hook yet). With ``time=None`` they count events instead: the key's n-th
+open when the input ends are emitted then, by the end-of-input hook
+(``ClosingWindowAggregate.on_end``: keys in the order of their msgpack
+bytes, each key's windows by start; lineage the end of the input). There is
+no timer: an idle key's window closes at its next event or at the end. With ``time=None`` they count events instead: the key's n-th
 event (from 0) has "time" n.
 
 **Aggregates** (``count``, ``sum``, ``mean``, ``min``, ``max``,
@@ -57,9 +59,12 @@ deques); ``window.distinct.<col>.<w>`` (maps: value -> count). Several
 sliding windows in one ``.window([...])`` share one event queue, each with
 its own head position (Railgun's shared tail iterator).
 
-**Not built:** spilling long windows to lmdb (Railgun's event reservoir):
-every window's events are in memory. Timers: an idle key keeps its last
-window's events until its next event.
+**Long windows** keep their event queue's middle chunks in the host's lmdb
+(Railgun's event reservoir: ``chronostream.statelib``, on unless
+``cs.run(..., spill_state=False)``); the distinct maps stay in memory.
+**Not built:** timers and watermarks: an idle key keeps its last window's
+events (and an open window emitted on close) until its next event or the
+end of the input.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ import datetime as dt
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
+
+import msgpack
+import pyarrow as pa
 
 from chronostream.errors import QueryError
 from chronostream.operators import Operator
@@ -492,7 +500,10 @@ class WindowAggregate(Operator):
                 m.clear((key, w["start"]))
             for w in updated:
                 m.set((key, w["start"]), vals[c], True)
-        self.keys.set(key, {"t": t_eff, "n": seen + 1, "open": [by_start[s] for s in sorted(by_start)]})
+        st_new = {"t": t_eff, "n": seen + 1, "open": [by_start[s] for s in sorted(by_start)]}
+        if win.emit == "close" and self.temporal:
+            st_new["z"] = _tz_name(event[win.time].tzinfo)  # the end rows' bounds need the column's zone
+        self.keys.set(key, st_new)
         if win.emit == "event":
             for w in updated:
                 self.produce("out", self._window_row(key, event, w, with_time=True))
@@ -504,6 +515,12 @@ class WindowAggregate(Operator):
             row[win.time] = event[win.time]
         row["window_start"] = self._time_out(event, w["start"])
         row["window_end"] = self._time_out(event, w["start"] + win.size)
+        row.update(self._aggregates(key, w))
+        return row
+
+    def _aggregates(self, key: Any, w: dict) -> dict:
+        """One hopping window's aggregate columns."""
+        row: dict = {}
         n = w["n"]
         for a, c in self.specs:
             name = a if a == "count" else f"{a}_{c}"
@@ -519,9 +536,57 @@ class WindowAggregate(Operator):
                 row[name] = (w["lo"] if a == "min" else w["hi"])[c]
         return row
 
+    def _time_at(self, t: int | float, zone: str | None) -> Any:
+        """A window bound in the time column's type, from its zone (``_tz_name``) alone."""
+        if not self.temporal:
+            return t
+        if zone is None:
+            return _EPOCH_NAIVE + dt.timedelta(microseconds=t)
+        return pa.scalar(int(t), type=pa.timestamp("us", tz=zone)).as_py()
+
     def _time_out(self, event: dict, t: int | float) -> Any:
         """A window bound in the time column's type (datetimes keep the event's time zone)."""
         if not self.temporal:
             return t
         v = event[self.windows[0].time]
         return (_EPOCH_NAIVE if v.tzinfo is None else _EPOCH_UTC.astimezone(v.tzinfo)) + dt.timedelta(microseconds=t)
+
+
+class ClosingWindowAggregate(WindowAggregate):
+    """Hopping or tumbling windows with ``emit="close"``: at the end of the input every window
+    still open is emitted too (``Operator.on_end``), keys in a fixed order (their msgpack bytes),
+    each key's windows by start, as if an event past their end had closed them. The rows carry
+    the key columns and the bounds; their lineage is the end of the input."""
+
+    def on_end(self) -> None:
+        for key, st in sorted(self.keys.state.items(), key=lambda kv: msgpack.packb(kv[0], use_bin_type=True)):
+            for w in st["open"]:
+                self.produce("out", self._closing_row(key, w, st.get("z")))
+
+    def _closing_row(self, key: Any, w: dict, zone: str | None) -> dict:
+        win = self.windows[0]
+        row = dict(zip(self.key_columns, key if len(self.key_columns) > 1 else (key,)))
+        row["window_start"] = self._time_at(w["start"], zone)
+        row["window_end"] = self._time_at(w["start"] + win.size, zone)
+        row.update(self._aggregates(key, w))
+        return row
+
+
+def _tz_name(tz: Any) -> str | None:
+    """The Arrow time zone string of a ``datetime``'s ``tzinfo`` (None: naive): a zone name
+    (zoneinfo's ``key``, pytz's ``zone``, ``UTC``) or a fixed offset ``+HH:MM``.
+
+    >>> _tz_name(None), _tz_name(dt.timezone.utc), _tz_name(dt.timezone(dt.timedelta(hours=-5, minutes=-30)))
+    (None, 'UTC', '-05:30')
+    """
+    if tz is None:
+        return None
+    name = getattr(tz, "key", None) or getattr(tz, "zone", None)
+    if name:
+        return name
+    off = tz.utcoffset(None)
+    if off is None or off == dt.timedelta(0):
+        return "UTC"
+    minutes = int(off.total_seconds() // 60)
+    sign = "-" if minutes < 0 else "+"
+    return f"{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"

@@ -308,7 +308,7 @@ class ContainerCore:
         if self.num_epochs is None:
             end = reader.end_order()
             if end is not None:
-                self.num_epochs = max(1, -(-end // self.plan.epoch_events))
+                self.num_epochs = self.plan.epochs_until(end)
                 return not self.done
         return reader.available_order() >= (self.next_epoch + 1) * self.plan.epoch_events \
             or self.num_epochs is not None
@@ -428,6 +428,9 @@ class ContainerCore:
             results = self.threads.run_epoch(epoch, list(mine),
                                              lambda s: self.slices[s].process_source(epoch, mine[s]))
         else:
+            # Slices that run the end-of-input hook after this epoch's input (not restored past it).
+            finishing = [s for s, rt in self.slices.items() if epoch > rt.last_epoch] \
+                if self.stage.ends and self.num_epochs is not None and epoch == self.num_epochs - 1 else []
             messages = messages or {}
             self.inbox.pop(epoch, None)
             stamps = [m[INGEST_KEY] for m in messages.values() if INGEST_KEY in m]
@@ -448,8 +451,27 @@ class ContainerCore:
             else:
                 todo = self._inputs_by_slice(epoch, messages)
                 results = self.threads.run_epoch(epoch, list(todo), lambda s: self.slices[s].process(epoch, todo[s]))
+            if finishing:
+                results = self._finish(epoch, finishing, results)
         if self.restored_at:
             self._note_first_outputs(results)
+        return results
+
+    def _finish(self, epoch: int, slices: list[int], results: dict[int, dict[int, pa.Table]]
+                ) -> dict[int, dict[int, pa.Table]]:
+        """Run the end-of-input hook of ``slices`` (the last epoch's input is processed) and add
+        its rows after the epoch's other rows of each slice and stream (``SliceRuntime.finish``)."""
+        end_order = self.plan.end_order(self.num_epochs)  # type: ignore[arg-type]
+        results = dict(results)
+        for s in sorted(slices):
+            per = dict(results.get(s, {}))
+            for sid, t in self.slices[s].finish(epoch, end_order).items():
+                per[sid] = pa.concat_tables([per[sid], t], promote_options="permissive") if sid in per else t
+            if per:
+                results[s] = per
+        if slices:
+            log.info("end of input: stage %s slices %s ran their end hook in epoch %d",
+                     self.stage.name, sorted(slices), epoch)
         return results
 
     def _inputs_by_slice(self, epoch: int, messages: dict[int, Message]) -> dict[int, dict[int, list[pa.Table]]]:

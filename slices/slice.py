@@ -25,7 +25,7 @@ import pyarrow as pa
 from chronostream.dag import JobPlan, StagePlan
 from chronostream.errors import EventError
 from chronostream.operators import Operator, OperatorContext
-from chronostream.types import ORDER, SEQ, SLICE, SUB
+from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
 from slices.progress import ProgressVector
 
@@ -137,6 +137,23 @@ class SliceRuntime:
         admitted = self._admit(inputs)
         outputs = self._run(admitted)
         out = self._emit(outputs)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def finish(self, epoch: int, end_order: int) -> dict[int, pa.Table]:
+        """The operator's end-of-input hook (``Operator.on_end``) in the last ``epoch``, after
+        the slice's input of it; returns its rows chained and numbered after the epoch's others.
+        A raising hook fails the job or becomes a dead letter, like a poison event."""
+        assert self.op is not None and self.ctx is not None
+        t0 = time.perf_counter()
+        self.last_epoch = max(self.last_epoch, epoch)
+        self.ctx.begin_event(end_order, 0)
+        try:
+            self.op.on_end()
+        except Exception as exc:  # noqa: BLE001 - user code
+            self.ctx.reset()
+            self._fail_or_dead_letter(end_order, 0, exc, END_OF_INPUT)
+        out = self.emit_outputs()
         self.busy_s += time.perf_counter() - t0
         return out
 

@@ -20,16 +20,18 @@ from __future__ import annotations
 import datetime as dt
 import math
 
+import msgpack
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chronostream as cs
+from chronostream.dag import compile_query
 from chronostream.operators import OperatorContext
 from chronostream.datasets import payments
 from chronostream.state import KeyValueState
-from chronostream.windows import LateEventError, WindowAggregate, plan_windows
+from chronostream.windows import ClosingWindowAggregate, LateEventError, WindowAggregate, plan_windows
 from slices.checkpoint import capture_kv, decode, encode, restore_kv, SliceCheckpoint
 
 SPECS = [("count", None), ("sum", "v"), ("mean", "v"), ("min", "v"), ("max", "v"), ("distinct", "shop")]
@@ -59,8 +61,10 @@ def aggregates(events: list[dict], suffix: str = "") -> dict:
             "min_v" + suffix: min(vs), "max_v" + suffix: max(vs), "distinct_shop" + suffix: len({e["shop"] for e in events})}
 
 
-def brute_force(windows: list, events: list[dict], lateness) -> list:
-    """The rows the window definitions ask for, recomputed over each key's full history ("late" for rejects)."""
+def brute_force(windows: list, events: list[dict], lateness, end: bool = False) -> list:
+    """The rows the window definitions ask for, recomputed over each key's full history ("late" for
+    rejects); with ``end``, then the windows emitted on close that are still open, per key (in
+    the order of their msgpack bytes) by start."""
     history: dict = {}  # key -> [(effective time, event)]
     latest: dict = {}
     emitted: dict = {}  # key -> window starts already emitted (emit="close")
@@ -114,6 +118,14 @@ def brute_force(windows: list, events: list[dict], lateness) -> list:
                 win = [x for ti, x in hist if t - w.size < ti <= t]  # (t - size, t]
             row.update(aggregates(win, suffix))
         out.append(row)
+    w0 = windows[0]
+    if end and getattr(w0, "emit", "event") == "close":
+        hw = w0.as_hopping() if isinstance(w0, cs.TumblingWindow) else w0
+        for k in sorted(history, key=lambda k: msgpack.packb(k)):
+            starts = {s for ti, _ in history[k] for s in range(ti - hw.size + 1, ti + 1) if (s - hw.offset) % hw.hop == 0}
+            for s in sorted(starts - emitted.get(k, set())):
+                win = [x for ti, x in history[k] if s <= ti < s + hw.size]
+                out.append({"k": k, "window_start": s, "window_end": s + hw.size, **aggregates(win)})
     return out
 
 
@@ -122,7 +134,8 @@ def brute_force(windows: list, events: list[dict], lateness) -> list:
 
 def make_operator(windows, lateness) -> tuple[WindowAggregate, OperatorContext]:
     normalized, late = plan_windows(windows, SPECS, lateness)
-    op = WindowAggregate(["k"], normalized, SPECS, late)
+    closing = normalized[0].kind == "hopping" and normalized[0].emit == "close"
+    op = (ClosingWindowAggregate if closing else WindowAggregate)(["k"], normalized, SPECS, late)
     ctx = OperatorContext("w", 0, ("out",))
     op.bind(ctx)
     op.setup()
@@ -139,7 +152,9 @@ def restore_into_fresh(op: WindowAggregate, ctx: OperatorContext, windows, laten
     return op2, ctx2
 
 
-def drive(windows, events: list[dict], lateness, restore_at: int = -1) -> list:
+def drive(windows, events: list[dict], lateness, restore_at: int = -1, end: bool = False) -> list:
+    """The operator's rows for ``events`` (restored from a checkpoint before event ``restore_at``);
+    with ``end``, then its end-of-input hook's rows."""
     op, ctx = make_operator(windows, lateness)
     out: list = []
     for i, e in enumerate(events):
@@ -154,6 +169,13 @@ def drive(windows, events: list[dict], lateness, restore_at: int = -1) -> list:
             continue
         out.extend(ctx.events["out"])
         ctx.reset()
+    if end:
+        if restore_at == len(events):
+            op, ctx = restore_into_fresh(op, ctx, windows, lateness)
+        ctx.begin_event(len(events), 0)
+        if op.has_end_hook():
+            op.on_end()
+        out.extend(ctx.events["out"])
     return out
 
 
@@ -189,6 +211,40 @@ def test_window_state_restored_at_any_event_continues_identically(config, events
     windows = CONFIGS[config](size)
     cut = data.draw(st.integers(0, len(events)))
     assert drive(windows, events, 10, restore_at=cut) == drive(windows, events, 10)
+
+
+CLOSING = {name: c for name, c in CONFIGS.items() if "on close" in name}
+CLOSING["tumbling, on close"] = lambda size: [cs.TumblingWindow(size, time="t", emit="close")]
+CLOSING["tumbling over event counts, on close"] = lambda size: [cs.TumblingWindow(1 + size // 10, emit="close")]
+
+
+@pytest.mark.parametrize("config", sorted(CLOSING))
+@settings(max_examples=40, deadline=None)
+@given(events=event_streams(), size=st.integers(1, 80), lateness=st.sampled_from([0, 10]))
+def test_windows_emitted_on_close_emit_the_ones_still_open_when_the_input_ends(config, events, size, lateness):
+    windows = CLOSING[config](size)
+    assert drive(windows, events, lateness, end=True) == brute_force(windows, events, lateness, end=True)
+
+
+@pytest.mark.parametrize("config", sorted(CLOSING))
+@settings(max_examples=20, deadline=None)
+@given(events=event_streams(), size=st.integers(1, 80), data=st.data())
+def test_the_end_rows_of_a_restored_window_state_are_the_same(config, events, size, data):
+    """Restored at any event (or right before the end): the end rows do not depend on it."""
+    windows = CLOSING[config](size)
+    cut = data.draw(st.integers(0, len(events)))
+    assert drive(windows, events, 10, restore_at=cut, end=True) == drive(windows, events, 10, end=True)
+
+
+def test_only_windows_emitted_on_close_have_an_end_hook():
+    q = cs.Query()
+    s = q.source("p", [{"k": "a", "t": 1}]).key_by("k")
+    for name, spec in [("slide", cs.SlidingWindow(5, time="t")), ("tumble", cs.TumblingWindow(5, time="t")),
+                       ("close", cs.TumblingWindow(5, time="t", emit="close"))]:
+        s.window(spec, count=True, name=name).sink(name=name)
+    plan, _ = compile_query(q)
+    assert {st.name: st.ends for st in plan.stages if st.kind == "operator"} == \
+        {"slide": False, "tumble": False, "close": True}
 
 
 def test_float_sums_do_not_drift_over_a_long_sliding_window():
