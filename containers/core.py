@@ -469,9 +469,8 @@ class ContainerCore:
                 per[sid] = pa.concat_tables([per[sid], t], promote_options="permissive") if sid in per else t
             if per:
                 results[s] = per
-        if slices:
-            log.info("end of input: stage %s slices %s ran their end hook in epoch %d",
-                     self.stage.name, sorted(slices), epoch)
+        log.info("end of input: stage %s slices %s ran their end hook in epoch %d",
+                 self.stage.name, sorted(slices), epoch)
         return results
 
     def _inputs_by_slice(self, epoch: int, messages: dict[int, Message]) -> dict[int, dict[int, list[pa.Table]]]:
