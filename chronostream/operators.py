@@ -43,6 +43,7 @@ class OperatorContext:
         self._order = 0
         self._sub = 0
         self._k = 0
+        self._ending = False  # in the end-of-input hook: batches may come without lineage
         self.reset()
 
     def reset(self) -> None:
@@ -56,6 +57,13 @@ class OperatorContext:
         self._order = order
         self._sub = sub
         self._k = 0
+        self._ending = False
+
+    def begin_end(self, end_order: int) -> None:
+        """Set the lineage of the end-of-input hook's rows (``Operator.on_end``): ``(end_order,
+        0)``, as an event's; there, a produced batch without lineage columns gets it too."""
+        self.begin_event(end_order, 0)
+        self._ending = True
 
     def _undeclared(self, stream_id: str) -> KeyError:
         return KeyError(f"stage {self.stage!r} produced to undeclared output {stream_id!r}; "
@@ -79,15 +87,25 @@ class OperatorContext:
         self.lineage[stream_id].append((self._order, self._sub, -1))
 
     def produce_batch(self, stream_id: str, batch: pa.RecordBatch | pa.Table) -> None:
-        """Record a produced batch; it must carry the ``_order``/``_sub`` columns."""
+        """Record a produced batch; it must carry the ``_order``/``_sub`` columns, except in the
+        end-of-input hook, where a batch without both gets the hook's lineage: the end order,
+        and sub-orders counting on from the hook's rows before it (as ``produce`` numbers them)."""
         if stream_id not in self.batches:
             raise self._undeclared(stream_id)
         names = batch.schema.names
-        if ORDER not in names or SUB not in names:
+        if self._ending and ORDER not in names and SUB not in names:
+            n = batch.num_rows
+            sub = extend_sub_order(np.full(n, self._sub, dtype=np.int64), np.arange(self._k, self._k + n))
+            batch = (batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])) \
+                .append_column(ORDER, pa.array(np.full(n, self._order, dtype=np.int64))) \
+                .append_column(SUB, pa.array(sub, pa.int64()))
+            self._k += n
+        elif ORDER not in names or SUB not in names:
             raise ValueError(
                 f"stage {self.stage!r}: produce_batch() needs the {ORDER!r} and {SUB!r} columns "
                 "of the input rows each output row derives from (keep them when you take/filter, "
-                "or compute them with chronostream.extend_sub_order for fan-out)"
+                "or compute them with chronostream.extend_sub_order for fan-out; in on_end() a "
+                "batch without both gets the end-of-input lineage)"
             )
         self.batches[stream_id].append(batch)
 
@@ -279,7 +297,9 @@ class Operator:
         ``JobPlan.epochs_until``). The rows' lineage is ``(end order, 0)``, the end order the
         last of that epoch, above every source row's (``JobPlan.end_order``), so downstream
         stages consume them after all others, then run their own ``on_end``. Iterate state in a
-        deterministic order (sorted keys): insertion order differs after a restore.
+        deterministic order (sorted keys): insertion order differs after a restore. A vectorized
+        operator may ``produce_batch`` here without ``_order``/``_sub`` columns: its rows get
+        that lineage, sub-orders counting on in production order.
         """
 
     @classmethod

@@ -213,7 +213,7 @@ class _SerialRun:
         """One slice's end hook, with lineage ``(end_order, 0)``, as ``SliceRuntime.finish``."""
         op, ctx = self.op(stage_id, slice_id)
         ctx.reset()
-        ctx.begin_event(end_order, 0)
+        ctx.begin_end(end_order)
         try:
             op.on_end()
         except Exception as exc:  # noqa: BLE001 - user code

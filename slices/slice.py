@@ -147,7 +147,7 @@ class SliceRuntime:
         assert self.op is not None and self.ctx is not None
         t0 = time.perf_counter()
         self.last_epoch = max(self.last_epoch, epoch)
-        self.ctx.begin_event(end_order, 0)
+        self.ctx.begin_end(end_order)
         try:
             self.op.on_end()
         except Exception as exc:  # noqa: BLE001 - user code

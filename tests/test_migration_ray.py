@@ -390,11 +390,18 @@ def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_sessio
 
 
 def run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
-    """``chronostream ARGS`` in a new process (as a user's shell runs it), its output captured."""
+    """``chronostream ARGS`` in a new process (as a user's shell runs it), its output captured;
+    a control command is given this session's Ray cluster by address (``auto`` would refuse to
+    choose when another Ray cluster runs on the machine)."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "chronostream", *args], capture_output=True, text=True,
+    import ray
+
+    control = args[0] in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "compact",
+                          "scale-up", "scale-down", "warm-hosts")
+    address = ["--address", ray.get_runtime_context().gcs_address] if control else []
+    return subprocess.run([sys.executable, "-m", "chronostream", *args, *address], capture_output=True, text=True,
                           timeout=120)
 
 
