@@ -218,7 +218,10 @@ class Stream:
         ``windows``: a ``SlidingWindow(size, time=col)`` (exact: the key's
         events in ``(t - size, t]``), a ``CountWindow(n)``, a list of those
         (named; they share one event queue), or one ``TumblingWindow`` /
-        ``HoppingWindow``. Output: one row per event for sliding windows (the
+        ``HoppingWindow`` (``emit="close"``: one row per window when it closes;
+        ``clock="slice"``: closed by the slice's event time, so an idle key's
+        window closes once another key of its slice passes its end). Output:
+        one row per event for sliding windows (the
         key columns, the time column, then ``count``, ``sum_<col>``,
         ``mean_<col>``, ``min_<col>``, ``max_<col>``, ``distinct_<col>``,
         suffixed ``_<name>`` with several windows); hopping windows add

@@ -25,8 +25,17 @@ in start order, with that window's aggregates over its events so far.
 or past its end arrives (rows carry that event's lineage); windows still
 open when the input ends are emitted then, by the end-of-input hook
 (``ClosingWindowAggregate.on_end``: keys in the order of their msgpack
-bytes, each key's windows by start; lineage the end of the input). There is
-no timer: an idle key's window closes at its next event or at the end. With ``time=None`` they count events instead: the key's n-th
+bytes, each key's windows by start; lineage the end of the input). With
+``clock="slice"`` the slice's event time closes windows instead of each
+key's: at every event of the slice, every window of every key of the slice
+that ends at or before the event's (effective) time is emitted, by start,
+then keys in the order of their msgpack bytes, with that event's lineage
+(an idle key's window closes once any key of its slice passes its end);
+lateness is then measured against the slice's latest time too, so no
+event reopens an emitted window. Which event closes a window depends on
+the keys that share its slice (fixed for the job's life, so the serial
+run and the runtime agree); on input in time order both clocks emit the
+same windows. With ``time=None`` they count events instead: the key's n-th
 event (from 0) has "time" n.
 
 **Aggregates** (``count``, ``sum``, ``mean``, ``min``, ``max``,
@@ -51,7 +60,10 @@ the event's own time; the aggregates are at its effective time.
 
 **State layout** (all registered, so checkpoints carry it as dirty keys):
 ``window.key`` (value: per key the latest time, each window's head position
-and running aggregates, or the open hopping windows); ``window.events``
+and running aggregates, or the open hopping windows); with ``clock="slice"``,
+``window.clock`` (value, one entry: the slice's latest time and its open
+windows' starts) and ``window.closing`` (map: per start, the keys with
+that window open); ``window.events``
 (queue: per key ``[time, values...]`` of the events any sliding window still
 holds, chunked so a delta checkpoint holds only the chunks touched);
 ``window.min.<col>.<w>`` / ``window.max.<col>.<w>`` (queues: the monotonic
@@ -62,9 +74,12 @@ its own head position (Railgun's shared tail iterator).
 **Long windows** keep their event queue's middle chunks in the host's lmdb
 (Railgun's event reservoir: ``chronostream.statelib``, on unless
 ``cs.run(..., spill_state=False)``); the distinct maps stay in memory.
-**Not built:** timers and watermarks: an idle key keeps its last window's
-events (and an open window emitted on close) until its next event or the
-end of the input.
+**Not built:** timers and a watermark across slices: an idle key keeps its
+last window's events until its next event or the end of the input, and an
+open window emitted on close waits for its key's next event
+(``clock="key"``) or for its slice's next event past its end
+(``clock="slice"``) or for the end; a slice with no input never closes
+anything before the end.
 """
 
 from __future__ import annotations
@@ -132,6 +147,7 @@ class HoppingWindow:
     offset: Size = 0
     emit: str = "event"  # "event": a row per event per window; "close": a row per window when it closes
     name: str | None = None
+    clock: str = "key"  # with emit="close": whose event time closes a window, the key's or the slice's
 
 
 @dataclass(frozen=True)
@@ -143,10 +159,11 @@ class TumblingWindow:
     offset: Size = 0
     emit: str = "event"
     name: str | None = None
+    clock: str = "key"
 
     def as_hopping(self) -> HoppingWindow:
         """The same windows as a ``HoppingWindow``."""
-        return HoppingWindow(self.size, self.size, self.time, self.offset, self.emit, self.name)
+        return HoppingWindow(self.size, self.size, self.time, self.offset, self.emit, self.name, self.clock)
 
 
 WindowSpec = Union[SlidingWindow, CountWindow, HoppingWindow, TumblingWindow]
@@ -173,6 +190,7 @@ class _Window:
     time: str | None
     emit: str
     suffix: str  # "" or "_<name>"
+    clock: str = "key"  # "key" | "slice": whose latest event time closes windows and measures lateness
 
 
 def plan_windows(windows: WindowSpec | Sequence[WindowSpec], specs: Sequence[tuple[str, str | None]],
@@ -227,7 +245,12 @@ def plan_windows(windows: WindowSpec | Sequence[WindowSpec], specs: Sequence[tup
             raise QueryError(f"size / hop > {MAX_WINDOWS_PER_EVENT} windows per event; use a SlidingWindow")
         if w.emit not in ("event", "close"):
             raise QueryError(f"emit must be 'event' or 'close', got {w.emit!r}")
-        out.append(_Window("hopping", size, hop, offset, temporal, w.time, w.emit, suffix))
+        if w.clock not in ("key", "slice"):
+            raise QueryError(f"clock must be 'key' or 'slice', got {w.clock!r}")
+        if w.clock == "slice" and (w.emit != "close" or w.time is None):
+            raise QueryError("clock='slice' closes windows by the slice's event time: it needs emit='close' "
+                             "and a time column")
+        out.append(_Window("hopping", size, hop, offset, temporal, w.time, w.emit, suffix, w.clock))
     for agg, col in specs:
         if agg not in WINDOW_AGGREGATES:
             raise QueryError(f"unknown window aggregate {agg!r}; choose from {WINDOW_AGGREGATES}")
@@ -298,6 +321,7 @@ class WindowAggregate(Operator):
         self.specs = list(specs)
         self.allowed_lateness = allowed_lateness
         self.hopping = self.windows[0].kind == "hopping"
+        self.slice_clock = self.hopping and self.windows[0].clock == "slice"
         timed = [w for w in self.windows if w.time is not None]
         self.time_column = timed[0].time if timed else None
         self.temporal = bool(timed) and timed[0].temporal
@@ -312,6 +336,11 @@ class WindowAggregate(Operator):
         self.keys = self.register_value("window.key")
         if self.hopping:
             self.distinct = {c: self.register_map(f"window.distinct.{c}") for c in self.distinct_columns}
+            if self.slice_clock:
+                # The slice's latest time and its open windows' starts (one entry, key ""), and per
+                # start the keys with that window open: what closes when the slice's time passes.
+                self.clock = self.register_value("window.clock")
+                self.closing = self.register_map("window.closing")
             return
         self.events = self.register_queue("window.events")
         n = range(len(self.windows))
@@ -349,8 +378,9 @@ class WindowAggregate(Operator):
         if latest is None or t >= latest:
             return t
         if latest - t > self.allowed_lateness:
+            whose = "the slice's" if self.slice_clock else "the key's"
             raise LateEventError(
-                f"event time {t} of key {key!r} is {latest - t} older than the key's latest time {latest} "
+                f"event time {t} of key {key!r} is {latest - t} older than {whose} latest time {latest} "
                 f"(allowed_lateness {self.allowed_lateness}); feed the source in event-time order "
                 "(order_by=...) or raise allowed_lateness")
         return latest  # clamped: it joins the newest windows
@@ -458,7 +488,8 @@ class WindowAggregate(Operator):
         win = self.windows[0]
         vals = self._values(event)
         st = self.keys.get(key)
-        latest = None if st is None else st["t"]
+        clock = self.clock.get("") if self.slice_clock else None
+        latest = (None if clock is None else clock["t"]) if self.slice_clock else (None if st is None else st["t"])
         seen = 0 if st is None else st["n"]
         t = self._time(event) if win.time is not None else seen
         t_eff = self._effective_time(key, t, latest)
@@ -492,7 +523,16 @@ class WindowAggregate(Operator):
             by_start[s] = w
             updated.append(w)
         # Phase 2 writes. Closed windows are emitted (emit="close") before their distinct maps go.
-        if win.emit == "close":
+        zone = _tz_name(event[win.time].tzinfo) if win.emit == "close" and self.temporal else None
+        if self.slice_clock:
+            self._close_slice_windows(key, closed, zone, t_eff, clock)
+            starts = {x for x in ([] if clock is None else clock["starts"]) if x + win.size > t_eff}
+            for w in updated:
+                if w["n"] == 1:  # a window this event opened for its key
+                    self.closing.set(w["start"], key, True)
+                starts.add(w["start"])
+            self.clock.set("", {"t": t_eff, "starts": sorted(starts)})
+        elif win.emit == "close":
             for w in closed:
                 self.produce("out", self._window_row(key, event, w, with_time=False))
         for c, m in self.distinct.items():
@@ -501,12 +541,42 @@ class WindowAggregate(Operator):
             for w in updated:
                 m.set((key, w["start"]), vals[c], True)
         st_new = {"t": t_eff, "n": seen + 1, "open": [by_start[s] for s in sorted(by_start)]}
-        if win.emit == "close" and self.temporal:
-            st_new["z"] = _tz_name(event[win.time].tzinfo)  # the end rows' bounds need the column's zone
+        if zone is not None:
+            st_new["z"] = zone  # the end rows' bounds need the column's zone
         self.keys.set(key, st_new)
         if win.emit == "event":
             for w in updated:
                 self.produce("out", self._window_row(key, event, w, with_time=True))
+
+    def _close_slice_windows(self, key: Any, closed: list[dict], zone: str | None, t_eff: int | float,
+                             clock: dict | None) -> None:
+        """``clock="slice"``: emit every window of the slice that ends at or before ``t_eff``,
+        by start, each start's keys in the order of their msgpack bytes, and forget them. The
+        event's own key's closing windows are ``closed`` (its state is written by the caller);
+        another key's leave its state here."""
+        size = self.windows[0].size
+        mine = {w["start"]: w for w in closed}
+        for start in [x for x in ([] if clock is None else clock["starts"]) if x + size <= t_eff]:
+            for k in sorted(self.closing.keys(start), key=lambda k: msgpack.packb(k, use_bin_type=True)):
+                if k == key:
+                    self.produce("out", self._closing_row(k, mine[start], zone))
+                    continue
+                st = self.keys.get(k)
+                (w,) = [w for w in st["open"] if w["start"] == start]
+                self.produce("out", self._closing_row(k, w, st.get("z")))
+                self.keys.set(k, {**st, "open": [x for x in st["open"] if x["start"] != start]})
+                for m in self.distinct.values():
+                    m.clear((k, start))
+            self.closing.clear(start)
+
+    def _closing_row(self, key: Any, w: dict, zone: str | None) -> dict:
+        """A closed window's row from its key (the canonical key values) and the time column's zone."""
+        win = self.windows[0]
+        row = dict(zip(self.key_columns, key if len(self.key_columns) > 1 else (key,)))
+        row["window_start"] = self._time_at(w["start"], zone)
+        row["window_end"] = self._time_at(w["start"] + win.size, zone)
+        row.update(self._aggregates(key, w))
+        return row
 
     def _window_row(self, key: Any, event: dict, w: dict, with_time: bool) -> dict:
         win = self.windows[0]
@@ -562,14 +632,6 @@ class ClosingWindowAggregate(WindowAggregate):
         for key, st in sorted(self.keys.state.items(), key=lambda kv: msgpack.packb(kv[0], use_bin_type=True)):
             for w in st["open"]:
                 self.produce("out", self._closing_row(key, w, st.get("z")))
-
-    def _closing_row(self, key: Any, w: dict, zone: str | None) -> dict:
-        win = self.windows[0]
-        row = dict(zip(self.key_columns, key if len(self.key_columns) > 1 else (key,)))
-        row["window_start"] = self._time_at(w["start"], zone)
-        row["window_end"] = self._time_at(w["start"] + win.size, zone)
-        row.update(self._aggregates(key, w))
-        return row
 
 
 def _tz_name(tz: Any) -> str | None:

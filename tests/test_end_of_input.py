@@ -213,8 +213,9 @@ def test_a_scale_out_near_the_end_leaves_the_end_rows_exact():
     assert cl.results("out").to_pylist() == serial_rows(q)
 
 
-def closing_windows_query(zone: str | None, n: int = 600) -> cs.Query:
-    """Hourly tumbling windows emitted on close over seeded payments, the time column in ``zone``."""
+def closing_windows_query(zone: str | None, n: int = 600, clock: str = "key") -> cs.Query:
+    """Hourly tumbling windows emitted on close over seeded payments, the time column in ``zone``,
+    closed by ``clock`` (the key's or the slice's event time)."""
     import datetime as dt
 
     import pyarrow.compute as pc
@@ -226,15 +227,16 @@ def closing_windows_query(zone: str | None, n: int = 600) -> cs.Query:
     table = table.set_column(table.schema.get_field_index("ts"), "ts", ts)
     q = cs.Query(epoch_events=EPOCH * 3)
     (q.source("payments", table, order_by="ts").key_by("card")
-     .window(cs.TumblingWindow(dt.timedelta(hours=1), time="ts", emit="close"), count=True, sum="amount",
+     .window(cs.TumblingWindow(dt.timedelta(hours=1), time="ts", emit="close", clock=clock), count=True, sum="amount",
              slices=4, name="hourly")
      .sink(name="out"))
     return q
 
 
-@pytest.mark.parametrize("zone", [None, "UTC", "Europe/Paris", "+05:30"])
-def test_windows_emitted_on_close_also_emit_those_open_at_the_end_in_the_columns_type(zone):
-    q = closing_windows_query(zone)
+@pytest.mark.parametrize("zone, clock", [(None, "key"), ("UTC", "key"), ("Europe/Paris", "key"), ("+05:30", "key"),
+                                         (None, "slice"), ("Europe/Paris", "slice")])
+def test_windows_emitted_on_close_also_emit_those_open_at_the_end_in_the_columns_type(zone, clock):
+    q = closing_windows_query(zone, clock=clock)
     expected = serial_rows(q)
     end_order = max(r["_order"] for r in expected)
     end_rows = [r for r in expected if r["_order"] == end_order]

@@ -7,6 +7,8 @@ included (tests/test_end_of_input.py specifies them).
 
 from __future__ import annotations
 
+import pytest
+
 from chronostream.chaos import Fault, run_with_faults
 from test_end_of_input import EPOCH, closing_windows_query, totals_query
 
@@ -34,8 +36,9 @@ def test_a_scale_out_in_the_last_epochs_leaves_every_hooks_rows_exact(ray_sessio
     assert "migration_end" in [k for _, k, _ in report.timeline], report.format_timeline()
 
 
-def test_windows_emitted_on_close_emit_the_open_ones_at_the_end_through_a_recovery(ray_session):
-    q = closing_windows_query("Europe/Paris")
+@pytest.mark.parametrize("clock", ["key", "slice"])
+def test_windows_emitted_on_close_emit_the_open_ones_at_the_end_through_a_recovery(ray_session, clock):
+    q = closing_windows_query("Europe/Paris", clock=clock)
     faults = [Fault("delay", at_epoch=0, stage="payments", seconds=0.05),
               Fault("kill", at_epoch=24, stage="hourly")]
     report = run_with_faults(q, faults, containers={"payments": 1, "hourly": 2}, checkpoint_every=2)

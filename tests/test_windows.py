@@ -236,6 +236,138 @@ def test_the_end_rows_of_a_restored_window_state_are_the_same(config, events, si
     assert drive(windows, events, 10, restore_at=cut, end=True) == drive(windows, events, 10, end=True)
 
 
+# -- windows closed by the slice's clock ---------------------------------------------------------------
+
+
+SLICE_CLOCK = {
+    "tumbling, slice clock": lambda size: [cs.TumblingWindow(size, time="t", emit="close", clock="slice")],
+    "hopping, slice clock": lambda size: [cs.HoppingWindow(size, max(1, size // 2), time="t", offset=3,
+                                                           emit="close", clock="slice")],
+}
+
+
+def brute_force_slice_clock(window, events: list[dict], lateness) -> list:
+    """``clock="slice"`` from scratch: one clock for all keys (the latest effective time; lateness
+    against it, a late-within event clamped to it); at each event, every window of every key
+    that ends at or before its time and is not out yet, by start, then key bytes; at the end
+    the rest, per key (in the order of their bytes) by start."""
+    hw = window.as_hopping() if isinstance(window, cs.TumblingWindow) else window
+    history: dict = {}  # key -> [(effective time, event)]
+    emitted: set = set()  # (key, start)
+    latest = None
+    out: list = []
+
+    def starts_of(x):
+        return [s for s in range(x - hw.size + 1, x + 1) if (s - hw.offset) % hw.hop == 0]
+
+    def row(k, s):
+        win = [x for ti, x in history[k] if s <= ti < s + hw.size]
+        return {"k": k, "window_start": s, "window_end": s + hw.size, **aggregates(win)}
+
+    for e in events:
+        t = e["t"]
+        if latest is not None and t < latest:
+            if latest - t > lateness:
+                out.append("late")
+                continue
+            t = latest
+        latest = t
+        due = {(s, k) for k, h in history.items() for ti, _ in h for s in starts_of(ti)
+               if s + hw.size <= t and (k, s) not in emitted}
+        for s, k in sorted(due, key=lambda sk: (sk[0], msgpack.packb(sk[1]))):
+            emitted.add((k, s))
+            out.append(row(k, s))
+        history.setdefault(e["k"], []).append((t, e))
+    for k in sorted(history, key=lambda k: msgpack.packb(k)):
+        for s in sorted({s for ti, _ in history[k] for s in starts_of(ti)} - {s for kk, s in emitted if kk == k}):
+            out.append(row(k, s))
+    return out
+
+
+@pytest.mark.parametrize("config", sorted(SLICE_CLOCK))
+@settings(max_examples=60, deadline=None)
+@given(events=event_streams(), size=st.integers(1, 80), lateness=st.sampled_from([0, 5, 10]))
+def test_the_slice_clock_closes_every_keys_windows_as_brute_force_says(config, events, size, lateness):
+    windows = SLICE_CLOCK[config](size)
+    assert drive(windows, events, lateness, end=True) == brute_force_slice_clock(windows[0], events, lateness)
+
+
+@pytest.mark.parametrize("config", sorted(SLICE_CLOCK))
+@settings(max_examples=25, deadline=None)
+@given(events=event_streams(), size=st.integers(1, 80), data=st.data())
+def test_slice_clock_state_restored_at_any_event_continues_identically(config, events, size, data):
+    windows = SLICE_CLOCK[config](size)
+    cut = data.draw(st.integers(0, len(events)))
+    assert drive(windows, events, 10, restore_at=cut, end=True) == drive(windows, events, 10, end=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(events=event_streams(), size=st.integers(1, 80))
+def test_on_time_ordered_input_both_clocks_emit_the_same_windows(events, size):
+    """Only when they close differs: on input in time order no event is late for either clock."""
+    events = sorted(events, key=lambda e: e["t"])
+    by_key = drive([cs.TumblingWindow(size, time="t", emit="close")], events, 0, end=True)
+    by_slice = drive([cs.TumblingWindow(size, time="t", emit="close", clock="slice")], events, 0, end=True)
+    assert "late" not in by_slice
+    key = lambda r: (r["k"], r["window_start"])  # noqa: E731
+    assert sorted(by_slice, key=key) == sorted(by_key, key=key)
+
+
+def test_an_idle_keys_window_closes_when_another_key_of_its_slice_passes_its_end():
+    rows = [{"k": k, "t": t} for t, k in [(0, "a"), (1, "b"), (6, "a"), (12, "a")]]
+    q = cs.Query(epoch_events=3)
+    q.source("s", rows, order_by="t").key_by("k").window(
+        cs.TumblingWindow(5, time="t", emit="close", clock="slice"), count=True, slices=1).sink(name="out")
+    got = [(r["k"], r["window_start"], r["count"], r["_order"], r["_sub"])
+           for r in cs.run_serial(q).results("out").to_pylist()]
+    assert got == [("a", 0, 1, 2, 0), ("b", 0, 1, 2, 1),  # at t=6: both keys' [0, 5), by key
+                   ("a", 5, 1, 3, 0),                     # at t=12
+                   ("a", 10, 1, 5, 0)], got               # the end (order 5: the extra epoch's last)
+
+
+def test_with_the_slice_clock_lateness_is_measured_against_the_slices_time():
+    rows = [{"k": "a", "t": 10}, {"k": "b", "t": 4}]  # b's first event, 6 behind a's
+    for lateness, expect in [(5, "LateEventError"), (6, None)]:
+        q = cs.Query()
+        q.source("s", rows).key_by("k").window(cs.TumblingWindow(5, time="t", emit="close", clock="slice"),
+                                               count=True, allowed_lateness=lateness, slices=1).sink(name="out")
+        if expect:
+            with pytest.raises(cs.EventError, match="older than the slice's latest time 10"):
+                cs.run_serial(q)
+        else:  # clamped to 10: b joins [10, 15)
+            assert [(r["k"], r["window_start"]) for r in cs.run_serial(q).results("out").to_pylist()] == \
+                [("a", 10), ("b", 10)]
+
+
+@pytest.mark.parametrize("window, message", [
+    (cs.TumblingWindow(5, time="t", clock="slice"), "needs emit='close'"),
+    (cs.TumblingWindow(5, emit="close", clock="slice"), "and a time column"),
+    (cs.TumblingWindow(5, time="t", emit="close", clock="global"), "clock must be"),
+])
+def test_a_slice_clock_without_closing_time_windows_is_refused(window, message):
+    q = cs.Query()
+    with pytest.raises(cs.QueryError, match=message):
+        q.source("s", [{"k": 1, "t": 0}]).key_by("k").window(window, count=True)
+
+
+def slice_clock_query(slices: int = 5, n: int = 1500) -> cs.Query:
+    """Payments: 10-minute tumbling windows closed by the slice's clock, with a distinct count."""
+    from queries import EPOCH
+
+    q = cs.Query(epoch_events=EPOCH)
+    q.source("payments", payments(n, cards=40, seed=9, span_s=3600), order_by="ts").key_by("card").window(
+        cs.TumblingWindow(600, time="ts", emit="close", clock="slice"), count=True, sum="amount",
+        distinct="merchant", slices=slices, name="tumbling").sink(name="tumbling")
+    return q
+
+
+@pytest.mark.parametrize("containers, seed", [(1, 0), (2, 5), (3, 11)])
+def test_slice_clock_windows_on_the_runtime_equal_the_serial_oracle(containers, seed):
+    expected = cs.run(slice_clock_query(), executor="serial").results("tumbling").to_pylist()
+    assert expected and cs.run(slice_clock_query(), executor="local", containers=containers, seed=seed
+                               ).results("tumbling").to_pylist() == expected
+
+
 def test_only_windows_emitted_on_close_have_an_end_hook():
     q = cs.Query()
     s = q.source("p", [{"k": "a", "t": 1}]).key_by("k")
