@@ -556,9 +556,10 @@ class WindowAggregate(Operator):
         another key's leave its state here."""
         size = self.windows[0].size
         mine = {w["start"]: w for w in closed}
+        own = msgpack.packb(key, use_bin_type=True)  # bytes compare a NaN key equal to itself
         for start in [x for x in ([] if clock is None else clock["starts"]) if x + size <= t_eff]:
-            for k in sorted(self.closing.keys(start), key=lambda k: msgpack.packb(k, use_bin_type=True)):
-                if k == key:
+            for kb, k in sorted((msgpack.packb(k, use_bin_type=True), k) for k in self.closing.keys(start)):
+                if kb == own:
                     self.produce("out", self._closing_row(k, mine[start], zone))
                     continue
                 st = self.keys.get(k)

@@ -313,6 +313,18 @@ def test_on_time_ordered_input_both_clocks_emit_the_same_windows(events, size):
     assert sorted(by_slice, key=key) == sorted(by_key, key=key)
 
 
+def test_the_slice_clock_closes_nan_and_signed_zero_keys_once_each_through_restores():
+    """A NaN key is one key, -0.0 and 0.0 are one key, also after a restore (keys come back as
+    new float objects): each closes each of its windows once."""
+    events = [{"k": k, "t": t, "v": 1, "shop": "s"} for t, k in enumerate([math.nan, 1.0, -0.0, math.nan, 0.0, 1.0] * 4)]
+    windows = [cs.TumblingWindow(3, time="t", emit="close", clock="slice")]
+    rows = drive(windows, events, 0, end=True)
+    assert sorted((repr(r["k"]), r["window_start"]) for r in rows) == \
+        sorted((repr(k), s) for k in (math.nan, 1.0, 0.0) for s in range(0, 24, 3))
+    for cut in range(len(events) + 1):
+        assert repr(drive(windows, events, 0, restore_at=cut, end=True)) == repr(rows), cut
+
+
 def test_an_idle_keys_window_closes_when_another_key_of_its_slice_passes_its_end():
     rows = [{"k": k, "t": t} for t, k in [(0, "a"), (1, "b"), (6, "a"), (12, "a")]]
     q = cs.Query(epoch_events=3)
