@@ -308,6 +308,22 @@ class Job:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
             raise cause from None
 
+    def source_log_floor(self) -> int:
+        """The global order below which no recovery or migration of this job will read its source
+        log again: what the log's feeder may trim it to (``SourceLogWriter.trim``) while the job
+        runs. It only grows; 0 while no checkpoint covers every source slice, and always 0
+        without checkpoints or with ``recompute_lost`` (lost slices are rebuilt from the start).
+
+        >>> writer.trim(job.source_log_floor())  # doctest: +SKIP
+        """
+        import ray
+
+        logs = [st.name for st in self.plan.stages if st.log_dir is not None]
+        if not logs:
+            raise ValueError("the job reads no source log (its sources are in-memory tables)")
+        floors = ray.get(self.master.source_log_floors.remote())
+        return min(floors[name] for name in logs)
+
     def metrics(self) -> dict[str, Any]:
         """Live metrics: ``snapshot`` (per stage input/processing rate, utilization, backlog,
         threads, per-slice figures; latency percentiles since the previous call; throughput;

@@ -440,6 +440,7 @@ class StagePlan:
     produced: list[int]  # physical stream ids this stage numbers and routes
     output_schemas: dict[str, pa.Schema]
     source_rows: int = 0
+    log_dir: str | None = None  # a source stage reading a source log: its directory
 
     @property
     def ends(self) -> bool:
@@ -592,6 +593,7 @@ def compile_query(query: Query) -> tuple[JobPlan, dict[int, Any]]:
         for node in log_nodes:
             sid = stage_ids[id(node)]
             source_tables[sid] = node.log
+            stages[sid].log_dir = str(node.log.log_dir)  # type: ignore[union-attr]
     else:
         tables = assign_global_order([n.source for n in source_nodes])  # type: ignore[misc]
         for node, table in zip(source_nodes, tables):

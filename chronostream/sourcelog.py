@@ -34,6 +34,14 @@ moves its list to the index).
 The manifest's ``high_water`` is the global order below which the log is
 complete (every row with a smaller ``_order`` is in a listed segment);
 ``sealed`` says no row will ever be added.
+
+Retention: ``SourceLogWriter.trim(order)`` raises the manifest's
+``low_water`` (it never falls) and then deletes the segments whose rows
+are all below it; a reader asked for rows below ``low_water`` raises
+``SourceLogError`` naming both orders, never a silently shorter input. A
+running job says how far its log may be trimmed (``Job.source_log_floor``:
+the first order a recovery or migration of its source slices could read
+again).
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ class SourceLog:
         self._seen = seen
         self.sealed: bool = m["sealed"]
         self.high_water: int = m["high_water"]
+        self.low_water: int = m.get("low_water", 0)  # rows below it may be trimmed
         self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
         self.stream_rows: dict[str, int] = {k: v["rows"] for k, v in m["streams"].items()}
 
@@ -215,8 +224,10 @@ class SourceLog:
         return table
 
     def segments_of(self, stream: str, from_order: int = 0, to_order: int | None = None) -> Iterator[Segment]:
-        """Listed segments of ``stream`` overlapping [from_order, to_order)."""
+        """Listed segments of ``stream`` overlapping [from_order, to_order); ``SourceLogError``
+        when ``from_order`` is below the log's ``low_water`` (those rows may be trimmed)."""
         self.schema(stream)
+        self._check_not_trimmed(stream, from_order)
         segs = self._by_stream.get(stream, [])
         # A stream's segments are in order: skip those ending before from_order by bisection.
         for seg in segs[bisect.bisect_left(self._last_orders.get(stream, []), from_order):]:
@@ -235,10 +246,24 @@ class SourceLog:
             return self.schema(stream).empty_table()
         return pa.concat_tables(parts)
 
+    def _check_not_trimmed(self, stream: str, from_order: int) -> None:
+        if from_order < self.low_water:
+            raise SourceLogError(
+                f"stream {stream!r} of the source log {self.dir}: rows from order {from_order} were asked for, "
+                f"but the log was trimmed below order {self.low_water} (retention: SourceLogWriter.trim)")
+
     def read_from_seq(self, stream: str, from_seq: int) -> pa.Table:
-        """Replay: rows of ``stream`` with ``_stream_seq >= from_seq``."""
+        """Replay: rows of ``stream`` with ``_stream_seq >= from_seq`` (``SourceLogError`` when
+        some of them were trimmed)."""
+        self.schema(stream)
+        kept = [seg for seg in self._by_stream.get(stream, []) if seg.last_order >= self.low_water]
+        first = kept[0].first_seq if kept else self.stream_rows.get(stream, 0)
+        if from_seq < first and self.low_water:
+            raise SourceLogError(
+                f"stream {stream!r} of the source log {self.dir}: rows from _stream_seq {from_seq} were asked "
+                f"for, but the log was trimmed below order {self.low_water} (retention: SourceLogWriter.trim)")
         parts = []
-        for seg in self.segments_of(stream):
+        for seg in kept:
             if seg.first_seq + seg.rows <= from_seq:
                 continue
             t = self.segment_table(seg)
@@ -250,6 +275,8 @@ class SourceLog:
         """Check every listed segment; return the problems found (empty = sound)."""
         problems = []
         for seg in self.segments:
+            if seg.last_order < self.low_water:
+                continue  # trimmed
             try:
                 self.segment_table(seg)
             except SourceLogError as exc:
@@ -351,6 +378,36 @@ class SourceLogWriter:
                 raise SourceLogError("the high water mark only grows")
             self.manifest["high_water"] = high_water
         self._publish()
+
+    def trim(self, before_order: int) -> int:
+        """Retention: rows below ``before_order`` will not be read again (a running job's
+        ``Job.source_log_floor()``). Raises the manifest's ``low_water`` to it (never lowers it,
+        never above the high water mark), publishes that, then deletes the segment files whose
+        rows are all below it. Returns how many files it deleted.
+
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> w = SourceLogWriter(d)
+        >>> for lo in (0, 2, 4):
+        ...     w.append({"s": pa.table({"_order": [lo, lo + 1], "_stream_seq": [lo, lo + 1]})}, high_water=lo + 2)
+        >>> w.trim(3), SourceLog(d).read("s", 3)["_order"].to_pylist()
+        (1, [3, 4, 5])
+        >>> import shutil; shutil.rmtree(d)
+        """
+        if before_order > self.manifest["high_water"]:
+            raise SourceLogError(f"cannot trim {self.dir} below order {before_order}: above its high water mark "
+                                 f"{self.manifest['high_water']}")
+        low = max(self.manifest.get("low_water", 0), int(before_order))
+        if low != self.manifest.get("low_water", 0):
+            self.manifest["low_water"] = low
+            self._publish()  # first: no reader trusts a segment about to go
+        deleted = 0
+        for seg in SourceLog(self.dir).segments:
+            path = self.dir / seg.file
+            if seg.last_order < low and path.exists():
+                path.unlink()
+                deleted += 1
+        return deleted
 
     def seal(self) -> None:
         """Mark the log complete: its high water becomes one past its largest order."""

@@ -44,7 +44,7 @@ from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              low_water_marks, one_host_stages, plan_recovery, rebuildable_stages, recovery_slack,
-                             restore_floor, restore_order)
+                             restore_floor, restore_order, source_log_floors)
 
 log = logging.getLogger("chronostream.master")
 
@@ -102,6 +102,9 @@ class JobMaster:
         # Highest GC mark applied per producer stage (logs trimmed up to it); None until
         # known (a restarted master learns them again at its first GC round).
         self.gc_marks: dict[int, int] | None = {}
+        # Source stage -> the first global order a restore may read again (only grows; 0 until
+        # a GC round knows it, also after a restart): what its source log may be trimmed to.
+        self.source_floors: dict[str, int] = {}
         self.catalog = MasterCatalog(f"{workdir}/master")
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
         # after a restart in the middle of a deploy.
@@ -332,6 +335,8 @@ class JobMaster:
         try:
             held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
             marks = low_water_marks(self.plan, list(held), recovery_slack(self.opts))
+            floors = source_log_floors(self.plan, list(held), recovery_slack(self.opts))
+            self.source_floors = {s: max(f, self.source_floors.get(s, 0)) for s, f in floors.items()}
             known = self.gc_marks or {}
             self.gc_marks = {st: max(marks.get(st, -1), known.get(st, -1)) for st in set(marks) | set(known)}
             if any(v >= 0 for v in marks.values()):
@@ -1360,6 +1365,13 @@ class JobMaster:
             "gc_dropped": self.gc_dropped,
             "stale_backups_dropped": self.stale_backups_dropped,
         }
+
+    async def source_log_floors(self) -> dict[str, int]:
+        """Source stage name -> the first global order it may read again (0: all of it): a
+        recovery or migration of its slices restores them from checkpoints no older, and the
+        floor only grows. Computed at each GC round; 0 without checkpoints or with
+        ``recompute_lost`` (a lost slice is then rebuilt from the start)."""
+        return {st.name: self.source_floors.get(st.name, 0) for st in self.plan.stages if st.kind == "source"}
 
     async def plan_of(self) -> JobPlan:
         """The job's plan (``Job.attach`` from another process)."""

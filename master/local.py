@@ -37,7 +37,8 @@ from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
-                             plan_recovery, rebuildable_stages, recovery_slack, restore_floor, restore_order)
+                             plan_recovery, rebuildable_stages, recovery_slack, restore_floor, restore_order,
+                             source_log_floors)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
 
@@ -127,6 +128,7 @@ class LocalCluster:
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.sent = 0
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
+        self.source_floors: dict[str, int] = {}  # source stage -> first order a restore may read (grows)
         self.stale_backups_dropped = 0  # copies off their slice's chain dropped by GC
         self.migrations: list[Transfer] = []  # in progress, advanced once per round
         self.migrated: list[Transfer] = []  # finished or aborted
@@ -241,6 +243,8 @@ class LocalCluster:
         """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
         held = {h: store.epochs() for h, store in self.stores.items()}  # (a dead host's store is gone)
         marks = low_water_marks(self.plan, list(held.values()), recovery_slack(self))
+        floors = source_log_floors(self.plan, list(held.values()), recovery_slack(self))
+        self.source_floors = {s: max(f, self.source_floors.get(s, 0)) for s, f in floors.items()}
         self.gc_marks = {st: max(marks.get(st, -1), self.gc_marks.get(st, -1)) for st in set(marks) | set(self.gc_marks)}
         dropped = 0
         for core in self.cores.values():
@@ -251,6 +255,10 @@ class LocalCluster:
         for h, keys in stale_backups(self.slice_chains(), held, recovery_slack(self)).items():
             self.stale_backups_dropped += sum(self.stores[h].drop(stage_id, slice_id) for stage_id, slice_id in keys)
         return dropped
+
+    def source_log_floors(self) -> dict[str, int]:
+        """Source stage name -> the first global order it may read again (``JobMaster.source_log_floors``)."""
+        return {st.name: self.source_floors.get(st.name, 0) for st in self.plan.stages if st.kind == "source"}
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ----------
 

@@ -267,6 +267,16 @@ def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]], slack: int =
     >>> low_water_marks(plan, [{(1, 0): 1, (1, 1): 9}, {(1, 1): 8, (1, 0): 9}], slack=2)
     {0: 8}
     """
+    covered = oldest_restorable_epochs(plan, backup_epochs, slack)
+    return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
+            for st in plan.stages if plan.downstream_stages(st.stage_id)}
+
+
+def oldest_restorable_epochs(plan, backup_epochs: list[dict[SliceKey, int]], slack: int = 0) -> dict[int, int]:
+    """Stage -> the oldest checkpoint epoch a recovery or migration may restore one of its slices
+    from (-1: some slice has no copy, so it would be rebuilt from the start): per slice its newest
+    copy, or the oldest within ``slack`` of it (see ``low_water_marks``), then the oldest over
+    the stage's slices."""
     newest: dict[SliceKey, int] = {}
     for held in backup_epochs:
         for key, e in held.items():
@@ -278,10 +288,27 @@ def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]], slack: int =
                 if e >= newest[key] - slack:
                     kept[key] = min(kept[key], e)
         newest = kept
-    covered = {st.stage_id: min(newest.get((st.stage_id, s), -1) for s in range(st.num_slices))
-               for st in plan.stages}
-    return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
-            for st in plan.stages if plan.downstream_stages(st.stage_id)}
+    return {st.stage_id: min(newest.get((st.stage_id, s), -1) for s in range(st.num_slices))
+            for st in plan.stages}
+
+
+def source_log_floors(plan, backup_epochs: list[dict[SliceKey, int]], slack: int = 0) -> dict[str, int]:
+    """Source stage name -> the first global order it may read again: a source slice restored
+    from a checkpoint of epoch c re-reads from epoch c + 1, so rows below ``(c + 1) *
+    epoch_events`` for the stage's oldest restorable c are never read again (0 while some
+    source slice has no copy). What a feeder may trim its source log to
+    (``SourceLogWriter.trim``).
+
+    >>> import chronostream as cs
+    >>> from chronostream.dag import compile_query
+    >>> q = cs.Query(epoch_events=10)
+    >>> _ = q.source("w", [{"w": "a"}], slices=2).key_by("w").count(slices=1).sink(name="c")
+    >>> plan, _ = compile_query(q)
+    >>> source_log_floors(plan, [{(0, 0): 7, (0, 1): 4}, {(0, 0): 8}]), source_log_floors(plan, [{(0, 0): 7}])
+    ({'w': 50}, {'w': 0})
+    """
+    covered = oldest_restorable_epochs(plan, backup_epochs, slack)
+    return {st.name: (covered[st.stage_id] + 1) * plan.epoch_events for st in plan.stages if st.kind == "source"}
 
 
 def restore_floor(plan, gc_marks: dict[int, int] | None) -> dict[int, int] | None:

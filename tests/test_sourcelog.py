@@ -49,6 +49,46 @@ def test_log_is_readable_from_any_order_and_any_stream_seq(tmp_path):
         assert log.read_from_seq("s", k)["_stream_seq"].to_pylist() == list(range(k, 400))
 
 
+def test_trimming_deletes_the_segments_wholly_below_the_order_and_keeps_the_rest_readable(tmp_path):
+    w = SourceLogWriter(tmp_path)
+    for s in range(4):  # 4 segments of 100 rows
+        w.append({"s": rows(s * 100, s * 100, 100)}, high_water=(s + 1) * 100)
+    assert w.trim(250) == 2, "segments [0, 100) and [100, 200); [200, 300) holds rows at or above 250"
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "segments" / "s").iterdir()) == \
+        ["000000000200", "000000000300"]
+    log = SourceLog(tmp_path)
+    assert log.low_water == 250 and log.verify() == []
+    assert log.read("s", from_order=250)["_order"].to_pylist() == list(range(250, 400))
+    assert log.read_from_seq("s", 200)["_stream_seq"].to_pylist() == list(range(200, 400))
+
+
+@pytest.mark.parametrize("read", [lambda log: log.read("s", from_order=249), lambda log: log.read("s"),
+                                  lambda log: log.read_from_seq("s", 199)])
+def test_reading_below_the_trimmed_order_names_both_orders_instead_of_returning_fewer_rows(tmp_path, read):
+    w = SourceLogWriter(tmp_path)
+    for s in range(4):
+        w.append({"s": rows(s * 100, s * 100, 100)}, high_water=(s + 1) * 100)
+    w.trim(250)
+    with pytest.raises(SourceLogError, match=r"trimmed below order 250"):
+        read(SourceLog(tmp_path))
+
+
+def test_trimming_never_lowers_the_mark_nor_passes_the_high_water_and_survives_a_new_writer(tmp_path):
+    w = SourceLogWriter(tmp_path)
+    w.append({"s": rows(0, 0, 100)}, high_water=100)
+    tail = SourceLog(tmp_path)
+    w.trim(60)
+    assert w.trim(10) == 0 and SourceLog(tmp_path).low_water == 60
+    with pytest.raises(SourceLogError, match="above its high water mark 100"):
+        w.trim(101)
+    tail.refresh()
+    assert tail.low_water == 60, "a tailing reader sees the mark"
+    w2 = SourceLogWriter(tmp_path)  # the feeder restarted
+    w2.append({"s": rows(100, 100, 100)}, high_water=200)
+    assert w2.trim(150) == 1 and SourceLog(tmp_path).low_water == 150
+    assert SourceLog(tmp_path).read("s", 150)["v"].to_pylist() == list(range(150, 200))
+
+
 def test_truncated_last_segment_is_detected_not_read(tmp_path):
     """A truncated segment raises SourceLogError naming it; its rows are never returned."""
     write_log(tmp_path)
@@ -172,6 +212,95 @@ def count_query(log_dir, follow: bool) -> cs.Query:
     q = cs.Query(epoch_events=64)
     q.source_log(str(log_dir), "s", follow=follow).key_by("k").sum("v", slices=3, name="sum").sink(name="sums")
     return q
+
+
+def feed_twice(live: SourceLogWriter, full: SourceLogWriter, i: int, n: int = 64) -> None:
+    """Batch ``i`` of ``n`` rows into both logs (``full`` is never trimmed: the serial run's input)."""
+    for w in (live, full):
+        w.append({"s": rows(i * n, i * n, n)}, high_water=(i + 1) * n)
+
+
+def test_a_feeder_trimming_its_log_to_the_jobs_floor_loses_nothing_through_kills(tmp_path):
+    """The feeder appends an epoch every other round and trims the log to the job's floor; the
+    source's host and a counting host die on the way (their slices re-read the log from their
+    checkpoints). The output equals the serial run over an untrimmed copy, and most of the log
+    was deleted on the way."""
+    from chronostream.dag import compile_query
+    from master.local import LocalCluster
+    from master.placement import containers_per_stage, initial_placement
+
+    live, full = SourceLogWriter(tmp_path / "live"), SourceLogWriter(tmp_path / "full")
+    feed_twice(live, full, 0)
+    plan, sources = compile_query(count_query(tmp_path / "live", follow=True))
+    cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 2)), sources, checkpoint_every=1)
+    deleted, floors = [], []
+
+    def feed(i: int):
+        def step(cl: LocalCluster) -> None:
+            if i < 20:
+                feed_twice(live, full, i)
+            else:
+                live.seal(), full.seal()
+            floors.append(cl.source_log_floors()["s"])
+            deleted.append(live.trim(floors[-1]))
+        return step
+
+    def trim_then_kill(stage: int):
+        def step(cl: LocalCluster) -> None:  # trimmed to the floor just now: the restore reads from it
+            floors.append(cl.source_log_floors()["s"])
+            deleted.append(live.trim(floors[-1]))
+            cl.kill([cl.hosts[cl.placement.containers[stage][0]]])
+        return step
+
+    faults = {2 * i: feed(i) for i in range(1, 21)}
+    faults[13] = trim_then_kill(0)  # the source's host
+    faults[27] = trim_then_kill(cl.stage_id("sum"))
+    cl.run(faults=faults)
+    assert sum(1 for _, kind, _ in cl.timeline if kind == "recovery_end") == 2
+    assert floors == sorted(floors) and floors[-1] >= 10 * 64, floors
+    assert sum(deleted) >= 10, "most segments went while the job ran"
+    expected = cs.run(count_query(tmp_path / "full", follow=False), executor="serial").results("sums").to_pylist()
+    assert cl.results("sums").to_pylist() == expected
+
+
+def test_a_feeder_on_ray_trims_to_the_jobs_floor_and_a_killed_source_host_rereads_above_it(ray_session, tmp_path):
+    """The same on Ray through ``Job.source_log_floor``: the feeder trims after every batch, the
+    source's host dies half-way and its slices re-read the log from their checkpoints."""
+    from chronostream.chaos import Fault, apply_schedule
+
+    live, full = SourceLogWriter(tmp_path / "live"), SourceLogWriter(tmp_path / "full")
+    feed_twice(live, full, 0)
+    job = cs.run(count_query(tmp_path / "live", follow=True), containers=2, checkpoint_every=1, gc_interval_s=0.2)
+    floors, deleted, applied = [], [], []
+    try:
+        for i in range(1, 40):
+            time.sleep(0.08)
+            feed_twice(live, full, i)
+            floors.append(job.source_log_floor())
+            deleted.append(live.trim(floors[-1]))
+            if i == 20:
+                applied = apply_schedule(job, [Fault("kill", at_epoch=0, stage="s")])
+        live.seal(), full.seal()
+        got = job.results("sums").to_pylist()
+        timeline = job.timeline()
+    finally:
+        job.stop()
+    assert applied and "recovery_end" in [kind for _, kind, _ in timeline]
+    assert floors == sorted(floors) and floors[-1] > 0 and sum(deleted) > 0, (floors, deleted)
+    assert got == cs.run(count_query(tmp_path / "full", follow=False), executor="serial").results("sums").to_pylist()
+
+
+def test_a_job_reading_tables_has_no_source_log_floor():
+    with pytest.raises(ValueError, match="reads no source log"):
+        cs.Job(compile_query_plan(), master=None, placement={}).source_log_floor()
+
+
+def compile_query_plan():
+    from chronostream.dag import compile_query
+
+    q = cs.Query()
+    q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    return compile_query(q)[0]
 
 
 def test_an_unchanged_manifest_is_not_parsed_again(tmp_path, monkeypatch):
