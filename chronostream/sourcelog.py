@@ -47,6 +47,7 @@ again).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import json
 import os
@@ -295,6 +296,7 @@ class SourceLogWriter:
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._kept: dict[str, collections.deque[Segment]] = {}  # per stream, segments not yet trimmed, in order
         path = self.dir / MANIFEST
         if path.exists():
             log = SourceLog(self.dir)  # verifies the index against the manifest
@@ -314,6 +316,10 @@ class SourceLogWriter:
                     f.truncate(m["index_bytes"])
                     os.fsync(f.fileno())
             self._last_order = {s.stream: s.last_order for s in log.segments}
+            low = m.get("low_water", 0)
+            for seg in log.segments:
+                if seg.last_order >= low or (self.dir / seg.file).exists():  # (a trim may have been cut short)
+                    self._kept.setdefault(seg.stream, collections.deque()).append(seg)
         else:
             m = {"version": 2, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0, "index_crc32": 0}
             _fsync_write(self.dir / INDEX, b"")
@@ -362,6 +368,7 @@ class SourceLogWriter:
                 file=f"segments/{stream}/{name}", stream=stream, first_order=int(order[0]),
                 last_order=int(order[-1]), first_seq=int(table.column(STREAM_SEQ)[0].as_py()),
                 rows=table.num_rows, bytes=len(data), crc32=zlib.crc32(data)))
+            self._kept.setdefault(stream, collections.deque()).append(new_segments[-1])
             entry = self.manifest["streams"].setdefault(stream, {"schema": _schema_to_str(table.schema), "rows": 0})
             entry["rows"] += table.num_rows
             self._last_order[stream] = int(order[-1])
@@ -402,10 +409,9 @@ class SourceLogWriter:
             self.manifest["low_water"] = low
             self._publish()  # first: no reader trusts a segment about to go
         deleted = 0
-        for seg in SourceLog(self.dir).segments:
-            path = self.dir / seg.file
-            if seg.last_order < low and path.exists():
-                path.unlink()
+        for segs in self._kept.values():  # O(segments deleted): each stream's are in order
+            while segs and segs[0].last_order < low:
+                (self.dir / segs.popleft().file).unlink(missing_ok=True)
                 deleted += 1
         return deleted
 

@@ -73,6 +73,29 @@ def test_reading_below_the_trimmed_order_names_both_orders_instead_of_returning_
         read(SourceLog(tmp_path))
 
 
+def test_a_trim_cut_short_after_publishing_its_mark_is_finished_by_the_next_writer(tmp_path, monkeypatch):
+    import pathlib
+
+    w = SourceLogWriter(tmp_path)
+    for s in range(4):
+        w.append({"s": rows(s * 100, s * 100, 100)}, high_water=(s + 1) * 100)
+    real, calls = pathlib.Path.unlink, []
+
+    def crash_on_second(self, missing_ok=False):
+        calls.append(self)
+        if len(calls) == 2:
+            raise OSError("the feeder died")
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", crash_on_second)
+    with pytest.raises(OSError):
+        w.trim(300)
+    monkeypatch.setattr(pathlib.Path, "unlink", real)
+    assert SourceLog(tmp_path).low_water == 300, "the mark was published first"
+    assert SourceLogWriter(tmp_path).trim(300) == 2, "the restarted feeder deletes what is left below it"
+    assert len(list((tmp_path / "segments" / "s").iterdir())) == 1
+
+
 def test_trimming_never_lowers_the_mark_nor_passes_the_high_water_and_survives_a_new_writer(tmp_path):
     w = SourceLogWriter(tmp_path)
     w.append({"s": rows(0, 0, 100)}, high_water=100)
