@@ -1,7 +1,7 @@
 """The ``chronostream`` command line: ``demo``, ``run``, ``chaos``, ``validate``, and control of running jobs.
 
 Running jobs (on the same Ray cluster, found with ``--address``, default
-``auto``): ``jobs``, ``placement``, ``metrics``, ``scale-out``,
+``auto``): ``jobs``, ``placement``, ``metrics``, ``log-floor``, ``scale-out``,
 ``scale-in``, ``migrate``, ``compact``, ``scale-up``, ``scale-down``; and offline,
 ``autoscale-sim`` replays a recorded metrics trace through a policy.
 
@@ -124,7 +124,7 @@ def cmd_control(args: argparse.Namespace) -> int:
 
     try:
         return _control(args)
-    except (ChronoStreamError, MigrationError, KeyError) as exc:
+    except (ChronoStreamError, MigrationError, KeyError, ValueError) as exc:
         why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"chronostream {args.command}: {why}", file=sys.stderr)
     except ray.exceptions.RayActorError:
@@ -144,6 +144,8 @@ def _control(args: argparse.Namespace) -> int:
         out = job.placement()
     elif args.command == "metrics":
         out = job.metrics()
+    elif args.command == "log-floor":
+        out = {"floor": job.source_log_floor()}
     elif args.command == "scale-out":
         out = job.scale_out(args.stage, args.n)
     elif args.command == "scale-in":
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(so the job does not end before the later faults)")
     for name, help_ in [("jobs", "list the jobs running on the Ray cluster"),
                         ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
+                        ("log-floor", "the order below which a running job will not read its source log again "
+                                      "(what its feeder may trim the log to)"),
                         ("scale-out", "add hosts to a stage of a running job"),
                         ("scale-in", "remove hosts from a stage of a running job"),
                         ("migrate", "move slices of a stage of a running job"),
@@ -257,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
     a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
-    if args.command in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "compact", "scale-up",
-                        "scale-down"):
+    if args.command in ("jobs", "placement", "metrics", "log-floor", "scale-out", "scale-in", "migrate", "compact",
+                        "scale-up", "scale-down"):
         return cmd_control(args)
     if args.command == "autoscale-sim":
         return cmd_autoscale_sim(args)

@@ -398,7 +398,7 @@ def run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
 
     import ray
 
-    control = args[0] in ("jobs", "placement", "metrics", "scale-out", "scale-in", "migrate", "compact",
+    control = args[0] in ("jobs", "placement", "metrics", "log-floor", "scale-out", "scale-in", "migrate", "compact",
                           "scale-up", "scale-down", "warm-hosts")
     address = ["--address", ray.get_runtime_context().gcs_address] if control else []
     return subprocess.run([sys.executable, "-m", "chronostream", *args, *address], capture_output=True, text=True,
@@ -445,6 +445,10 @@ def test_the_cli_refuses_to_rescale_a_finished_or_unknown_job_in_one_line_naming
         assert ended.stderr.strip().splitlines()[-1] == \
             "chronostream compact: the job is finished: nothing to rescale", ended.stderr[-2000:]
         assert "Traceback" not in ended.stderr
+        no_log = run_cli("log-floor", job.key)
+        assert no_log.returncode == 1 and "Traceback" not in no_log.stderr
+        assert no_log.stderr.strip().splitlines()[-1] == \
+            "chronostream log-floor: the job reads no source log (its sources are in-memory tables)", no_log.stderr
     finally:
         job.stop()
     unknown = run_cli("placement", "no-such-job")

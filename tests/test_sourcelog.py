@@ -290,6 +290,7 @@ def test_a_feeder_on_ray_trims_to_the_jobs_floor_and_a_killed_source_host_reread
     """The same on Ray through ``Job.source_log_floor``: the feeder trims after every batch, the
     source's host dies half-way and its slices re-read the log from their checkpoints."""
     from chronostream.chaos import Fault, apply_schedule
+    from test_migration_ray import run_cli
 
     live, full = SourceLogWriter(tmp_path / "live"), SourceLogWriter(tmp_path / "full")
     feed_twice(live, full, 0)
@@ -303,6 +304,10 @@ def test_a_feeder_on_ray_trims_to_the_jobs_floor_and_a_killed_source_host_reread
             deleted.append(live.trim(floors[-1]))
             if i == 20:
                 applied = apply_schedule(job, [Fault("kill", at_epoch=0, stage="s")])
+            if i == 30:  # an operator's shell asks too
+                cli = run_cli("log-floor", job.key)
+                assert cli.returncode == 0, cli.stderr[-2000:]
+                assert floors[-1] <= json.loads(cli.stdout.strip().splitlines()[-1])["floor"] <= job.source_log_floor()
         live.seal(), full.seal()
         got = job.results("sums").to_pylist()
         timeline = job.timeline()
