@@ -22,7 +22,8 @@ every window whose range holds its time (``ceil(size / hop)`` of them).
 ``emit="event"`` (default): every event emits one row per window holding it,
 in start order, with that window's aggregates over its events so far.
 ``emit="close"``: a window emits one row when the first event of its key at
-or past its end arrives (rows carry that event's lineage); windows still
+or past its end arrives (rows carry that event's lineage, and the key as
+state holds it: -0.0 as 0.0, every NaN one NaN); windows still
 open when the input ends are emitted then, by the end-of-input hook
 (``ClosingWindowAggregate.on_end``: keys in the order of their msgpack
 bytes, each key's windows by start; lineage the end of the input). With
@@ -534,7 +535,7 @@ class WindowAggregate(Operator):
             self.clock.set("", {"t": t_eff, "starts": sorted(starts)})
         elif win.emit == "close":
             for w in closed:
-                self.produce("out", self._window_row(key, event, w, with_time=False))
+                self.produce("out", self._closing_row(key, w, zone))
         for c, m in self.distinct.items():
             for w in closed:
                 m.clear((key, w["start"]))
@@ -546,7 +547,7 @@ class WindowAggregate(Operator):
         self.keys.set(key, st_new)
         if win.emit == "event":
             for w in updated:
-                self.produce("out", self._window_row(key, event, w, with_time=True))
+                self.produce("out", self._window_row(key, event, w))
 
     def _close_slice_windows(self, key: Any, closed: list[dict], zone: str | None, t_eff: int | float,
                              clock: dict | None) -> None:
@@ -579,10 +580,11 @@ class WindowAggregate(Operator):
         row.update(self._aggregates(key, w))
         return row
 
-    def _window_row(self, key: Any, event: dict, w: dict, with_time: bool) -> dict:
+    def _window_row(self, key: Any, event: dict, w: dict) -> dict:
+        """An open window's row at an event (``emit="event"``): the event's key and time."""
         win = self.windows[0]
         row = {c: event[c] for c in self.key_columns}
-        if with_time and win.time is not None:
+        if win.time is not None:
             row[win.time] = event[win.time]
         row["window_start"] = self._time_out(event, w["start"])
         row["window_end"] = self._time_out(event, w["start"] + win.size)
