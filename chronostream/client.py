@@ -313,8 +313,7 @@ class Job:
         log again: what the log's feeder may trim it to (``SourceLogWriter.trim``) while the job
         runs. It only grows; 0 while no checkpoint covers every source slice, and always 0
         without checkpoints or with ``recompute_lost`` (lost slices are rebuilt from the start).
-
-        >>> writer.trim(job.source_log_floor())  # doctest: +SKIP
+        A feeder calls ``writer.trim(job.source_log_floor())`` every few seconds.
         """
         import ray
 

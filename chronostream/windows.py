@@ -527,12 +527,14 @@ class WindowAggregate(Operator):
         zone = _tz_name(event[win.time].tzinfo) if win.emit == "close" and self.temporal else None
         if self.slice_clock:
             self._close_slice_windows(key, closed, zone, t_eff, clock)
-            starts = {x for x in ([] if clock is None else clock["starts"]) if x + win.size > t_eff}
-            for w in updated:
-                if w["n"] == 1:  # a window this event opened for its key
-                    self.closing.set(w["start"], key, True)
-                starts.add(w["start"])
-            self.clock.set("", {"t": t_eff, "starts": sorted(starts)})
+            starts = [] if clock is None else clock["starts"]
+            opened = [w["start"] for w in updated if w["n"] == 1]  # windows this event opened for its key
+            for s in opened:
+                self.closing.set(s, key, True)
+            if opened or (starts and starts[0] + win.size <= t_eff):  # (else the open starts are as they were)
+                starts = sorted({x for x in starts if x + win.size > t_eff} | set(opened))
+            if clock is None or clock["t"] != t_eff or starts is not clock["starts"]:
+                self.clock.set("", {"t": t_eff, "starts": starts})
         elif win.emit == "close":
             for w in closed:
                 self.produce("out", self._closing_row(key, w, zone))
@@ -556,9 +558,12 @@ class WindowAggregate(Operator):
         event's own key's closing windows are ``closed`` (its state is written by the caller);
         another key's leave its state here."""
         size = self.windows[0].size
+        due = [x for x in ([] if clock is None else clock["starts"]) if x + size <= t_eff]
+        if not due:  # most events: nothing ends before them
+            return
         mine = {w["start"]: w for w in closed}
         own = msgpack.packb(key, use_bin_type=True)  # bytes compare a NaN key equal to itself
-        for start in [x for x in ([] if clock is None else clock["starts"]) if x + size <= t_eff]:
+        for start in due:
             for kb, k in sorted((msgpack.packb(k, use_bin_type=True), k) for k in self.closing.keys(start)):
                 if kb == own:
                     self.produce("out", self._closing_row(k, mine[start], zone))
