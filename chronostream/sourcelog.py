@@ -346,6 +346,22 @@ class SourceLogWriter:
         if known is not None and _schema_from_str(known["schema"]) != table.schema:
             raise SourceLogError(f"stream {stream!r}: schema changed: {table.schema} vs the log's")
 
+    def _as_logged(self, stream: str, table: pa.Table) -> pa.Table:
+        """``table`` in the stream's logged schema when they differ only in which fields may be
+        null (a micro-batch a filter made non-null, say): rows with nulls are refused where the
+        log's field is non-null; any other difference is left for ``_check`` to refuse."""
+        known = self.manifest["streams"].get(stream)
+        if known is None:
+            return table
+        schema = _schema_from_str(known["schema"])
+        if schema == table.schema or schema.names != table.schema.names or \
+                any(a.type != b.type for a, b in zip(schema, table.schema)):
+            return table
+        for f in schema:
+            if not f.nullable and table.column(f.name).null_count:
+                raise SourceLogError(f"stream {stream!r}: column {f.name!r} holds nulls; the log's is non-null")
+        return table.cast(schema)
+
     def append(self, tables: dict[str, pa.Table], high_water: int | None = None) -> None:
         """Write one segment per non-empty table, then publish them (and ``high_water``) atomically."""
         new_segments = []
@@ -354,6 +370,7 @@ class SourceLogWriter:
                 continue
             if "/" in stream or stream.startswith("."):
                 raise SourceLogError(f"invalid stream name {stream!r}")
+            table = self._as_logged(stream, table)
             self._check(stream, table)
             order = np.asarray(table.column(ORDER))
             seg_dir = self.dir / "segments" / stream
@@ -385,6 +402,12 @@ class SourceLogWriter:
                 raise SourceLogError("the high water mark only grows")
             self.manifest["high_water"] = high_water
         self._publish()
+
+    @property
+    def next_order(self) -> int:
+        """The smallest global order the next appended row may take (above every row and the
+        high water mark)."""
+        return max(self.manifest["high_water"], max(self._last_order.values(), default=-1) + 1)
 
     def trim(self, before_order: int) -> int:
         """Retention: rows below ``before_order`` will not be read again (a running job's

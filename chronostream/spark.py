@@ -103,6 +103,7 @@ class FeedReport:
     log_dir: str
     rows: dict[str, int] = field(default_factory=dict)
     segments: int = 0
+    segments_trimmed: int = 0  # with trim_below: segment files deleted
 
     @property
     def total_rows(self) -> int:
@@ -111,15 +112,20 @@ class FeedReport:
 
 
 def feed(df: Any, log_dir: str | os.PathLike, stream: str | None = None, order_by: Sequence[str] | None = None,
-         *, seal: bool = True, segment_rows: int = 65536) -> FeedReport:
+         *, seal: bool = True, segment_rows: int = 65536, trim_below: int | None = None) -> FeedReport:
     """Write Spark DataFrame(s) to a source log with a dense, deterministic order.
 
     ``feed(df, log_dir, stream="flights", order_by=["sched_ts"])`` feeds one
     DataFrame. ``feed({"flights": (df1, ["sched_ts"]), "weather": (df2, ["ts"])}, log_dir)``
     feeds several with one global order (each needs exactly one ``order_by``
     column, an event time: numbers, timestamps or dates). ``seal=False``
-    leaves the log open for more. Works unchanged on a Spark cluster: only
-    one partition at a time reaches the driver.
+    leaves the log open for more: a later ``feed`` into it continues its
+    global order and each stream's sequence (a micro-batch feeder: each
+    call's rows come after the previous call's, whatever their event
+    times). ``trim_below``: after appending, trim the log below that order
+    (``SourceLogWriter.trim``; a running job's ``Job.source_log_floor()``).
+    Works unchanged on a Spark cluster: only one partition at a time
+    reaches the driver.
     """
     if isinstance(df, Mapping):
         frames = {name: (d, list(ob)) for name, (d, ob) in df.items()}
@@ -141,8 +147,9 @@ def feed(df: Any, log_dir: str | os.PathLike, stream: str | None = None, order_b
     buffers: dict[str, list[pa.Table]] = {n: [] for n in names}
     last_t: dict[str, float] = {}
     exhausted: set[str] = set()
-    seq = {n: 0 for n in names}
-    next_order = 0
+    # An open log fed before: continue its global order and each stream's sequence.
+    seq = {n: writer.manifest["streams"].get(n, {}).get("rows", 0) for n in names}
+    next_order = writer.next_order
     pending: dict[str, list[pa.Table]] = {n: [] for n in names}
     pending_rows = 0
 
@@ -209,6 +216,8 @@ def feed(df: Any, log_dir: str | os.PathLike, stream: str | None = None, order_b
         if pending_rows >= segment_rows:
             flush(next_order)
     flush(next_order)
+    if trim_below is not None:
+        report.segments_trimmed = writer.trim(trim_below)
     if seal:
         writer.seal()
     return report

@@ -96,6 +96,20 @@ def test_a_trim_cut_short_after_publishing_its_mark_is_finished_by_the_next_writ
     assert len(list((tmp_path / "segments" / "s").iterdir())) == 1
 
 
+def test_an_append_differing_only_in_nullability_takes_the_logs_schema_unless_it_holds_nulls(tmp_path):
+    w = SourceLogWriter(tmp_path)
+    first = rows(0, 0, 10)
+    w.append({"s": first.cast(pa.schema([f.with_nullable(f.name != "v") for f in first.schema]))}, high_water=10)
+    w.append({"s": rows(10, 10, 10)}, high_water=20)  # all nullable: cast to the log's
+    log = SourceLog(tmp_path)
+    assert log.read("s")["v"].to_pylist() == list(range(20)) and not log.schema("s").field("v").nullable
+    with_null = rows(20, 20, 2).set_column(1, "v", pa.array([None, 1], pa.int64()))
+    with pytest.raises(SourceLogError, match="column 'v' holds nulls; the log's is non-null"):
+        w.append({"s": with_null}, high_water=22)
+    with pytest.raises(SourceLogError, match="schema changed"):
+        w.append({"s": rows(20, 20, 2).set_column(1, "v", pa.array([1.0, 2.0]))}, high_water=22)
+
+
 def test_trimming_never_lowers_the_mark_nor_passes_the_high_water_and_survives_a_new_writer(tmp_path):
     w = SourceLogWriter(tmp_path)
     w.append({"s": rows(0, 0, 100)}, high_water=100)

@@ -47,6 +47,27 @@ def test_sequence_does_not_depend_on_spark_partitioning(spark, flights_df, tmp_p
     assert logs[0].equals(logs[2])
 
 
+def test_micro_batches_fed_into_an_open_log_continue_its_order_and_can_trim_it(spark, flights_df, tmp_path):
+    """Three feeds into one open log (by scheduled time thirds): the log equals one feed of the
+    whole; the last call trims it below its second batch."""
+    from pyspark.sql import functions as F
+
+    cuts = flights_df.approxQuantile("sched_ts", [1 / 3, 2 / 3], 0.0)
+    ts = F.col("sched_ts")
+    batches = [flights_df.where(ts < cuts[0]), flights_df.where((ts >= cuts[0]) & (ts < cuts[1])),
+               flights_df.where(ts >= cuts[1])]
+    sizes = [b.count() for b in batches]
+    feed(batches[0], tmp_path / "micro", stream="flights", order_by=["sched_ts"], seal=False, segment_rows=500)
+    feed(batches[1], tmp_path / "micro", stream="flights", order_by=["sched_ts"], seal=False, segment_rows=500)
+    report = feed(batches[2], tmp_path / "micro", stream="flights", order_by=["sched_ts"], trim_below=sizes[0])
+    feed(flights_df, tmp_path / "whole", stream="flights", order_by=["sched_ts"])
+    assert report.segments_trimmed >= 1
+    micro = SourceLog(tmp_path / "micro")
+    assert micro.sealed and micro.low_water == sizes[0] and micro.high_water == N_FLIGHTS
+    # (the batches' sched_ts is non-null after the filters, the whole's nullable: the log keeps its first schema)
+    assert micro.read("flights", sizes[0]).to_pydict() == SourceLog(tmp_path / "whole").read("flights", sizes[0]).to_pydict()
+
+
 def test_several_dataframes_get_one_dense_global_order(spark, flights_df, tmp_path):
     """Flights and weather fed together: one dense order by event time; each stream dense too."""
     wdf = fx.weather_frame(spark, flights_df)
