@@ -150,13 +150,14 @@ class HostPool:
         Unadopted and unleased ones are kept (up to ``size``) or stopped, so none lives on
         unadopted for good; adopted or leased ones belong to a master."""
         namespace = ray.get_runtime_context().namespace
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == namespace and a["name"].startswith(SPARE_PREFIX))
+        # (GCS lookups block: off the event loop, so the pool keeps answering meanwhile)
+        named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = sorted(a["name"] for a in named if a["namespace"] == namespace and a["name"].startswith(SPARE_PREFIX))
         known = {name for name, _handle, _node in self.spares}
 
         async def state_of(name: str) -> tuple[Any, dict | None]:
             try:
-                handle = ray.get_actor(name, namespace=namespace)
+                handle = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
                 return handle, await asyncio.wait_for(handle.spare_state.remote(), timeout=ANSWER_S)
             except Exception:  # noqa: BLE001 - gone or not answering: not ours to keep
                 return None, None
