@@ -533,6 +533,7 @@ class WindowAggregate(Operator):
                 self.closing.set(s, key, True)
             if opened or (starts and starts[0] + win.size <= t_eff):  # (else the open starts are as they were)
                 starts = sorted({x for x in starts if x + win.size > t_eff} | set(opened))
+            # (a starts list is never changed in place: a new one is a new object)
             if clock is None or clock["t"] != t_eff or starts is not clock["starts"]:
                 self.clock.set("", {"t": t_eff, "starts": starts})
         elif win.emit == "close":

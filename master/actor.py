@@ -43,8 +43,8 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
-                             low_water_marks, one_host_stages, plan_recovery, rebuildable_stages, recovery_slack,
-                             restore_floor, restore_order, source_log_floors)
+                             floors_of_sources, gc_marks_and_source_floors, one_host_stages, plan_recovery,
+                             raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -334,11 +334,9 @@ class JobMaster:
         hosts = sorted(self.alive)
         try:
             held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
-            marks = low_water_marks(self.plan, list(held), recovery_slack(self.opts))
-            floors = source_log_floors(self.plan, list(held), recovery_slack(self.opts))
-            self.source_floors = {s: max(f, self.source_floors.get(s, 0)) for s, f in floors.items()}
-            known = self.gc_marks or {}
-            self.gc_marks = {st: max(marks.get(st, -1), known.get(st, -1)) for st in set(marks) | set(known)}
+            marks, floors = gc_marks_and_source_floors(self.plan, list(held), recovery_slack(self.opts))
+            self.source_floors = raised(self.source_floors, floors, 0)
+            self.gc_marks = raised(self.gc_marks or {}, marks, -1)
             if any(v >= 0 for v in marks.values()):
                 dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
                 self.gc_dropped += sum(dropped)
@@ -1371,7 +1369,7 @@ class JobMaster:
         recovery or migration of its slices restores them from checkpoints no older, and the
         floor only grows. Computed at each GC round; 0 without checkpoints or with
         ``recompute_lost`` (a lost slice is then rebuilt from the start)."""
-        return {st.name: self.source_floors.get(st.name, 0) for st in self.plan.stages if st.kind == "source"}
+        return floors_of_sources(self.plan, self.source_floors)
 
     async def plan_of(self) -> JobPlan:
         """The job's plan (``Job.attach`` from another process)."""

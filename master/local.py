@@ -36,9 +36,9 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
-from master.recovery import (host_backup_peers, live_hosts, lost_containers, low_water_marks, one_host_stages,
-                             plan_recovery, rebuildable_stages, recovery_slack, restore_floor, restore_order,
-                             source_log_floors)
+from master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
+                             lost_containers, one_host_stages, plan_recovery, raised, rebuildable_stages,
+                             recovery_slack, restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
 
@@ -242,10 +242,9 @@ class LocalCluster:
     def collect_garbage(self) -> int:
         """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
         held = {h: store.epochs() for h, store in self.stores.items()}  # (a dead host's store is gone)
-        marks = low_water_marks(self.plan, list(held.values()), recovery_slack(self))
-        floors = source_log_floors(self.plan, list(held.values()), recovery_slack(self))
-        self.source_floors = {s: max(f, self.source_floors.get(s, 0)) for s, f in floors.items()}
-        self.gc_marks = {st: max(marks.get(st, -1), self.gc_marks.get(st, -1)) for st in set(marks) | set(self.gc_marks)}
+        marks, floors = gc_marks_and_source_floors(self.plan, list(held.values()), recovery_slack(self))
+        self.source_floors = raised(self.source_floors, floors, 0)
+        self.gc_marks = raised(self.gc_marks, marks, -1)
         dropped = 0
         for core in self.cores.values():
             dropped += core.gc(marks.get(core.stage.stage_id, -1))
@@ -258,7 +257,7 @@ class LocalCluster:
 
     def source_log_floors(self) -> dict[str, int]:
         """Source stage name -> the first global order it may read again (``JobMaster.source_log_floors``)."""
-        return {st.name: self.source_floors.get(st.name, 0) for st in self.plan.stages if st.kind == "source"}
+        return floors_of_sources(self.plan, self.source_floors)
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ----------
 

@@ -267,9 +267,33 @@ def low_water_marks(plan, backup_epochs: list[dict[SliceKey, int]], slack: int =
     >>> low_water_marks(plan, [{(1, 0): 1, (1, 1): 9}, {(1, 1): 8, (1, 0): 9}], slack=2)
     {0: 8}
     """
+    return gc_marks_and_source_floors(plan, backup_epochs, slack)[0]
+
+
+def gc_marks_and_source_floors(plan, backup_epochs: list[dict[SliceKey, int]], slack: int = 0
+                               ) -> tuple[dict[int, int], dict[str, int]]:
+    """``low_water_marks`` and ``source_log_floors`` of one GC round, from one pass over what
+    the holders report (both rest on ``oldest_restorable_epochs``)."""
     covered = oldest_restorable_epochs(plan, backup_epochs, slack)
-    return {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
-            for st in plan.stages if plan.downstream_stages(st.stage_id)}
+    marks = {st.stage_id: min(covered[d] for d in plan.downstream_stages(st.stage_id))
+             for st in plan.stages if plan.downstream_stages(st.stage_id)}
+    floors = {st.name: (covered[st.stage_id] + 1) * plan.epoch_events for st in plan.stages if st.kind == "source"}
+    return marks, floors
+
+
+def raised(known: dict, new: dict, unknown: int) -> dict:
+    """``known`` raised to ``new`` key by key (a GC mark or a source floor never falls; a key
+    missing on one side counts as ``unknown``).
+
+    >>> raised({0: 5, 1: 2}, {1: 4, 2: 0}, -1)
+    {0: 5, 1: 4, 2: 0}
+    """
+    return {k: max(new.get(k, unknown), known.get(k, unknown)) for k in sorted(set(new) | set(known))}
+
+
+def floors_of_sources(plan, floors: dict[str, int]) -> dict[str, int]:
+    """Every source stage's floor (``source_log_floors``; 0 for one no GC round has seen)."""
+    return {st.name: floors.get(st.name, 0) for st in plan.stages if st.kind == "source"}
 
 
 def oldest_restorable_epochs(plan, backup_epochs: list[dict[SliceKey, int]], slack: int = 0) -> dict[int, int]:
@@ -307,8 +331,7 @@ def source_log_floors(plan, backup_epochs: list[dict[SliceKey, int]], slack: int
     >>> source_log_floors(plan, [{(0, 0): 7, (0, 1): 4}, {(0, 0): 8}]), source_log_floors(plan, [{(0, 0): 7}])
     ({'w': 50}, {'w': 0})
     """
-    covered = oldest_restorable_epochs(plan, backup_epochs, slack)
-    return {st.name: (covered[st.stage_id] + 1) * plan.epoch_events for st in plan.stages if st.kind == "source"}
+    return gc_marks_and_source_floors(plan, backup_epochs, slack)[1]
 
 
 def restore_floor(plan, gc_marks: dict[int, int] | None) -> dict[int, int] | None:

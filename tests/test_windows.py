@@ -217,6 +217,12 @@ CLOSING = {name: c for name, c in CONFIGS.items() if "on close" in name}
 CLOSING["tumbling, on close"] = lambda size: [cs.TumblingWindow(size, time="t", emit="close")]
 CLOSING["tumbling over event counts, on close"] = lambda size: [cs.TumblingWindow(1 + size // 10, emit="close")]
 
+SLICE_CLOCK = {
+    "tumbling, slice clock": lambda size: [cs.TumblingWindow(size, time="t", emit="close", clock="slice")],
+    "hopping, slice clock": lambda size: [cs.HoppingWindow(size, max(1, size // 2), time="t", offset=3,
+                                                           emit="close", clock="slice")],
+}
+
 
 @pytest.mark.parametrize("config", sorted(CLOSING))
 @settings(max_examples=40, deadline=None)
@@ -226,24 +232,18 @@ def test_windows_emitted_on_close_emit_the_ones_still_open_when_the_input_ends(c
     assert drive(windows, events, lateness, end=True) == brute_force(windows, events, lateness, end=True)
 
 
-@pytest.mark.parametrize("config", sorted(CLOSING))
-@settings(max_examples=20, deadline=None)
+@pytest.mark.parametrize("config", sorted(CLOSING) + sorted(SLICE_CLOCK))
+@settings(max_examples=25, deadline=None)
 @given(events=event_streams(), size=st.integers(1, 80), data=st.data())
 def test_the_end_rows_of_a_restored_window_state_are_the_same(config, events, size, data):
-    """Restored at any event (or right before the end): the end rows do not depend on it."""
-    windows = CLOSING[config](size)
+    """Restored at any event (or right before the end): the rows, the end's included, do not
+    depend on it (either clock)."""
+    windows = {**CLOSING, **SLICE_CLOCK}[config](size)
     cut = data.draw(st.integers(0, len(events)))
     assert drive(windows, events, 10, restore_at=cut, end=True) == drive(windows, events, 10, end=True)
 
 
 # -- windows closed by the slice's clock ---------------------------------------------------------------
-
-
-SLICE_CLOCK = {
-    "tumbling, slice clock": lambda size: [cs.TumblingWindow(size, time="t", emit="close", clock="slice")],
-    "hopping, slice clock": lambda size: [cs.HoppingWindow(size, max(1, size // 2), time="t", offset=3,
-                                                           emit="close", clock="slice")],
-}
 
 
 def brute_force_slice_clock(window, events: list[dict], lateness) -> list:
@@ -290,15 +290,6 @@ def brute_force_slice_clock(window, events: list[dict], lateness) -> list:
 def test_the_slice_clock_closes_every_keys_windows_as_brute_force_says(config, events, size, lateness):
     windows = SLICE_CLOCK[config](size)
     assert drive(windows, events, lateness, end=True) == brute_force_slice_clock(windows[0], events, lateness)
-
-
-@pytest.mark.parametrize("config", sorted(SLICE_CLOCK))
-@settings(max_examples=25, deadline=None)
-@given(events=event_streams(), size=st.integers(1, 80), data=st.data())
-def test_slice_clock_state_restored_at_any_event_continues_identically(config, events, size, data):
-    windows = SLICE_CLOCK[config](size)
-    cut = data.draw(st.integers(0, len(events)))
-    assert drive(windows, events, 10, restore_at=cut, end=True) == drive(windows, events, 10, end=True)
 
 
 @settings(max_examples=40, deadline=None)
