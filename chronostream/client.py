@@ -473,7 +473,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     State (Ray and local executors): with ``spill_state`` (the default) long
     lists and queues of the state library, a long window's contents among
     them, keep only their end chunks in memory and the rest in each host's
-    local lmdb (``containers/spill.py``).
+    local lmdb (``containers/spill.py``), and values and maps registered
+    with ``hot_entries=N`` keep at most N entries per slice in memory.
 
     A followed source log (``q.source_log(..., follow=True)``) is tailed every
     ``source_poll_s`` seconds while its source waits for input (an unchanged

@@ -115,6 +115,7 @@ class SliceMetrics:
     state_keys: int
     state_bytes: int
     input_rate: float = 0.0  # events/s over the last interval
+    state_cold_keys: int = 0  # of state_keys, entries in the host's spill store (lmdb), not in memory
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from chronostream.keyindex import KeyIndex, KeyIndexGroup
 from chronostream.slot_arrays import SpreadGrowth, doubled_capacity, should_start_spread
 from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
-from chronostream.state import NAN_KEY, KeyValueState, canonical_key  # noqa: F401 - re-exported
+from chronostream.state import NAN_KEY, KeyValueState, canonical_key, check_hot_limit  # noqa: F401 - re-exported
 from chronostream.types import KEY_HASHES_META, ORDER, SUB, extend_sub_order, key_codes_column
 
 
@@ -242,14 +242,21 @@ class Operator:
         """Emit a batch that keeps the ``_order``/``_sub`` columns of its input rows."""
         self._ctx.produce_batch(stream_id, batch)
 
-    def register_state(self, name: str) -> KeyValueState:
-        """Return this slice's key-value state called ``name`` (created on first call)."""
+    def register_state(self, name: str, hot_entries: int | None = None) -> KeyValueState:
+        """Return this slice's key-value state called ``name`` (created on first call).
+
+        ``hot_entries``: keep at most that many values in memory; the values written longest
+        ago go to the host's spill store (lmdb) and are read back when asked for (see
+        ``chronostream.state``). None (the default): everything in memory.
+        """
         states = self._ctx.states
         if name in self._ctx.handles:
             raise ValueError(f"state {name!r} is already a {self._ctx.handles[name].kind} state")
         if name not in states:
             tiers = self._ctx.cold_tiers
             states[name] = KeyValueState(name, cold=tiers(name) if tiers is not None else None)
+        if hot_entries is not None:
+            states[name].hot_limit = check_hot_limit(name, hot_entries)
         return states[name]
 
     # -- the state library (chronostream/statelib.py): handles over a key-value state --
@@ -267,13 +274,16 @@ class Operator:
         handles[name] = h
         return h
 
-    def register_value(self, name: str) -> ValueState:
-        """One value per key (``get/set/clear``); see ``chronostream.statelib``."""
-        return self._register_handle("value", name)
+    def register_value(self, name: str, hot_entries: int | None = None) -> ValueState:
+        """One value per key (``get/set/clear``); see ``chronostream.statelib``. ``hot_entries``:
+        at most that many values in memory, the rest in the host's spill store."""
+        return self._register_handle("value", name, hot_entries=hot_entries)
 
-    def register_map(self, name: str, page_size: int = 64) -> MapState:
-        """A map per key, one state entry per map entry (``get/set/delete/items/len``)."""
-        return self._register_handle("map", name, page_size=page_size)
+    def register_map(self, name: str, page_size: int = 64, hot_entries: int | None = None) -> MapState:
+        """A map per key, one state entry per map entry (``get/set/delete/items/len``).
+        ``hot_entries``: at most that many state entries in memory, the rest in the host's
+        spill store (a map of millions of entries per slice)."""
+        return self._register_handle("map", name, page_size=page_size, hot_entries=hot_entries)
 
     def register_list(self, name: str, chunk_size: int = 64) -> ListState:
         """A list per key, stored in chunks of ``chunk_size`` items (``append/get/set/pop/items``)."""

@@ -7,13 +7,24 @@ float, str, bytes, list, dict): checkpoints must be readable by another
 process, version and machine, so nothing is pickled. Knows no Ray, no lmdb.
 
 **Cold values.** A state may be given a cold tier (the host's spill store,
-``containers/spill.py``, duck-typed: ``put``/``get``/``pop``/``delete``/
-``clear``). ``spill(key)`` moves a value out of memory to it, ``promote(key)``
-brings it back; ``get``, ``in``, ``len`` and ``items`` see both tiers, so a
-spilled value is still read, checkpointed and restored like any other (a
-restore loads everything into memory; the state library re-spills). Reads
-of cold values go through a small cache of the last ``COLD_CACHE`` values.
-Which values go cold is the caller's choice (``chronostream.statelib``).
+``containers/spill.py``, duck-typed: ``put``/``get``/``get_or``/``contains``/
+``pop``/``write_many``/``items``/``clear``). ``spill(key)`` moves a value out
+of memory to it, ``promote(key)`` brings it back; ``get``, ``in``, ``len``
+and ``items`` see both tiers, so a spilled value is still read,
+checkpointed and restored like any other. The cold tier is the record of
+which keys are cold (the state keeps only their count): a key not in memory
+costs one lmdb read to tell cold from absent. Reads of cold values go
+through a small cache of the last ``COLD_CACHE`` values. Which values go
+cold is the caller's choice (``chronostream.statelib``: a long queue's
+middle chunks), or, with a **hot limit** (``hot_limit``: at most that many
+values in memory), the state's own: when a write would hold more, the
+values written longest ago go cold, an eighth of the limit more at a time
+so that one lmdb transaction carries many (a write makes its key the most
+recent; reads do not reorder). The cold copy of a value written again, or
+deleted, is dead at once (listed in ``_stale``) and deleted with the next
+such transaction, or once ``STALE_BATCH`` are pending. Without a cold tier
+(the serial executor, ``spill_state=False``) the limit has no effect:
+everything stays in memory.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from typing import Any
 NAN_KEY = float("nan")
 #: Cold values a state keeps decoded after reading them (several windows' heads per key).
 COLD_CACHE = 256
+#: Cold copies of rewritten or deleted values pending deletion before one transaction drops them.
+STALE_BATCH = 256
 _MISSING = object()
 
 
@@ -54,6 +67,18 @@ def canonical_key(value: Any) -> Any:
     return value
 
 
+def check_hot_limit(name: str, hot_limit: int | None) -> int | None:
+    """``hot_limit`` if it is None or a positive int, else a ValueError naming the state.
+
+    >>> check_hot_limit("seen", 0)
+    Traceback (most recent call last):
+    ValueError: state 'seen': hot_entries must be a positive int or None, got 0
+    """
+    if hot_limit is None or (isinstance(hot_limit, int) and not isinstance(hot_limit, bool) and hot_limit >= 1):
+        return hot_limit
+    raise ValueError(f"state {name!r}: hot_entries must be a positive int or None, got {hot_limit!r}")
+
+
 class KeyValueState:
     """A slice-local key-value store: ``get``, ``set``, ``delete``.
 
@@ -64,53 +89,105 @@ class KeyValueState:
     ['a']
     """
 
-    __slots__ = ("_cache", "_cold", "_cold_keys", "_data", "_dirty", "name")
+    __slots__ = ("_absent", "_cache", "_cold", "_cold_count", "_data", "_dirty", "_stale", "hot_limit", "name")
 
-    def __init__(self, name: str, cold: Any = None) -> None:
+    def __init__(self, name: str, cold: Any = None, hot_limit: int | None = None) -> None:
         self.name = name
         self._data: dict[Any, Any] = {}
         self._dirty: set[Any] = set()
-        self._cold = cold  # a SpillTier, or None: everything stays in memory
-        self._cold_keys: set[Any] = set()
-        self._cache: OrderedDict[Any, Any] = OrderedDict()
+        # The cold tier (a SpillTier, or None: everything stays in memory) is the record of
+        # which keys are cold: no Python object per cold key, so a map of millions of
+        # entries holds only its hot ones. A key is never hot and cold at once.
+        self._cold = cold
+        self._cold_count = 0  # live cold copies
+        self._stale: set[Any] = set()  # keys whose cold copy is dead, not deleted yet
+        self._cache: OrderedDict[Any, Any] = OrderedDict()  # decoded live cold values
+        # The last key the cold tier was asked for and did not have: a map's insert reads the
+        # new entry (absent), then writes it, which would ask again. Reset when anything goes cold.
+        self._absent: Any = _MISSING
+        self.hot_limit = check_hot_limit(name, hot_limit)
 
     def get(self, key: Any, default: Any = None) -> Any:
         """Return the value of ``key``, or ``default`` when it has none."""
         v = self._data.get(key, _MISSING)
         if v is not _MISSING:
             return v
-        if key in self._cold_keys:
-            return self._read_cold(key)
+        if self._cold_count:
+            v = self._read_cold(key)
+            if v is not _MISSING:
+                return v
         return default
 
     def _read_cold(self, key: Any) -> Any:
+        """The live cold value of ``key``, or ``_MISSING`` (a key not in memory: cold or absent)."""
         v = self._cache.get(key, _MISSING)
-        if v is _MISSING:
-            v = self._cold.get(key)
+        if v is not _MISSING:
+            self._cache.move_to_end(key)
+            return v
+        if key in self._stale:
+            return _MISSING
+        v = self._cold.get_or(key, _MISSING)
+        if v is not _MISSING:
             self._cache[key] = v
             if len(self._cache) > COLD_CACHE:
                 self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(key)
+            self._absent = key
         return v
 
+    def _is_cold(self, key: Any) -> bool:
+        """Whether ``key`` (not in memory) has a live cold copy."""
+        if not self._cold_count or key in self._stale:
+            return False
+        if key in self._cache:
+            return True
+        if self._absent is not _MISSING and self._absent == key:
+            return False
+        return self._cold.contains(key)
+
     def _forget_cold(self, key: Any) -> None:
-        self._cold_keys.discard(key)
+        """``key``'s cold copy is dead (written again, or deleted): deleted with the next batch."""
+        self._cold_count -= 1
         self._cache.pop(key, None)
-        self._cold.delete(key)
+        self._stale.add(key)
+        if len(self._stale) >= STALE_BATCH:
+            self._cold.write_many((), self._stale)
+            self._stale.clear()
 
     def set(self, key: Any, value: Any) -> None:
         """Set ``key`` to ``value`` (plain data only) and mark it dirty."""
-        self._data[key] = value
+        data = self._data
+        bounded = self.hot_limit is not None and self._cold is not None
+        was_hot = (data.pop(key, _MISSING) if bounded  # the key becomes the most recent write: cold last
+                   else data.get(key, _MISSING)) is not _MISSING
+        data[key] = value
         self._dirty.add(key)
-        if self._cold_keys and key in self._cold_keys:
+        if not was_hot and self._cold_count and self._is_cold(key):
             self._forget_cold(key)
+        if bounded and len(data) > self.hot_limit:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Move the values written longest ago to the cold tier: down to 7/8 of the hot limit."""
+        data = self._data
+        n = len(data) - self.hot_limit + self.hot_limit // 8
+        keys = list(islice(data, n))
+        try:  # (a key both stale and evicted: deleted, then written, in one transaction)
+            self._cold.write_many([(k, data[k]) for k in keys], self._stale)
+        except (TypeError, OverflowError, ValueError) as exc:  # msgpack refused a value: nothing moved
+            raise TypeError(f"state {self.name!r} holds a value the spill store cannot encode ({exc}); "
+                            "state values must be plain data (ints within 64 bits)") from None
+        for k in keys:
+            del data[k]
+        self._stale.clear()
+        self._cold_count += len(keys)
+        self._absent = _MISSING
 
     def delete(self, key: Any) -> None:
         """Remove ``key`` (no error when absent) and mark it dirty."""
-        self._data.pop(key, None)
+        was_hot = self._data.pop(key, _MISSING) is not _MISSING
         self._dirty.add(key)
-        if self._cold_keys and key in self._cold_keys:
+        if not was_hot and self._cold_count and self._is_cold(key):
             self._forget_cold(key)
 
     def spill(self, key: Any) -> bool:
@@ -121,16 +198,20 @@ class KeyValueState:
         """
         if self._cold is None or key not in self._data:
             return False
+        self._stale.discard(key)  # (its dead copy is overwritten here)
         self._cold.put(key, self._data.pop(key))
-        self._cold_keys.add(key)
+        self._cold_count += 1
+        self._absent = _MISSING
         return True
 
     def promote(self, key: Any) -> None:
         """Bring a cold value back to memory (no-op when it is not cold). Does not mark it dirty."""
-        if key in self._cold_keys:
-            self._cold_keys.discard(key)
+        if key not in self._data and self._is_cold(key):
+            self._cold_count -= 1
             self._cache.pop(key, None)
             self._data[key] = self._cold.pop(key)
+            if self.hot_limit is not None and len(self._data) > self.hot_limit:
+                self._evict()
 
     @property
     def spills(self) -> bool:
@@ -142,16 +223,21 @@ class KeyValueState:
         return len(self._data)
 
     def __contains__(self, key: Any) -> bool:
-        return key in self._data or key in self._cold_keys
+        return key in self._data or self._is_cold(key)
 
     def __len__(self) -> int:
-        return len(self._data) + len(self._cold_keys)
+        return len(self._data) + self._cold_count
 
     def items(self) -> Iterator[tuple[Any, Any]]:
-        """Iterate over (key, value) pairs: in memory (insertion order), then cold ones."""
+        """Iterate over (key, value) pairs: in memory (insertion order), then cold ones (in the
+        cold tier's key order, one read transaction)."""
         yield from self._data.items()
-        for k in list(self._cold_keys):
-            yield k, self._cache[k] if k in self._cache else self._cold.get(k)
+        if self._cold_count:
+            stale = self._stale
+            for k, v in self._cold.items():
+                k = canonical_key(k)
+                if k not in stale:
+                    yield k, v
 
     def sample(self, n: int) -> list[tuple[Any, Any]]:
         """Up to ``n`` in-memory (key, value) pairs spread evenly over insertion order (for size estimates).
@@ -167,7 +253,8 @@ class KeyValueState:
         return set(self._dirty)
 
     def clear_dirty(self) -> None:
-        """Forget the dirty set (called by the checkpoint layer)."""
+        """Forget the dirty set (called by the checkpoint layer, and each epoch by a container
+        that takes no checkpoints: nothing would read it)."""
         self._dirty.clear()
 
     def snapshot(self) -> dict[Any, Any]:
@@ -178,5 +265,6 @@ class KeyValueState:
         """Forget every cold value (the slice leaves this host): frees its disk."""
         if self._cold is not None:
             self._cold.clear()
-        self._cold_keys.clear()
+        self._cold_count = 0
+        self._stale.clear()
         self._cache.clear()

@@ -53,6 +53,16 @@ through the state's small read cache. So a long window's memory is
 O(chunks at its ends) per key plus one small key per spilled chunk, whatever
 its length; checkpoints read spilled chunks back, and ``settle`` re-spills
 after a restore.
+
+**Hot limits** (values and maps: ``register_value(name, hot_entries=N)``,
+``register_map(name, hot_entries=N)``). Their entries are written anywhere
+at any time, so no chunk is known cold in advance: the state keeps at most
+``N`` entries in memory and sends the ones written longest ago to the cold
+tier (``KeyValueState.hot_limit``); a read of a cold entry goes through the
+state's read cache, a write brings it back. A map of millions of entries
+per slice then holds ``N`` of them in memory and nothing for the others
+(the spill store is the record of which keys are cold). Checkpoints read cold entries back; a restore re-spills as it
+loads. Without a cold tier (the serial executor) the limit does nothing.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterator
 
-from chronostream.state import KeyValueState, canonical_key
+from chronostream.state import KeyValueState, canonical_key, check_hot_limit
 
 #: Items per list/queue chunk and map keys per directory page.
 DEFAULT_CHUNK_SIZE = 64
@@ -108,7 +118,8 @@ class BoundHandle:
 
 
 class ValueState(_Handle):
-    """One value per key.
+    """One value per key. ``hot_entries``: at most that many values in memory, the rest in the
+    host's spill store (see *Hot limits* in the module docstring).
 
     >>> v = ValueState(KeyValueState("last"))
     >>> v.set("card1", 42.5); v.get("card1"), v.get("card2", 0)
@@ -116,6 +127,10 @@ class ValueState(_Handle):
     """
 
     kind = "value"
+
+    def __init__(self, state: KeyValueState, hot_entries: int | None = None) -> None:
+        super().__init__(state)
+        self.hot_entries = state.hot_limit = check_hot_limit(state.name, hot_entries)
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value of ``key``, or ``default``."""
@@ -319,6 +334,9 @@ class QueueState(ListState):
 
 class MapState(_Handle):
     """A map per key: each entry under its own state key, plus a paged key directory.
+    ``hot_entries``: at most that many state entries (map entries, directory pages and
+    headers together) in memory, the rest in the host's spill store (*Hot limits*, module
+    docstring).
 
     >>> m = MapState(KeyValueState("per_merchant"))
     >>> m.set("card1", "shopA", 2); m.set("card1", "shopB", 1); m.delete("card1", "shopA")
@@ -328,11 +346,13 @@ class MapState(_Handle):
 
     kind = "map"
 
-    def __init__(self, state: KeyValueState, page_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, state: KeyValueState, page_size: int = DEFAULT_CHUNK_SIZE,
+                 hot_entries: int | None = None) -> None:
         super().__init__(state)
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
+        self.hot_entries = state.hot_limit = check_hot_limit(state.name, hot_entries)
 
     def _header(self, key: Any) -> list:
         """``[pages, size, cur, free]``: pages allocated, entries, the page taking inserts, emptied pages to reuse."""

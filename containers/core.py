@@ -357,7 +357,18 @@ class ContainerCore:
                 if parts:
                     add_sink_parts(self.outgoing_sink_parts, {k: parts})
             self._queue_backups(self.checkpointer.after_epoch(epoch, last=self.done, carry=self._carried))
+        elif self.checkpointer is None:
+            self._forget_changed_keys()
         return messages
+
+    def _forget_changed_keys(self) -> None:
+        """Without checkpoints no delta will read the keys an epoch changed: the registered
+        states' dirty sets are emptied each epoch instead of holding every key ever written
+        (a cold key's only object in memory would be its dirty-set entry)."""
+        for rt in self.slices.values():
+            if rt.ctx is not None:
+                for st in rt.ctx.states.values():
+                    st.clear_dirty()
 
     def _queue_backups(self, ready: dict[int, list[bytes]]) -> None:
         for peer, blobs in ready.items():
@@ -966,7 +977,8 @@ class ContainerCore:
         out = []
         for s, rt in self.slices.items():
             keys, nbytes = rt.state_size()
-            out.append(SliceMetrics(s, self.container_id, rt.events_in, rt.busy_s, int(waiting[s]), keys, nbytes))
+            out.append(SliceMetrics(s, self.container_id, rt.events_in, rt.busy_s, int(waiting[s]), keys, nbytes,
+                                    state_cold_keys=rt.cold_state_keys()))
         return out
 
     def source_lag(self) -> int:

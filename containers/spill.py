@@ -23,7 +23,7 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import lmdb
 import msgpack
@@ -34,6 +34,10 @@ SPILL_MAP_SIZE = 1 << 36
 
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
 
 
 class SpillStore:
@@ -112,7 +116,7 @@ class SpillStore:
 
 
 class SpillTier:
-    """One state's cold values: ``put``/``get``/``pop``/``delete`` of msgpack-encoded plain data."""
+    """One state's cold values: ``put``/``get``/``pop``/``write_many``/``items`` of msgpack-encoded plain data."""
 
     __slots__ = ("prefix", "store")
 
@@ -134,7 +138,7 @@ class SpillTier:
             raw = txn.get(self._key(key))
         if raw is None:
             raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
-        return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+        return _unpack(raw)
 
     def pop(self, key: Any) -> Any:
         """Read and delete ``key``'s value (a value coming back to memory)."""
@@ -143,12 +147,57 @@ class SpillTier:
             raw = txn.pop(k)
         if raw is None:
             raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
-        return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+        return _unpack(raw)
 
     def delete(self, key: Any) -> None:
         """Forget ``key`` (no error when absent)."""
+        self.write_many((), (key,))
+
+    def write_many(self, pairs: Iterable[tuple[Any, Any]], deleted: Iterable[Any] = ()) -> None:
+        """Store every (key, value) of ``pairs`` and forget every key of ``deleted`` (absent ones
+        are no error), in one transaction: a state's eviction of many values at once."""
         with self.store._write, self.store.opened().begin(write=True) as txn:
-            txn.delete(self._key(key))
+            for key in deleted:
+                txn.delete(self._key(key))
+            for key, value in pairs:
+                txn.put(self._key(key), _pack(value))
+
+    def get_or(self, key: Any, default: Any) -> Any:
+        """The value of ``key``, or ``default`` when absent (a state asking whether a key is cold)."""
+        with self.store.opened().begin() as txn:
+            raw = txn.get(self._key(key))
+        return default if raw is None else _unpack(raw)
+
+    def contains(self, key: Any) -> bool:
+        """Whether ``key`` has a value here."""
+        with self.store.opened().begin() as txn:
+            return txn.get(self._key(key)) is not None
+
+    def items(self, batch: int = 4096) -> Iterator[tuple[Any, Any]]:
+        """Every (key, value) of this state, in key-bytes order (keys decoded with tuples for
+        arrays, as state keys are), read ``batch`` entries per transaction: no transaction is
+        open while the caller holds an entry, so it may write to the store meanwhile (what it
+        writes behind the cursor is not seen, what it writes ahead may be)."""
+        p, n = self.prefix, len(self.prefix)
+        start, skip = p, False
+        while True:
+            rows: list[tuple[bytes, bytes]] = []
+            with self.store.opened().begin() as txn:
+                cur = txn.cursor()
+                if cur.set_range(start):
+                    for k, raw in cur:
+                        if not k.startswith(p):
+                            break
+                        if skip and k == start:
+                            continue
+                        rows.append((k, raw))
+                        if len(rows) == batch:
+                            break
+            for k, raw in rows:
+                yield msgpack.unpackb(k[n:], raw=False, use_list=False), _unpack(raw)
+            if len(rows) < batch:
+                return
+            start, skip = rows[-1][0], True
 
     def clear(self) -> int:
         """Forget every value of this state; returns how many."""

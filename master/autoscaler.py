@@ -77,7 +77,7 @@ def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int],
                 now.slice_in[(c, m.slice_id)] = m.events_in
                 rate = max(0, m.events_in - base.slice_in.get((c, m.slice_id), 0)) / dt if prev else 0.0
                 per.append(SliceMetrics(m.slice_id, c, m.events_in, m.busy_s, m.backlog_events, m.state_keys,
-                                        m.state_bytes, round(rate, 1)))
+                                        m.state_bytes, round(rate, 1), m.state_cold_keys))
         if st.kind == "source":
             now.source_in += int(sum(now.container[c][0] for c in ids))
         stages[st.name] = StageMetrics(

@@ -31,10 +31,12 @@ and epoch.
 
 from __future__ import annotations
 
+import io
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from itertools import islice
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgpack
 import numpy as np
@@ -82,23 +84,53 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+#: Entries packed (or unpacked) per call when a whole state streams through a checkpoint.
+KV_CHUNK = 4096
+
+
 def capture_kv(state: KeyValueState, delta: bool) -> dict[str, Any]:
-    """A key-value state as plain data: everything, or what changed since ``clear_dirty``."""
-    if delta:
-        dirty = state.dirty_keys()
-        keys = [k for k in dirty if k in state]
-        deleted = [k for k in dirty if k not in state]
-        values = [state.get(k) for k in keys]
-    else:
-        pairs = list(state.items())  # one pass: cold values are read once
-        keys = [k for k, _ in pairs]
-        values = [v for _, v in pairs]
-        deleted = []
+    """A key-value state as plain data: everything, or what changed since ``clear_dirty``.
+
+    A full capture packs the entries ``KV_CHUNK`` at a time as they come (the cold ones
+    read from the spill store a batch at a time): a state kept mostly on disk
+    (``hot_entries``) is never all in memory as Python objects, only as the packed bytes.
+    """
     try:
-        return {"shape": "kv", "keys": _pack(keys), "values": _pack(values), "deleted": _pack(deleted)}
+        if delta:
+            dirty = state.dirty_keys()
+            keys = [k for k in dirty if k in state]
+            deleted = [k for k in dirty if k not in state]
+            values = [state.get(k) for k in keys]
+            return {"shape": "kv", "keys": _pack(keys), "values": _pack(values), "deleted": _pack(deleted)}
+        keys_b, values_b = _packed_columns(state.items())
+        return {"shape": "kv", "keys": keys_b, "values": values_b, "deleted": _pack([])}
     except TypeError as exc:
         raise TypeError(f"state {state.name!r} holds a value msgpack cannot encode ({exc}); "
                         "state values must be plain data") from None
+
+
+def _packed_columns(pairs: Iterator[tuple[Any, Any]]) -> tuple[bytes, bytes]:
+    """``(packb(keys), packb(values))`` of ``pairs``, byte for byte, packed a chunk at a time:
+    each chunk is one ``packb`` of a list, its array header cut off, and the whole gets one
+    header for the total count."""
+    keys_parts: list[bytes] = []
+    values_parts: list[bytes] = []
+    n = 0
+    while True:
+        chunk = list(islice(pairs, KV_CHUNK))
+        if not chunk:
+            break
+        n += len(chunk)
+        head = _array_header_len(len(chunk))
+        keys_parts.append(_pack([k for k, _ in chunk])[head:])
+        values_parts.append(_pack([v for _, v in chunk])[head:])
+    header = msgpack.Packer(use_bin_type=True).pack_array_header(n)
+    return header + b"".join(keys_parts), header + b"".join(values_parts)
+
+
+def _array_header_len(n: int) -> int:
+    """Bytes of msgpack's array header for ``n`` items (fixarray, array 16, array 32)."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
 def _kv_items(part: dict[str, Any]) -> tuple[list, list, list]:
@@ -109,27 +141,86 @@ def _kv_items(part: dict[str, Any]) -> tuple[list, list, list]:
     return keys, values, deleted
 
 
+#: Packed arrays of a kv part larger than this are unpacked one item at a time, so a large
+#: state's part is never decoded into one list; smaller ones in one call, which is faster.
+STREAM_PART_BYTES = 64 << 20
+
+
+def _array_items(blob: bytes, use_list: bool) -> Iterable[Any]:
+    """The items of a packed msgpack array: a list, or for a blob above ``STREAM_PART_BYTES``
+    an iterator that unpacks them one at a time."""
+    if len(blob) <= STREAM_PART_BYTES:
+        return msgpack.unpackb(blob, raw=False, use_list=use_list, strict_map_key=False)
+    return _streamed_array(blob, use_list)
+
+
+def _streamed_array(blob: bytes, use_list: bool) -> Iterator[Any]:
+    u = msgpack.Unpacker(io.BytesIO(blob), raw=False, use_list=use_list, strict_map_key=False)
+    for _ in range(u.read_array_header()):
+        yield u.unpack()
+
+
 def restore_kv(state: KeyValueState, part: dict[str, Any]) -> None:
-    """Apply a kv part (full or delta) to ``state``; the dirty set stays empty."""
-    keys, values, deleted = _kv_items(part)
-    for k in deleted:
-        state.delete(k)
-    for k, v in zip(keys, values):
-        state.set(k, v)
+    """Apply a kv part (full or delta) to ``state``; the dirty set stays empty. A large part
+    (``STREAM_PART_BYTES``) is unpacked entry by entry as it is set, so a state with a hot
+    limit spills as it loads instead of holding the whole part as Python objects first."""
+    for k in _array_items(part["deleted"], use_list=False):
+        state.delete(canonical_key(k))
+    keys = _array_items(part["keys"], use_list=False)
+    for k, v in zip(keys, _array_items(part["values"], use_list=True)):
+        state.set(canonical_key(k), v)
     state.clear_dirty()
 
 
+_GONE = object()  # a key a delta deleted
+
+
 def _merge_kv(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fold kv parts, oldest first (a full one, then deltas), into one full part: one dict pass."""
-    keys, values, _ = _kv_items(parts[0])
-    merged = dict(zip(keys, values))
+    """Fold kv parts, oldest first (a full one, then deltas), into one full part: contents as
+    ``dict(full)`` updated by each delta in turn.
+
+    A full part above ``STREAM_PART_BYTES`` is streamed: the deltas (small: what changed
+    between checkpoints) are folded into one dict, then the full part's entries are unpacked
+    one by one, replaced or dropped by it, and packed a chunk at a time, the deltas' new keys
+    after them (a key a delta deleted and a later one set again keeps its place). So a holder
+    merging the chain of a large state (a map with a hot limit) holds its packed bytes, not
+    its entries as Python objects. Smaller parts fold in one dict, which is faster.
+    """
+    if len(parts[0]["keys"]) + len(parts[0]["values"]) <= STREAM_PART_BYTES:
+        keys, values, _ = _kv_items(parts[0])
+        folded = dict(zip(keys, values))
+        for delta in parts[1:]:
+            d_keys, d_values, d_deleted = _kv_items(delta)
+            for k in d_deleted:
+                folded.pop(k, None)
+            folded.update(zip(d_keys, d_values))
+        return {"shape": "kv", "keys": _pack(list(folded)), "values": _pack(list(folded.values())),
+                "deleted": _pack([])}
+    later: dict[Any, Any] = {}
     for delta in parts[1:]:
         d_keys, d_values, d_deleted = _kv_items(delta)
         for k in d_deleted:
-            merged.pop(k, None)
-        merged.update(zip(d_keys, d_values))
-    return {"shape": "kv", "keys": _pack(list(merged)), "values": _pack(list(merged.values())),
-            "deleted": _pack([])}
+            later[k] = _GONE
+        later.update(zip(d_keys, d_values))
+
+    def merged() -> Iterator[tuple[Any, Any]]:
+        seen = set()
+        full = parts[0]
+        for k, v in zip(_streamed_array(full["keys"], use_list=False),
+                        _streamed_array(full["values"], use_list=True)):
+            k = canonical_key(k)
+            if k in later:
+                seen.add(k)
+                v = later[k]
+                if v is _GONE:
+                    continue
+            yield k, v
+        for k, v in later.items():
+            if v is not _GONE and k not in seen:
+                yield k, v
+
+    keys_b, values_b = _packed_columns(merged())
+    return {"shape": "kv", "keys": keys_b, "values": values_b, "deleted": _pack([])}
 
 
 # -- slot tables (vectorized operators) ----------------------------------------------

@@ -181,6 +181,12 @@ class SliceRuntime:
             keys, nbytes = keys + k, nbytes + b
         return keys, nbytes
 
+    def cold_state_keys(self) -> int:
+        """Entries of the slice's registered states in the host's spill store, not in memory."""
+        if self.ctx is None:
+            return 0
+        return sum(len(st) - st.hot_len() for st in self.ctx.states.values())
+
     def _begin(self, epoch: int) -> None:
         assert epoch > self.last_epoch, f"{self.stage.name}[{self.slice_id}]: epoch {epoch} after {self.last_epoch}"
         self.last_epoch = epoch

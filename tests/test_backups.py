@@ -272,16 +272,22 @@ def test_store_refuses_a_damaged_incoming_backup(tmp_path):
     assert store.latest(1, 4).epoch == 3
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["folded in a dict", "streamed"])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.integers(0, 30), st.integers(-5, 5)), max_size=12), min_size=1, max_size=6),
        st.lists(st.lists(st.tuples(st.integers(0, 20), st.one_of(st.none(), st.integers(-1000, 1000))), max_size=8),
                 min_size=1, max_size=6))
-def test_a_whole_chain_folds_into_the_state_its_deltas_describe(table_writes, kv_writes):
+def test_a_whole_chain_folds_into_the_state_its_deltas_describe(streamed, table_writes, kv_writes):
     """merge_chain (one fold per state part for the whole chain) gives what applying the deltas one
-    by one means: per slot the last row written; per key the last value, or gone if deleted."""
+    by one means: per slot the last row written; per key the last value, or gone if deleted. Both
+    ways a kv part folds: in one dict, and streamed (a full part above ``STREAM_PART_BYTES``)."""
     import pyarrow as pa
 
+    from slices import checkpoint
     from slices.checkpoint import _pack, merge_chain, read_table_part, table_part
+
+    saved = checkpoint.STREAM_PART_BYTES
+    checkpoint.STREAM_PART_BYTES = -1 if streamed else saved
 
     def table(rows):
         return table_part(pa.table({"slot": pa.array([s for s, _ in rows], pa.int64()),
@@ -296,7 +302,10 @@ def test_a_whole_chain_folds_into_the_state_its_deltas_describe(table_writes, kv
     parts += [{"t": table(w), "m": kv(k)} for w, k in zip(table_writes[1:], kv_writes[1:] + [[]] * 6)]
     base = SliceCheckpoint(1, 2, 0, "full", -1, {}, {0: 0}, parts[0])
     deltas = [SliceCheckpoint(1, 2, i, "delta", i - 1, {}, {0: i}, p) for i, p in enumerate(parts[1:], start=1)]
-    merged = merge_chain(base, deltas)
+    try:
+        merged = merge_chain(base, deltas)
+    finally:
+        checkpoint.STREAM_PART_BYTES = saved
     want_t: dict = {}
     want_m: dict = {}
     for i, p in enumerate(parts):
@@ -310,7 +319,7 @@ def test_a_whole_chain_folds_into_the_state_its_deltas_describe(table_writes, kv
     import msgpack
     keys = msgpack.unpackb(merged.state["m"]["keys"], raw=False)
     values = msgpack.unpackb(merged.state["m"]["values"], raw=False, strict_map_key=False)
-    assert dict(zip(keys, values)) == want_m
+    assert dict(zip(keys, values)) == want_m and len(keys) == len(want_m), "each key once"
     assert merged.kind == "full" and merged.epoch == len(parts) - 1 and merged.next_seq == {0: len(parts) - 1}
 
 
