@@ -124,7 +124,7 @@ class KeyValueState:
         if v is not _MISSING:
             self._cache.move_to_end(key)
             return v
-        if key in self._stale:
+        if key in self._stale or (self._absent is not _MISSING and self._absent == key):
             return _MISSING
         v = self._cold.get_or(key, _MISSING)
         if v is not _MISSING:
@@ -164,7 +164,11 @@ class KeyValueState:
         self._dirty.add(key)
         if not was_hot and self._cold_count and self._is_cold(key):
             self._forget_cold(key)
-        if bounded and len(data) > self.hot_limit:
+        if bounded:
+            self._evict_if_over()
+
+    def _evict_if_over(self) -> None:
+        if self.hot_limit is not None and len(self._data) > self.hot_limit:
             self._evict()
 
     def _evict(self) -> None:
@@ -210,8 +214,7 @@ class KeyValueState:
             self._cold_count -= 1
             self._cache.pop(key, None)
             self._data[key] = self._cold.pop(key)
-            if self.hot_limit is not None and len(self._data) > self.hot_limit:
-                self._evict()
+            self._evict_if_over()
 
     @property
     def spills(self) -> bool:

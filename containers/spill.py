@@ -149,10 +149,6 @@ class SpillTier:
             raise KeyError(f"spilled value {key!r} missing under {self.prefix!r}")
         return _unpack(raw)
 
-    def delete(self, key: Any) -> None:
-        """Forget ``key`` (no error when absent)."""
-        self.write_many((), (key,))
-
     def write_many(self, pairs: Iterable[tuple[Any, Any]], deleted: Iterable[Any] = ()) -> None:
         """Store every (key, value) of ``pairs`` and forget every key of ``deleted`` (absent ones
         are no error), in one transaction: a state's eviction of many values at once."""

@@ -84,6 +84,8 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+_ABSENT = object()  # a dirty key the state no longer holds
+
 #: Entries packed (or unpacked) per call when a whole state streams through a checkpoint.
 KV_CHUNK = 4096
 
@@ -97,10 +99,14 @@ def capture_kv(state: KeyValueState, delta: bool) -> dict[str, Any]:
     """
     try:
         if delta:
-            dirty = state.dirty_keys()
-            keys = [k for k in dirty if k in state]
-            deleted = [k for k in dirty if k not in state]
-            values = [state.get(k) for k in keys]
+            keys, values, deleted = [], [], []
+            for k in state.dirty_keys():  # one read each (a cold one costs an lmdb read)
+                v = state.get(k, _ABSENT)
+                if v is _ABSENT:
+                    deleted.append(k)
+                else:
+                    keys.append(k)
+                    values.append(v)
             return {"shape": "kv", "keys": _pack(keys), "values": _pack(values), "deleted": _pack(deleted)}
         keys_b, values_b = _packed_columns(state.items())
         return {"shape": "kv", "keys": keys_b, "values": values_b, "deleted": _pack([])}
