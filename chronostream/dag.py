@@ -212,7 +212,8 @@ class Stream:
     def window(self, windows: WindowSpec | Sequence[WindowSpec], *, count: bool = False,
                sum: str | Sequence[str] = (), mean: str | Sequence[str] = (), min: str | Sequence[str] = (),
                max: str | Sequence[str] = (), distinct: str | Sequence[str] = (),
-               allowed_lateness: Any = None, slices: int | None = None, name: str | None = None) -> "Stream":
+               allowed_lateness: Any = None, hot_entries: int | None = None, slices: int | None = None,
+               name: str | None = None) -> "Stream":
         """Per-key window aggregates, evaluated at every event (see ``chronostream.windows``).
 
         ``windows``: a ``SlidingWindow(size, time=col)`` (exact: the key's
@@ -228,6 +229,10 @@ class Stream:
         ``window_start``/``window_end`` and emit per window. An event older
         than its key's latest time by more than ``allowed_lateness`` (default
         0) is a bad input (``LateEventError``); within it, its time is clamped.
+        ``hot_entries``: each of the window's states keeps at most that many
+        entries per slice in memory (per-key headers, queue chunks, open
+        windows), the ones written longest ago in the host's spill store
+        (many keys, each idle most of the time). None: all in memory.
 
         >>> import chronostream as cs
         >>> q = cs.Query()
@@ -244,10 +249,14 @@ class Stream:
             for c in ([cols] if isinstance(cols, str) else cols):
                 specs.append((agg, c))
         normalized, lateness = plan_windows(windows, specs, allowed_lateness)
+        if hot_entries is not None and (isinstance(hot_entries, bool) or not isinstance(hot_entries, int)
+                                        or hot_entries < 1):
+            raise QueryError(f"window {name or self.name + '.window'!r}: hot_entries must be a positive int "
+                             f"or None, got {hot_entries!r}")
         # Windows emitted on close also emit those still open at the end of the input.
         cls = ClosingWindowAggregate if normalized[0].kind == "hopping" and normalized[0].emit == "close" \
             else WindowAggregate
-        return self.query.operator(cls, {"in": self}, list(self.key), normalized, specs, lateness,
+        return self.query.operator(cls, {"in": self}, list(self.key), normalized, specs, lateness, hot_entries,
                                    slices=slices, name=name or f"{self.name}.window")
 
     def count(self, slices: int | None = None, name: str | None = None) -> "Stream":

@@ -285,13 +285,15 @@ class Operator:
         spill store (a map of millions of entries per slice)."""
         return self._register_handle("map", name, page_size=page_size, hot_entries=hot_entries)
 
-    def register_list(self, name: str, chunk_size: int = 64) -> ListState:
-        """A list per key, stored in chunks of ``chunk_size`` items (``append/get/set/pop/items``)."""
-        return self._register_handle("list", name, chunk_size=chunk_size)
+    def register_list(self, name: str, chunk_size: int = 64, hot_entries: int | None = None) -> ListState:
+        """A list per key, stored in chunks of ``chunk_size`` items (``append/get/set/pop/items``).
+        ``hot_entries``: at most that many chunks and headers in memory, the rest spilled."""
+        return self._register_handle("list", name, chunk_size=chunk_size, hot_entries=hot_entries)
 
-    def register_queue(self, name: str, chunk_size: int = 64) -> QueueState:
-        """A FIFO queue per key, chunked like a list (``append/popleft/peekleft/peek/pop``)."""
-        return self._register_handle("queue", name, chunk_size=chunk_size)
+    def register_queue(self, name: str, chunk_size: int = 64, hot_entries: int | None = None) -> QueueState:
+        """A FIFO queue per key, chunked like a list (``append/popleft/peekleft/peek/pop``).
+        ``hot_entries``: at most that many chunks and headers in memory, the rest spilled."""
+        return self._register_handle("queue", name, chunk_size=chunk_size, hot_entries=hot_entries)
 
     def register_topk(self, name: str, k: int) -> TopKState:
         """The ``k`` best-scored items per key (``offer(key, score, item)``, ``items``)."""

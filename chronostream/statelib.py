@@ -54,9 +54,11 @@ O(chunks at its ends) per key plus one small key per spilled chunk, whatever
 its length; checkpoints read spilled chunks back, and ``settle`` re-spills
 after a restore.
 
-**Hot limits** (values and maps: ``register_value(name, hot_entries=N)``,
-``register_map(name, hot_entries=N)``). Their entries are written anywhere
-at any time, so no chunk is known cold in advance: the state keeps at most
+**Hot limits** (``register_value(name, hot_entries=N)``, and the same
+option of ``register_map``, ``register_list`` and ``register_queue``). A
+value or map entry is written anywhere at any time, and a million idle
+keys' short queues have no middle chunks, so cold chunks alone do not
+bound memory: the state keeps at most
 ``N`` entries in memory and sends the ones written longest ago to the cold
 tier (``KeyValueState.hot_limit``); a read of a cold entry goes through the
 state's read cache, a write brings it back. A map of millions of entries
@@ -150,6 +152,10 @@ class ListState(_Handle):
 
     Indices are relative to the first item, as in a Python list.
 
+    ``hot_entries``: at most that many state entries (chunks and per-key headers together)
+    in memory, the rest in the host's spill store (*Hot limits*, module docstring): the
+    chunks of idle keys go cold too, not only the middle chunks of long lists.
+
     >>> l = ListState(KeyValueState("seen"), chunk_size=2)
     >>> for x in "abcde": l.append("k", x)
     >>> l.len("k"), l.get("k", 3), list(l.items("k"))
@@ -158,11 +164,13 @@ class ListState(_Handle):
 
     kind = "list"
 
-    def __init__(self, state: KeyValueState, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, state: KeyValueState, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 hot_entries: int | None = None) -> None:
         super().__init__(state)
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         self.chunk_size = chunk_size
+        self.hot_entries = state.hot_limit = check_hot_limit(state.name, hot_entries)
 
     # -- layout helpers (absolute indices) -------------------------------------------
 

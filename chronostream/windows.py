@@ -312,12 +312,16 @@ class WindowAggregate(Operator):
     the event's own time); ``window_start``/``window_end`` (hopping and
     tumbling); then ``count``, ``sum_<col>``, ``mean_<col>``, ``min_<col>``,
     ``max_<col>``, ``distinct_<col>`` as asked, each suffixed ``_<name>``
-    when one call computes several windows.
+    when one call computes several windows. ``hot_entries``: each of its
+    states keeps at most that many entries in memory, the rest in the
+    host's spill store (``chronostream.statelib``, *Hot limits*).
     """
 
     def __init__(self, key_columns: Sequence[str], windows: Sequence[_Window],
-                 specs: Sequence[tuple[str, str | None]], allowed_lateness: int | float = 0) -> None:
+                 specs: Sequence[tuple[str, str | None]], allowed_lateness: int | float = 0,
+                 hot_entries: int | None = None) -> None:
         self.key_columns = list(key_columns)
+        self.hot_entries = hot_entries
         self.windows = list(windows)
         self.specs = list(specs)
         self.allowed_lateness = allowed_lateness
@@ -334,19 +338,23 @@ class WindowAggregate(Operator):
         self.queued_columns = sorted(set(self.sum_columns) | set(self.distinct_columns))
 
     def setup(self) -> None:
-        self.keys = self.register_value("window.key")
+        hot = self.hot_entries  # per state: each of the window's states holds at most that many in memory
+        self.keys = self.register_value("window.key", hot_entries=hot)
         if self.hopping:
-            self.distinct = {c: self.register_map(f"window.distinct.{c}") for c in self.distinct_columns}
+            self.distinct = {c: self.register_map(f"window.distinct.{c}", hot_entries=hot)
+                             for c in self.distinct_columns}
             if self.slice_clock:
                 # The slice's latest time and its open windows' starts (one entry, key ""), and per
                 # start the keys with that window open: what closes when the slice's time passes.
-                self.clock = self.register_value("window.clock")
-                self.closing = self.register_map("window.closing")
+                self.clock = self.register_value("window.clock", hot_entries=hot)
+                self.closing = self.register_map("window.closing", hot_entries=hot)
             return
-        self.events = self.register_queue("window.events")
+        self.events = self.register_queue("window.events", hot_entries=hot)
         n = range(len(self.windows))
-        self.extremes = {(a, c, w): self.register_queue(f"window.{a}.{c}.{w}") for a, c in self.extreme_specs for w in n}
-        self.distinct = {(c, w): self.register_map(f"window.distinct.{c}.{w}") for c in self.distinct_columns for w in n}
+        self.extremes = {(a, c, w): self.register_queue(f"window.{a}.{c}.{w}", hot_entries=hot)
+                         for a, c in self.extreme_specs for w in n}
+        self.distinct = {(c, w): self.register_map(f"window.distinct.{c}.{w}", hot_entries=hot)
+                         for c in self.distinct_columns for w in n}
 
     # -- per event ---------------------------------------------------------------------
 

@@ -9,7 +9,10 @@ loads). Then whole jobs: a per-card map of merchants over thousands of
 (card, merchant) entries, with a limit of 40 entries per slice, on the
 in-process runtime through a migration and through a kill, and on Ray
 through a killed container, must equal the serial executor row for row,
-with most entries cold while it runs.
+with most entries cold while it runs. Queues with a limit read like deques
+per key; windows with one (sliding, and tumbling closed by the slice's
+clock) equal the serial run through a migration with each state at or
+under its limit.
 """
 
 from __future__ import annotations
@@ -342,3 +345,75 @@ def test_without_checkpoints_no_state_holds_the_keys_it_changed(expected):
     assert states and not any(st.dirty_keys() for st in states)
     total, hot = cold_share(plain)
     assert hot < total / 3
+
+
+# -- lists, queues and windows -----------------------------------------------------------------
+
+QUEUE_OPS = st.lists(st.tuples(st.sampled_from(["append", "popleft", "peek"]), st.integers(0, 30),
+                               st.integers(0, 10**6)), max_size=300)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=QUEUE_OPS, limit=st.integers(1, 12), chunk=st.integers(1, 4))
+def test_a_bounded_queue_reads_like_a_deque_per_key(store, ops, limit, chunk):
+    """Queues of many keys, each short (no middle chunk to spill): the limit still bounds memory."""
+    from collections import deque
+
+    from chronostream.statelib import QueueState
+
+    q = QueueState(KeyValueState("q", cold=store.tier(2, next(_names), "q")), chunk_size=chunk, hot_entries=limit)
+    model: dict[int, deque] = {}
+    for op, key, value in ops:
+        d = model.setdefault(key, deque())
+        if op == "append":
+            q.append(key, value)
+            d.append(value)
+        elif d:
+            assert (q.popleft(key) if op == "popleft" else q.peekleft(key)) == (d.popleft() if op == "popleft" else d[0])
+        assert q.state.hot_len() <= limit
+    for key, d in model.items():
+        assert list(q.items(key)) == list(d)
+
+
+def test_a_list_or_queue_hot_limit_that_is_not_a_positive_int_is_refused():
+    from chronostream.statelib import ListState
+
+    with pytest.raises(ValueError, match="state 'seen': hot_entries must be a positive int"):
+        ListState(KeyValueState("seen"), hot_entries=0)
+
+
+WINDOWS = {
+    "sliding": dict(windows=cs.SlidingWindow(500, time="ts"), count=True, sum="amount", max="amount"),
+    "tumbling by slice": dict(windows=cs.TumblingWindow(400, time="ts", emit="close", clock="slice"),
+                              count=True, mean="amount", distinct="merchant"),
+}
+
+
+def window_query(kind: str, hot_entries: int | None, n: int = 4_000) -> cs.Query:
+    """Payments of 500 cards, each card idle most of the time: most window state is cold."""
+    q = cs.Query(epoch_events=200)
+    pay = q.source("payments", payments(n, cards=500, merchants=40, s=0.4, seed=13), order_by="ts")
+    pay.key_by("card").window(**WINDOWS[kind], hot_entries=hot_entries, slices=4, name="w").sink(name="w")
+    return q
+
+
+@pytest.mark.parametrize("kind", list(WINDOWS))
+def test_a_window_with_a_hot_limit_equals_the_serial_output_through_a_migration(kind):
+    expected = cs.run(window_query(kind, None), executor="serial").results("w").to_pylist()
+    assert expected
+    plan, sources = compile_query(window_query(kind, 10))
+    cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 1)), sources, seed=7,
+                      checkpoint_every=3)
+    cl.run(faults={9: lambda c: c.scale_out("w", 1)})
+    assert [t.phase.value for t in cl.migrated] == ["done"]
+    assert cl.results("w").to_pylist() == expected
+    states = [st for core in cl.cores.values() for rt in core.slices.values() if rt.ctx is not None
+              for st in rt.ctx.states.values()]
+    total, hot = sum(len(s) for s in states), sum(s.hot_len() for s in states)
+    assert all(s.hot_len() <= 10 for s in states)
+    assert hot < total / 2, f"{hot} of {total} window entries in memory"
+
+
+def test_a_window_hot_limit_that_is_not_a_positive_int_is_a_query_error_naming_the_window():
+    with pytest.raises(cs.QueryError, match="window 'w': hot_entries must be a positive int"):
+        window_query("sliding", 0)
