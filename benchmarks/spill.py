@@ -21,6 +21,16 @@ kernel may drop), medians of ``--repeat`` runs.
     python -m benchmarks.spill --json
     python -m benchmarks.spill --json --checkpoint-every 4
     python -m benchmarks.spill --json --events 300000 --limits 10000 --repeat 1   # a quick look
+
+``--window``: instead of the map, a sliding window per user
+(``key_by("user").window(SlidingWindow(--window-size, time="ts"),
+count=True, sum="item", hot_entries=H)``, ``ts`` the event's index):
+many users each seen a few times, whose queues are too short to have
+middle chunks to spill, so only the hot limit bounds them (each of the
+window's states, its key values and its event queue, holds at most H
+entries per slice).
+
+    python -m benchmarks.spill --json --window --users 300000 --limits 10000
 """
 
 from __future__ import annotations
@@ -64,12 +74,20 @@ def visit_events(n: int, users: int, items: int, seed: int = 11) -> pa.Table:
     return pa.table({"user": rng.integers(0, users, n), "item": rng.integers(0, items, n)})
 
 
-def one_run(events: int, users: int, items: int, hot: int | None, checkpoint_every: int = 0) -> dict:
-    """One job in this process: events/s, anonymous-RSS growth (MB) and the output's row count."""
+def one_run(events: int, users: int, items: int, hot: int | None, checkpoint_every: int = 0,
+            window_size: int | None = None) -> dict:
+    """One job in this process: events/s, anonymous-RSS growth (MB) and the output's row count.
+    ``window_size``: the ``--window`` job (a sliding window per user) instead of the map."""
     table = visit_events(events, users, items)
-    op = type("Bounded", (RepeatVisits,), {"HOT": hot})
     q = cs.Query(epoch_events=16_384)
-    q.source("visits", table).key_by("user").apply(op, slices=SLICES, name="visits").sink(name="repeats")
+    if window_size is None:
+        op = type("Bounded", (RepeatVisits,), {"HOT": hot})
+        q.source("visits", table).key_by("user").apply(op, slices=SLICES, name="visits").sink(name="repeats")
+    else:
+        table = table.append_column("ts", pa.array(np.arange(events, dtype=np.int64)))
+        q.source("visits", table, order_by="ts").key_by("user").window(
+            cs.SlidingWindow(window_size, time="ts"), count=True, sum="item", hot_entries=hot,
+            slices=SLICES, name="visits").sink(name="repeats")
     plan, sources = compile_query(q)
     before = anonymous_rss_kib()
     t0 = time.perf_counter()
@@ -101,12 +119,16 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every K epochs (full, then deltas, to a backup on the source's host); "
                         "default 0: no checkpoints")
+    p.add_argument("--window", action="store_true", help="a sliding window per user instead of the map")
+    p.add_argument("--window-size", type=int, default=100_000,
+                   help="with --window: the window's size in events (ts units; default 100,000)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     events = 100_000 if args.quick else args.events
     if args.one is not None:  # a child run: one configuration, its JSON on stdout
         hot = None if args.one == "none" else int(args.one)
-        print(json.dumps(one_run(events, args.users, args.items, hot, args.checkpoint_every)))
+        print(json.dumps(one_run(events, args.users, args.items, hot, args.checkpoint_every,
+                                 args.window_size if args.window else None)))
         return
     limits = [None] + [int(x) for x in args.limits.split(",") if x]
     if any(h is not None and h < 1 for h in limits):
@@ -116,7 +138,8 @@ def main() -> None:
         for h in (limits if r % 2 == 0 else limits[::-1]):
             cmd = [sys.executable, "-m", "benchmarks.spill", "--one", "none" if h is None else str(h),
                    "--events", str(events), "--users", str(args.users), "--items", str(args.items),
-                   "--checkpoint-every", str(args.checkpoint_every)]
+                   "--checkpoint-every", str(args.checkpoint_every)] + (
+                       ["--window", "--window-size", str(args.window_size)] if args.window else [])
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[h].append(json.loads(out.strip().splitlines()[-1]))
     repeats = {runs[h][0]["repeats"] for h in limits}
@@ -130,7 +153,7 @@ def main() -> None:
              "runs_events_per_s": [round(x["events_per_s"]) for x in runs[h]],
              "runs_rss_growth_mb": [round(x["rss_growth_mb"], 1) for x in runs[h]]} for h in limits]
     emit({"events": events, "users": args.users, "items": args.items, "slices": SLICES,
-          "checkpoint_every": args.checkpoint_every,
+          "checkpoint_every": args.checkpoint_every, "window_size": args.window_size if args.window else None,
           "output_rows": repeats.pop(), "rows": rows}, args.json)
 
 

@@ -417,3 +417,12 @@ def test_a_window_with_a_hot_limit_equals_the_serial_output_through_a_migration(
 def test_a_window_hot_limit_that_is_not_a_positive_int_is_a_query_error_naming_the_window():
     with pytest.raises(cs.QueryError, match="window 'w': hot_entries must be a positive int"):
         window_query("sliding", 0)
+
+
+def test_a_window_with_a_hot_limit_recovers_on_ray(ray_session):
+    """A window container dies mid-stream on Ray; its slices, mostly cold, come back from backups."""
+    faults = [Fault("delay", 0, "payments", seconds=0.03), Fault("kill", 10, "w", index=0)]
+    report = run_with_faults(window_query("sliding", 10), faults, containers={"payments": 1, "w": 2},
+                             checkpoint_every=3)
+    assert report.ok, report.mismatches
+    assert "recovery_end" in [k for _, k, _ in report.timeline]

@@ -98,6 +98,21 @@ def test_a_drained_queue_leaves_nothing_on_disk():
     assert STORE.entries() == before and q.state.hot_len() == len(q.state) == 1  # the meta entry
 
 
+def test_states_whose_names_share_a_prefix_keep_their_cold_values_apart():
+    """A state "a/b" is not under state "a"'s prefix: clearing "a" leaves it, and "a"'s keys
+    (msgpack(98) is b"b") do not read as "a/b"'s."""
+    store = SpillStore()
+    try:
+        a, ab = store.tier(2, 0, "a"), store.tier(2, 0, "a/b")
+        a.put(98, "a's")
+        ab.put(1, "a/b's")
+        assert dict(ab.items()) == {1: "a/b's"}
+        a.clear()
+        assert ab.get_or(1, None) == "a/b's" and a.get_or(98, None) is None
+    finally:
+        store.close()
+
+
 def test_cold_chunks_are_checkpointed_and_a_restore_spills_them_again():
     """Full and delta captures read cold chunks back; the restored queue re-spills its middle (settle)."""
     q = spilling_queue(chunk=8)
