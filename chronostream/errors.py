@@ -37,6 +37,12 @@ class EventError(ChronoStreamError):
         return (EventError, (self.stage, self.slice_id, self.order, self.cause, self.event))
 
 
+class RuntimeFault(ChronoStreamError):
+    """The runtime itself cannot go on where it is (its spill store's disk is nearly full):
+    not the event's fault, so never a dead letter. The slice fails the job with an
+    ``EventError`` naming stage, slice and order, whose cause is this message."""
+
+
 class JobFailed(ChronoStreamError):
     """The job stopped because of an error; ``__cause__``/``error`` holds it."""
 

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import JobPlan, StagePlan
-from chronostream.errors import EventError
+from chronostream.errors import EventError, RuntimeFault
 from chronostream.operators import Operator, OperatorContext
 from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
@@ -103,7 +103,9 @@ class SliceRuntime:
     # -- errors --------------------------------------------------------------
 
     def _fail_or_dead_letter(self, order: int, sub: int, exc: BaseException, event: Any) -> None:
-        if not self.dead_letter_mode:
+        # A runtime fault (a full disk) would fail every event after this one too: dead
+        # letters would swallow the rest of the input, so it fails the job in either mode.
+        if not self.dead_letter_mode or isinstance(exc, RuntimeFault):
             raise EventError(self.stage.name, self.slice_id, order, f"{type(exc).__name__}: {exc}", event) from exc
         self.dead_letters.append({
             "stage": self.stage.name, "slice": self.slice_id, "order": int(order), "sub": int(sub),

@@ -426,3 +426,16 @@ def test_a_window_with_a_hot_limit_recovers_on_ray(ray_session):
                              checkpoint_every=3)
     assert report.ok, report.mismatches
     assert "recovery_end" in [k for _, k, _ in report.timeline]
+
+
+def test_a_full_spill_disk_fails_the_job_naming_stage_and_slice_even_with_dead_letters(monkeypatch):
+    """Not the event's fault: every later event would fail too, so no dead letter swallows it."""
+    import containers.spill as spill
+
+    monkeypatch.setattr(spill, "SPILL_DISK_FLOOR", 1 << 62)
+    q = window_query("sliding", 10, n=600)
+    q.dead_letters()
+    with pytest.raises(cs.EventError) as err:
+        cs.run(q, executor="local", containers=1)
+    assert err.value.stage == "w" and 0 <= err.value.slice_id < 4
+    assert "RuntimeFault" in str(err.value) and "spill store" in str(err.value)

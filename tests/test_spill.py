@@ -113,6 +113,47 @@ def test_states_whose_names_share_a_prefix_keep_their_cold_values_apart():
         store.close()
 
 
+def test_a_spill_store_refuses_a_write_that_would_leave_its_disk_below_the_floor(monkeypatch):
+    """Written through its memory map, a full disk would kill the process (SIGBUS): the store
+    refuses first, naming its directory, and the refused batch writes nothing."""
+    import shutil as _shutil
+
+    import containers.spill as spill
+    from chronostream.errors import RuntimeFault
+
+    store = SpillStore()
+    try:
+        tier = store.tier(0, 0, "visits")
+        tier.write_many([((i,), "x" * 100) for i in range(100)])
+        free = _shutil.disk_usage(store.path).free
+        monkeypatch.setattr(spill, "SPILL_DISK_FLOOR", free + (1 << 40))
+        monkeypatch.setattr(spill, "DISK_CHECK_BYTES", 1)  # look at every write
+        with pytest.raises(RuntimeFault, match=f"spill store at {store.path} would leave .* MB free"):
+            tier.write_many([((i,), "y" * 100) for i in range(100, 200)], deleted=[(0,)])
+        with pytest.raises(RuntimeFault):
+            tier.put((7,), "z")
+        assert store.entries() == 100 and tier.get((0,)) == "x" * 100 and tier.get((7,)) == "x" * 100
+    finally:
+        store.close()
+
+
+def test_a_spill_store_looks_at_its_disk_once_per_check_interval(monkeypatch):
+    import containers.spill as spill
+
+    looks = []
+    real = spill.shutil.disk_usage
+    monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: looks.append(p) or real(p))
+    monkeypatch.setattr(spill, "DISK_CHECK_BYTES", 64 << 10)
+    store = SpillStore()
+    try:
+        tier = store.tier(0, 0, "visits")
+        for i in range(1000):
+            tier.put((i,), "v" * 1000)  # about 1 MB in all: 16 looks, not 1,000
+        assert 10 <= len(looks) <= 20
+    finally:
+        store.close()
+
+
 def test_cold_chunks_are_checkpointed_and_a_restore_spills_them_again():
     """Full and delta captures read cold chunks back; the restored queue re-spills its middle (settle)."""
     q = spilling_queue(chunk=8)
