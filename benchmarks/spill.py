@@ -16,7 +16,13 @@ configurations interleaved run by run; reported per configuration: events/s
 and the growth of the process's anonymous resident memory over the job,
 read while the job's state is still alive (``RssAnon``, MB: the heap, not
 the lmdb file pages mapped into the process, which are page cache the
-kernel may drop), medians of ``--repeat`` runs.
+kernel may drop), medians of ``--repeat`` runs. The process collects its
+garbage as a Ray host does (``containers/gc_pacing.py``: what exists at the
+start frozen, no automatic full collections, one every
+``full_gc_interval_s``, 600 s by default: none in a run this short);
+``--cpython-gc`` leaves CPython's own policy, whose full collections walk
+every hot entry each time the heap grows by a quarter (at 100,000 hot
+entries a slice they took half the map job's time).
 
     python -m benchmarks.spill --json
     python -m benchmarks.spill --json --checkpoint-every 4
@@ -47,6 +53,8 @@ import pyarrow as pa
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.dag import compile_query
+from chronostream.options import JobOptions
+from containers.gc_pacing import CollectorPacing
 from master.local import LocalCluster
 from master.placement import containers_per_stage, initial_placement
 
@@ -75,9 +83,10 @@ def visit_events(n: int, users: int, items: int, seed: int = 11) -> pa.Table:
 
 
 def one_run(events: int, users: int, items: int, hot: int | None, checkpoint_every: int = 0,
-            window_size: int | None = None) -> dict:
+            window_size: int | None = None, host_gc: bool = True) -> dict:
     """One job in this process: events/s, anonymous-RSS growth (MB) and the output's row count.
-    ``window_size``: the ``--window`` job (a sliding window per user) instead of the map."""
+    ``window_size``: the ``--window`` job (a sliding window per user) instead of the map;
+    ``host_gc``: garbage collected as a Ray host does (``CollectorPacing``)."""
     table = visit_events(events, users, items)
     q = cs.Query(epoch_events=16_384)
     if window_size is None:
@@ -89,6 +98,8 @@ def one_run(events: int, users: int, items: int, hot: int | None, checkpoint_eve
             cs.SlidingWindow(window_size, time="ts"), count=True, sum="item", hot_entries=hot,
             slices=SLICES, name="visits").sink(name="repeats")
     plan, sources = compile_query(q)
+    pacing = CollectorPacing(JobOptions().full_gc_interval_s if host_gc else 0)
+    pacing.install()
     before = anonymous_rss_kib()
     t0 = time.perf_counter()
     cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 1)), sources,
@@ -122,13 +133,15 @@ def main() -> None:
     p.add_argument("--window", action="store_true", help="a sliding window per user instead of the map")
     p.add_argument("--window-size", type=int, default=100_000,
                    help="with --window: the window's size in events (ts units; default 100,000)")
+    p.add_argument("--cpython-gc", action="store_true",
+                   help="CPython's own garbage collection policy instead of a Ray host's (containers/gc_pacing.py)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     events = 100_000 if args.quick else args.events
     if args.one is not None:  # a child run: one configuration, its JSON on stdout
         hot = None if args.one == "none" else int(args.one)
         print(json.dumps(one_run(events, args.users, args.items, hot, args.checkpoint_every,
-                                 args.window_size if args.window else None)))
+                                 args.window_size if args.window else None, not args.cpython_gc)))
         return
     limits = [None] + [int(x) for x in args.limits.split(",") if x]
     if any(h is not None and h < 1 for h in limits):
@@ -139,7 +152,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "benchmarks.spill", "--one", "none" if h is None else str(h),
                    "--events", str(events), "--users", str(args.users), "--items", str(args.items),
                    "--checkpoint-every", str(args.checkpoint_every)] + (
-                       ["--window", "--window-size", str(args.window_size)] if args.window else [])
+                       ["--window", "--window-size", str(args.window_size)] if args.window else []) + (
+                       ["--cpython-gc"] if args.cpython_gc else [])
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[h].append(json.loads(out.strip().splitlines()[-1]))
     repeats = {runs[h][0]["repeats"] for h in limits}
@@ -154,6 +168,7 @@ def main() -> None:
              "runs_rss_growth_mb": [round(x["rss_growth_mb"], 1) for x in runs[h]]} for h in limits]
     emit({"events": events, "users": args.users, "items": args.items, "slices": SLICES,
           "checkpoint_every": args.checkpoint_every, "window_size": args.window_size if args.window else None,
+          "gc": "cpython" if args.cpython_gc else "host",
           "output_rows": repeats.pop(), "rows": rows}, args.json)
 
 
