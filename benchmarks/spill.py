@@ -100,12 +100,15 @@ def one_run(events: int, users: int, items: int, hot: int | None, checkpoint_eve
     plan, sources = compile_query(q)
     pacing = CollectorPacing(JobOptions().full_gc_interval_s if host_gc else 0)
     pacing.install()
-    before = anonymous_rss_kib()
-    t0 = time.perf_counter()
-    cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 1)), sources,
-                      checkpoint_every=checkpoint_every).run()
-    elapsed = time.perf_counter() - t0
-    grown = anonymous_rss_kib() - before  # the job's state is still alive here
+    try:
+        before = anonymous_rss_kib()
+        t0 = time.perf_counter()
+        cl = LocalCluster(plan, initial_placement(plan, containers_per_stage(plan, 1)), sources,
+                          checkpoint_every=checkpoint_every).run()
+        elapsed = time.perf_counter() - t0
+        grown = anonymous_rss_kib() - before  # the job's state is still alive here
+    finally:
+        pacing.uninstall()  # (a caller importing one_run gets its process's policy back)
     return {"events_per_s": events / elapsed, "rss_growth_mb": grown / 1024,
             "repeats": cl.results("repeats").num_rows}
 

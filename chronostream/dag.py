@@ -24,6 +24,7 @@ from chronostream.sinks import MemorySink, Sink
 from chronostream.readers import LogSource
 from chronostream.sourcelog import SourceLog
 from chronostream.sources import SourceData, assign_global_order, to_table
+from chronostream.state import check_hot_limit
 from chronostream.windows import ClosingWindowAggregate, WindowAggregate, WindowSpec, plan_windows
 
 #: Slices of a stateful stage when ``slices=`` is not given. Slices are the
@@ -249,10 +250,10 @@ class Stream:
             for c in ([cols] if isinstance(cols, str) else cols):
                 specs.append((agg, c))
         normalized, lateness = plan_windows(windows, specs, allowed_lateness)
-        if hot_entries is not None and (isinstance(hot_entries, bool) or not isinstance(hot_entries, int)
-                                        or hot_entries < 1):
-            raise QueryError(f"window {name or self.name + '.window'!r}: hot_entries must be a positive int "
-                             f"or None, got {hot_entries!r}")
+        try:
+            check_hot_limit(name or f"{self.name}.window", hot_entries, what="window")
+        except ValueError as exc:
+            raise QueryError(str(exc)) from None
         # Windows emitted on close also emit those still open at the end of the input.
         cls = ClosingWindowAggregate if normalized[0].kind == "hopping" and normalized[0].emit == "close" \
             else WindowAggregate

@@ -67,8 +67,9 @@ def canonical_key(value: Any) -> Any:
     return value
 
 
-def check_hot_limit(name: str, hot_limit: int | None) -> int | None:
-    """``hot_limit`` if it is None or a positive int, else a ValueError naming the state.
+def check_hot_limit(name: str, hot_limit: int | None, what: str = "state") -> int | None:
+    """``hot_limit`` if it is None or a positive int, else a ValueError naming the state
+    (or the ``what`` it is given to: a window).
 
     >>> check_hot_limit("seen", 0)
     Traceback (most recent call last):
@@ -76,7 +77,7 @@ def check_hot_limit(name: str, hot_limit: int | None) -> int | None:
     """
     if hot_limit is None or (isinstance(hot_limit, int) and not isinstance(hot_limit, bool) and hot_limit >= 1):
         return hot_limit
-    raise ValueError(f"state {name!r}: hot_entries must be a positive int or None, got {hot_limit!r}")
+    raise ValueError(f"{what} {name!r}: hot_entries must be a positive int or None, got {hot_limit!r}")
 
 
 class KeyValueState:

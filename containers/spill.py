@@ -168,12 +168,7 @@ class SpillTier:
 
     def put(self, key: Any, value: Any) -> None:
         """Store ``value`` under ``key`` (replacing any)."""
-        k, v = self._key(key), _pack(value)
-        env = self.store.opened()
-        with self.store._write:
-            self.store.reserve(len(k) + len(v))
-            with env.begin(write=True) as txn:
-                txn.put(k, v)
+        self.write_many(((key, value),))
 
     def get(self, key: Any) -> Any:
         """The value of ``key``; KeyError when absent (a state never asks for a key it did not spill)."""
