@@ -51,6 +51,39 @@ class OperatorContext:
         self.events: dict[str, list[dict]] = {n: [] for n in self.output_names}
         self.lineage: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.output_names}
         self.batches: dict[str, list[pa.RecordBatch | pa.Table]] = {n: [] for n in self.output_names}
+        # Produced events of outputs with a declared schema already built into tables (``seal``),
+        # in production order, before those still in ``events``.
+        self.sealed: dict[str, list[pa.Table]] = {n: [] for n in self.output_names}
+
+    def unsealed_rows(self) -> int:
+        """Produced events not built into a table yet (every output)."""
+        return sum(len(v) for v in self.events.values())
+
+    def seal(self, schemas: dict[str, pa.Schema | None]) -> None:
+        """Build the events produced so far on each output with a declared schema into a table
+        now, while they are still in the CPU's caches; ``take_outputs`` joins the tables with
+        the rest. (One table built from a whole epoch's events at its end walked tens of MB no
+        cache held: 3x the time per row.) Outputs without a declared schema wait: Arrow infers
+        their types from all of a slice's rows at once."""
+        OperatorContext.seal_together([self], schemas)
+
+    @staticmethod
+    def seal_together(ctxs: Sequence["OperatorContext"], schemas: dict[str, pa.Schema | None]) -> None:
+        """``seal`` for several contexts (a slice group's) with one table per output; each
+        context keeps its rows of it."""
+        for name in ctxs[0].output_names if ctxs else ():
+            schema = schemas.get(name)
+            counts = [len(c.events[name]) for c in ctxs]
+            if schema is None or not sum(counts):
+                continue
+            table = _events_table(list(itertools.chain.from_iterable(c.events[name] for c in ctxs)),
+                                  list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs)), schema)
+            at = 0
+            for c, k in zip(ctxs, counts):
+                if k:
+                    c.sealed[name].append(table.slice(at, k))
+                    c.events[name], c.lineage[name] = [], []
+                    at += k
 
     def begin_event(self, order: int, sub: int) -> None:
         """Set the lineage stamped on the next produce() calls."""
@@ -113,16 +146,17 @@ class OperatorContext:
         """Return each output stream's produced rows as a table with lineage columns."""
         out: dict[str, pa.Table] = {}
         for name in self.output_names:
-            events, batches = self.events[name], self.batches[name]
-            if events and batches:
+            events, batches, sealed = self.events[name], self.batches[name], self.sealed[name]
+            if (events or sealed) and batches:
                 raise ValueError(
                     f"stage {self.stage!r} mixed produce() and produce_batch() on output {name!r}"
                 )
             if batches:
                 tables = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
                 out[name] = pa.concat_tables(tables, promote_options="permissive")
-            elif events:
-                out[name] = _events_table(events, self.lineage[name], schemas.get(name))
+            elif events or sealed:
+                built = sealed + ([_events_table(events, self.lineage[name], schemas.get(name))] if events else [])
+                out[name] = built[0] if len(built) == 1 else pa.concat_tables(built)
         self.reset()
         return out
 
@@ -144,15 +178,18 @@ class OperatorContext:
             return None
         out: dict[str, tuple[pa.Table, np.ndarray]] = {}
         for name in names:
+            if schemas.get(name) is not None:
+                OperatorContext.seal_together(ctxs, schemas)  # (the rest of every context's rows)
+                counts = np.array([sum(t.num_rows for t in c.sealed[name]) for c in ctxs], dtype=np.int64)
+                if counts.sum():
+                    pieces = [t for c in ctxs for t in c.sealed[name]]
+                    table = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces).combine_chunks()
+                    out[name] = (table, np.concatenate(([0], np.cumsum(counts))))
+                continue
             counts = np.array([len(c.events[name]) for c in ctxs], dtype=np.int64)
             if not counts.sum():
                 continue
             bounds = np.concatenate(([0], np.cumsum(counts)))
-            if schemas.get(name) is not None:
-                events = list(itertools.chain.from_iterable(c.events[name] for c in ctxs))
-                lineage = list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs))
-                out[name] = (_events_table(events, lineage, schemas[name]), bounds)
-                continue
             built = [(c, _events_table(c.events[name], c.lineage[name], None)) for c in ctxs if c.events[name]]
             if any(t.schema != built[0][1].schema for _, t in built[1:]):
                 for c, t in built:  # each context keeps its table: the per-slice emit does not build it again

@@ -29,8 +29,8 @@ numbering on its share of the merged rows (a zero-copy slice), exactly as
 alone (the rerun path above, taken every epoch).
 
 A per-event operator with one input (windows, most user operators) runs as
-a group too: steps 1 and 2 once, the rows turned into dicts once, then each
-slice's own per-event loop over its share (``SliceRuntime.consume_events``):
+a group too: steps 1 and 2 once, then each slice's own per-event loop over
+its share, turning it into dicts a chunk at a time (``SliceRuntime.consume_events``):
 an event that raises is that slice's error or dead letter, as alone, and
 nothing is rerun. Steps 4 and 5 run once when the stage declares its output
 schemas; else each slice emits its own outputs. A per-event operator with
@@ -55,7 +55,7 @@ from chronostream.operators import OperatorContext
 from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
-from slices.slice import SliceRuntime, event_dicts
+from slices.slice import EVENT_CHUNK, SliceRuntime
 
 log = logging.getLogger("chronostream.slices")
 
@@ -163,9 +163,8 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         if cls.is_vectorized():
             return _run_each(runtimes, merged, bounds, name, time.perf_counter() - t0)
         n = batch.num_rows
-        events = event_dicts(batch)
         order, sub = np.asarray(batch.column(ORDER)), np.asarray(batch.column(SUB))
-        return _consume_events(runtimes, [name], [events], np.zeros(n, dtype=np.int64), np.arange(n), order, sub,
+        return _consume_events(runtimes, [name], [batch], np.zeros(n, dtype=np.int64), np.arange(n), order, sub,
                                bounds, time.perf_counter() - t0)
     try:
         outputs = type(runtimes[0].op).consume_slices([rt.op for rt in runtimes], name, batch, bounds)
@@ -245,27 +244,33 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     return kept_tables, owners
 
 
-def _consume_events(runtimes: list[SliceRuntime], names: list[str], events: list[list[dict]], inp: np.ndarray,
+def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list[pa.Table], inp: np.ndarray,
                     local: np.ndarray, order: np.ndarray, sub: np.ndarray, bounds: np.ndarray,
                     shared_s: float) -> dict[int, dict[int, pa.Table]]:
-    """A per-event operator's epoch: the group's rows as dicts (``events[k]``: input
-    ``names[k]``'s), the group's merge order as (``inp``, ``local``) with each row's lineage
+    """A per-event operator's epoch: the group's rows (``tables[k]``: input ``names[k]``'s,
+    turned into dicts by each slice's loop, a chunk at a time), the group's merge order as (``inp``, ``local``) with each row's lineage
     (``order``, ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own
     loop over its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
     dead letters as alone). The outputs become one table per stream when the stage declares
     their schemas (``OperatorContext.take_outputs_together``), chained and numbered once as a
-    fused group's; else each slice emits its own. ``shared_s`` (admission, merge, dicts) and
+    fused group's; else each slice emits its own. ``shared_s`` (admission, merge) and
     the group's emitting are shared out by rows."""
     stage = runtimes[0].stage
     ran: list[int] = []
+    unsealed: list[int] = []  # slices whose produced events wait to be built into a table
+    waiting = 0  # their events
     for i, rt in enumerate(runtimes):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         if hi == lo:
             continue
+        if waiting >= EVENT_CHUNK:
+            # Build what the last slices produced while it is in the caches (EVENT_CHUNK).
+            OperatorContext.seal_together([runtimes[j].ctx for j in unsealed], stage.output_schemas)  # type: ignore[misc]
+            unsealed, waiting = [], 0
         t1 = time.perf_counter()
         rt.events_in += hi - lo
         try:
-            rt.consume_events(names, events, inp[lo:hi], local[lo:hi], order[lo:hi], sub[lo:hi])
+            rt.consume_events(names, tables, inp[lo:hi], local[lo:hi], order[lo:hi], sub[lo:hi])
         except Exception:
             # Alone, each slice emitted (ran its chain) before the next one's loop: a chain
             # error of an earlier slice is the one the job fails with.
@@ -274,6 +279,8 @@ def _consume_events(runtimes: list[SliceRuntime], names: list[str], events: list
             raise
         rt.busy_s += time.perf_counter() - t1
         ran.append(i)
+        unsealed.append(i)
+        waiting += rt.ctx.unsealed_rows()  # type: ignore[union-attr]
     t2 = time.perf_counter()
     together = OperatorContext.take_outputs_together([rt.ctx for rt in runtimes], stage.output_schemas)  # type: ignore[misc]
     if together is not None:
@@ -336,7 +343,7 @@ def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[i
     """One epoch of the group ``runtimes`` of a per-event operator with several inputs (a
     join): ``parts`` are (input stream id, part), senders in order. Admission once per stream
     (``_admit_parts``), one merge of every slice's rows of every input in each slice's
-    ``merge_order``, the rows as dicts once per input, then each slice's own loop over its
+    ``merge_order``, then each slice's own loop over its
     share (``_consume_events``). Returns numbered outputs by slice, then stream id.
     """
     t0 = time.perf_counter()
@@ -362,11 +369,11 @@ def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[i
         return {}
     if any(not t.schema.equals(tables[0].schema) for tables, _ in admitted.values() for t in tables[1:]):
         return _run_alone_from_parts(runtimes, admitted, time.perf_counter() - t0)  # (as in process_parts)
-    names, events, cols = [], [], []
+    names, input_tables, cols = [], [], []
     for k, (sid, (tables, owners)) in enumerate(admitted.items()):
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         names.append(inputs[sid].name)
-        events.append(event_dicts(table))
+        input_tables.append(table)
         n = table.num_rows
         cols.append([np.concatenate(owners)] + [np.asarray(table.column(c)) for c in (ORDER, SUB)]
                     + [np.full(n, inputs[sid].index, dtype=np.int64)]
@@ -374,7 +381,7 @@ def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[i
     owner, order, sub, input_idx, producer, seq, local, inp = (np.concatenate(c) for c in zip(*cols))
     perm = np.lexsort((seq, producer, input_idx, sub, order, owner))  # per slice: merge_order's order
     bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
-    return _consume_events(runtimes, names, events, inp[perm], local[perm], order[perm], sub[perm], bounds,
+    return _consume_events(runtimes, names, input_tables, inp[perm], local[perm], order[perm], sub[perm], bounds,
                            time.perf_counter() - t0)
 
 
