@@ -51,26 +51,39 @@ class OperatorContext:
         self.events: dict[str, list[dict]] = {n: [] for n in self.output_names}
         self.lineage: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.output_names}
         self.batches: dict[str, list[pa.RecordBatch | pa.Table]] = {n: [] for n in self.output_names}
-        # Produced events of outputs with a declared schema already built into tables (``seal``),
-        # in production order, before those still in ``events``.
+        # Produced events already built into tables (``seal``), in production order, before
+        # those still in ``events``; for an output without a declared schema, also the events
+        # and lineage each table was built from (``_built`` may have to infer from all of them).
         self.sealed: dict[str, list[pa.Table]] = {n: [] for n in self.output_names}
+        self._raw: dict[str, list[tuple[list[dict], list[tuple[int, int, int]]]]] = {n: [] for n in self.output_names}
 
     def unsealed_rows(self) -> int:
         """Produced events not built into a table yet (every output)."""
         return sum(len(v) for v in self.events.values())
 
-    def seal(self, schemas: dict[str, pa.Schema | None]) -> None:
-        """Build the events produced so far on each output with a declared schema into a table
-        now, while they are still in the CPU's caches; ``take_outputs`` joins the tables with
-        the rest. (One table built from a whole epoch's events at its end walked tens of MB no
-        cache held: 3x the time per row.) Outputs without a declared schema wait: Arrow infers
-        their types from all of a slice's rows at once."""
-        OperatorContext.seal_together([self], schemas)
+    def seal(self, schemas: dict[str, pa.Schema | None], only_inferred: bool = False) -> None:
+        """Build the events produced so far into a table per output now, while they are still
+        in the CPU's caches; ``take_outputs`` joins the tables with the rest. (One table built
+        from a whole epoch's events at its end walked tens of MB no cache held: 3x the time
+        per row.) ``only_inferred``: only outputs without a declared schema (a slice group
+        seals the declared ones of several slices together: ``seal_together``).
+
+        Without a declared schema Arrow infers each table's types from its own events; the
+        tables are joined only when all inferred the same schema, and else the output's table
+        is inferred from all its events at once (``_built``), as if never sealed."""
+        for name in self.output_names:
+            events, schema = self.events[name], schemas.get(name)
+            if not events or (only_inferred and schema is not None):
+                continue
+            self.sealed[name].append(_events_table(events, self.lineage[name], schema))
+            if schema is None:
+                self._raw[name].append((events, self.lineage[name]))
+            self.events[name], self.lineage[name] = [], []
 
     @staticmethod
     def seal_together(ctxs: Sequence["OperatorContext"], schemas: dict[str, pa.Schema | None]) -> None:
-        """``seal`` for several contexts (a slice group's) with one table per output; each
-        context keeps its rows of it."""
+        """``seal`` for the outputs with a declared schema of several contexts (a slice
+        group's), one table per output; each context keeps its rows of it."""
         for name in ctxs[0].output_names if ctxs else ():
             schema = schemas.get(name)
             counts = [len(c.events[name]) for c in ctxs]
@@ -84,6 +97,22 @@ class OperatorContext:
                     c.sealed[name].append(table.slice(at, k))
                     c.events[name], c.lineage[name] = [], []
                     at += k
+
+    def _built(self, name: str, schema: pa.Schema | None) -> pa.Table | None:
+        """This context's events of output ``name`` as one table: the sealed ones, then the
+        rest; None when there are none."""
+        events, sealed = self.events[name], self.sealed[name]
+        if not events and not sealed:
+            return None
+        pieces = sealed + ([_events_table(events, self.lineage[name], schema)] if events else [])
+        if len(pieces) == 1:
+            return pieces[0]
+        if schema is None and any(not t.schema.equals(pieces[0].schema) for t in pieces[1:]):
+            # Arrow inferred different types for different pieces (an int column, then a
+            # float one): infer from every event at once, as with no piece built before.
+            raw = self._raw[name] + [(events, self.lineage[name])]
+            return _events_table([e for ev, _ in raw for e in ev], [x for _, lin in raw for x in lin], None)
+        return pa.concat_tables(pieces)
 
     def begin_event(self, order: int, sub: int) -> None:
         """Set the lineage stamped on the next produce() calls."""
@@ -155,8 +184,7 @@ class OperatorContext:
                 tables = [b if isinstance(b, pa.Table) else pa.Table.from_batches([b]) for b in batches]
                 out[name] = pa.concat_tables(tables, promote_options="permissive")
             elif events or sealed:
-                built = sealed + ([_events_table(events, self.lineage[name], schemas.get(name))] if events else [])
-                out[name] = built[0] if len(built) == 1 else pa.concat_tables(built)
+                out[name] = self._built(name, schemas.get(name))  # type: ignore[assignment]
         self.reset()
         return out
 
@@ -186,17 +214,17 @@ class OperatorContext:
                     table = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces).combine_chunks()
                     out[name] = (table, np.concatenate(([0], np.cumsum(counts))))
                 continue
-            counts = np.array([len(c.events[name]) for c in ctxs], dtype=np.int64)
-            if not counts.sum():
+            tables = [c._built(name, None) for c in ctxs]
+            built = [(c, t) for c, t in zip(ctxs, tables) if t is not None]
+            if not built:
                 continue
-            bounds = np.concatenate(([0], np.cumsum(counts)))
-            built = [(c, _events_table(c.events[name], c.lineage[name], None)) for c in ctxs if c.events[name]]
             if any(t.schema != built[0][1].schema for _, t in built[1:]):
                 for c, t in built:  # each context keeps its table: the per-slice emit does not build it again
-                    c.events[name], c.lineage[name] = [], []
+                    c.events[name], c.lineage[name], c.sealed[name], c._raw[name] = [], [], [], []
                     c.batches[name].append(t)
                 return None
-            out[name] = (pa.concat_tables([t for _, t in built]), bounds)
+            counts = np.array([0 if t is None else t.num_rows for t in tables], dtype=np.int64)
+            out[name] = (pa.concat_tables([t for _, t in built]), np.concatenate(([0], np.cumsum(counts))))
         for c in ctxs:
             c.reset()
         return out

@@ -70,14 +70,23 @@ def small_chunks(monkeypatch):
 
 @pytest.fixture
 def seals(monkeypatch) -> list[int]:
-    """The number of contexts of every seal made (a probe: the chunked path must run)."""
+    """The number of contexts of every seal that built a table (a probe: the chunked path must
+    run); a slice's own seal counts 1."""
     made: list[int] = []
-    real = OperatorContext.seal_together
+    real_together, real_seal = OperatorContext.seal_together, OperatorContext.seal
 
-    def counted(ctxs, schemas):
-        made.append(len(ctxs))
-        return real(ctxs, schemas)
-    monkeypatch.setattr(OperatorContext, "seal_together", staticmethod(counted))
+    def together(ctxs, schemas):
+        if any(c.unsealed_rows() for c in ctxs):
+            made.append(len(ctxs))
+        return real_together(ctxs, schemas)
+
+    def seal(self, schemas, only_inferred=False):
+        before = self.unsealed_rows()
+        real_seal(self, schemas, only_inferred)
+        if self.unsealed_rows() < before:
+            made.append(1)
+    monkeypatch.setattr(OperatorContext, "seal_together", staticmethod(together))
+    monkeypatch.setattr(OperatorContext, "seal", seal)
     return made
 
 
@@ -100,16 +109,41 @@ def test_a_group_seals_several_slices_events_in_one_table(small_chunks, seals):
     assert max(seals) > 1
 
 
-def test_undeclared_outputs_are_never_sealed_and_equal_the_serial_run(small_chunks, seals):
-    """Arrow infers an undeclared output's types from all of a slice's rows: no chunk of them
-    is built on its own."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_undeclared_outputs_built_a_chunk_at_a_time_equal_the_serial_run(small_chunks, seals, monkeypatch, grouped):
+    monkeypatch.setattr(ContainerCore, "GROUP_SLICES", grouped)
     want = rows(cs.run(tally_job(6, declared=False), executor="serial"))
     got = rows(cs.run(tally_job(6, declared=False), executor="local", containers=1))
     assert got == want
+    assert len(seals) > 100
+
+
+def test_a_group_never_infers_one_table_for_several_slices(small_chunks, seals):
+    """Arrow infers an undeclared output's types from one slice's rows (as alone): a group
+    seals them slice by slice."""
+    want = rows(cs.run(tally_job(40, declared=False, n=2000, epoch=1000), executor="serial"))
+    got = rows(cs.run(tally_job(40, declared=False, n=2000, epoch=1000), executor="local", containers=1))
+    assert got == want
+    assert seals and max(seals) == 1
+
+
+def test_pieces_inferred_alike_are_joined_and_pieces_inferred_apart_are_inferred_again_whole():
+    """An int, then a float: chunk by chunk Arrow infers int64 and double; from every event at
+    once, double, which the output gets, as without chunks."""
     ctx = OperatorContext("s", 0, ("out",))
-    ctx.produce("out", {"x": 1})
-    ctx.seal({"out": None})
-    assert ctx.events["out"] == [{"x": 1}] and ctx.sealed["out"] == []
+    for i, x in enumerate([1, 2, 3.5]):
+        ctx.begin_event(i, 0)
+        ctx.produce("out", {"x": x})
+        ctx.seal({"out": None})
+    table = ctx.take_outputs({"out": None})["out"]
+    assert table.schema.field("x").type == pa.float64() and table["x"].to_pylist() == [1.0, 2.0, 3.5]
+    for i, x in enumerate([1, 2, 3]):
+        ctx.begin_event(i, 0)
+        ctx.produce("out", {"x": x})
+        ctx.seal({"out": None})
+    assert len(ctx.sealed["out"]) == 3
+    table = ctx.take_outputs({"out": None})["out"]
+    assert table.schema.field("x").type == pa.int64() and table["x"].to_pylist() == [1, 2, 3]
 
 
 def test_sealed_rows_come_before_later_events_in_take_outputs():
