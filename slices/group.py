@@ -55,7 +55,7 @@ from chronostream.operators import OperatorContext
 from chronostream.sorting import stable_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
-from slices.slice import EVENT_CHUNK, SliceRuntime
+from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts
 
 log = logging.getLogger("chronostream.slices")
 
@@ -244,12 +244,12 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
     return kept_tables, owners
 
 
-def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list[pa.Table], inp: np.ndarray,
-                    local: np.ndarray, order: np.ndarray, sub: np.ndarray, bounds: np.ndarray,
+def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list[pa.Table | list[dict]],
+                    inp: np.ndarray, local: np.ndarray, order: np.ndarray, sub: np.ndarray, bounds: np.ndarray,
                     shared_s: float) -> dict[int, dict[int, pa.Table]]:
-    """A per-event operator's epoch: the group's rows (``tables[k]``: input ``names[k]``'s,
-    turned into dicts by each slice's loop, a chunk at a time), the group's merge order as (``inp``, ``local``) with each row's lineage
-    (``order``, ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own
+    """A per-event operator's epoch: the group's rows (``tables[k]``: input ``names[k]``'s, a
+    table each slice's loop turns into dicts a chunk at a time, or its rows as dicts already),
+    the group's merge order as (``inp``, ``local``) with each row's lineage (``order``, ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own
     loop over its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
     dead letters as alone). The outputs become one table per stream when the stage declares
     their schemas (``OperatorContext.take_outputs_together``), chained and numbered once as a
@@ -344,7 +344,7 @@ def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[i
     """One epoch of the group ``runtimes`` of a per-event operator with several inputs (a
     join): ``parts`` are (input stream id, part), senders in order. Admission once per stream
     (``_admit_parts``), one merge of every slice's rows of every input in each slice's
-    ``merge_order``, then each slice's own loop over its
+    ``merge_order``, the rows as dicts once per input, then each slice's own loop over its
     share (``_consume_events``). Returns numbered outputs by slice, then stream id.
     """
     t0 = time.perf_counter()
@@ -374,7 +374,9 @@ def process_inputs(runtimes: list[SliceRuntime], epoch: int, parts: list[tuple[i
     for k, (sid, (tables, owners)) in enumerate(admitted.items()):
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         names.append(inputs[sid].name)
-        input_tables.append(table)
+        # As dicts at once: a slice's rows of an input are scattered over the senders' parts,
+        # and a take per slice, input and chunk cost more than the warmer caches gave back.
+        input_tables.append(event_dicts(table))
         n = table.num_rows
         cols.append([np.concatenate(owners)] + [np.asarray(table.column(c)) for c in (ORDER, SUB)]
                     + [np.full(n, inputs[sid].index, dtype=np.int64)]

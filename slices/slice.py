@@ -80,24 +80,33 @@ def event_dicts(table: pa.Table) -> list[dict]:
 EVENT_CHUNK = 1024
 
 
-def chunk_events(tables: Sequence[pa.Table], inp: np.ndarray, local: np.ndarray) -> list[dict]:
+def chunk_events(tables: Sequence[pa.Table | list[dict]], inp: np.ndarray, local: np.ndarray) -> list[dict]:
     """The events ``tables[inp[j]]`` row ``local[j]`` as dicts (``event_dicts``), in ``j`` order.
+    An input given as a list holds its rows as dicts already.
 
     >>> t = pa.table({"a": [0, 1, 2], "_order": [5, 6, 7]})
-    >>> chunk_events([t, t], np.array([1, 0, 1]), np.array([2, 0, 1]))
-    [{'a': 2}, {'a': 0}, {'a': 1}]
+    >>> chunk_events([t, [{"b": 0}, {"b": 1}]], np.array([1, 0, 1]), np.array([1, 0, 0]))
+    [{'b': 1}, {'a': 0}, {'b': 0}]
     """
     if len(inp) == 0:
         return []
+    if all(isinstance(t, list) for t in tables):
+        return [tables[i][r] for i, r in zip(inp.tolist(), local.tolist())]  # type: ignore[index]
     first = int(inp[0])
     if bool(np.all(inp == first)):
-        return event_dicts(_rows(tables[first], local))
+        return _events(tables[first], local)
     out: list[dict] = [{}] * len(inp)
     for k in np.unique(inp).tolist():
         where = np.flatnonzero(inp == k)
-        for j, event in zip(where.tolist(), event_dicts(_rows(tables[k], local[where]))):
+        for j, event in zip(where.tolist(), _events(tables[k], local[where])):
             out[j] = event
     return out
+
+
+def _events(rows_of: pa.Table | list[dict], rows: np.ndarray) -> list[dict]:
+    if isinstance(rows_of, list):
+        return [rows_of[r] for r in rows.tolist()]
+    return event_dicts(_rows(rows_of, rows))
 
 
 def _rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
@@ -265,10 +274,13 @@ class SliceRuntime:
         return ctx.take_outputs(self.stage.output_schemas)
 
     def _run_per_event(self, tables, inp, local, order, sub) -> None:
-        self.consume_events([name for _, name, _ in tables], [t for _, _, t in tables], inp, local, order, sub)
+        # One input: its rows in merge order are runs of its table, turned into dicts a chunk
+        # at a time. Several (a join): as dicts at once, as a group does (``process_inputs``).
+        rows = [t for _, _, t in tables] if len(tables) == 1 else [event_dicts(t) for _, _, t in tables]
+        self.consume_events([name for _, name, _ in tables], rows, inp, local, order, sub)
 
-    def consume_events(self, names: list[str], tables: Sequence[pa.Table], inp: np.ndarray, local: np.ndarray,
-                       order: np.ndarray, sub: np.ndarray) -> None:
+    def consume_events(self, names: list[str], tables: Sequence[pa.Table | list[dict]], inp: np.ndarray,
+                       local: np.ndarray, order: np.ndarray, sub: np.ndarray) -> None:
         """The per-event operator's loop: row ``local[j]`` of ``tables[inp[j]]`` (input
         ``names[inp[j]]``) as a dict, with lineage ``(order[j], sub[j])``, for every ``j`` in
         merge order; rows become dicts ``EVENT_CHUNK`` at a time. An event that raises loses
