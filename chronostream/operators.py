@@ -205,9 +205,9 @@ class OperatorContext:
         if any(c.batches[n] for c in ctxs for n in names):
             return None
         out: dict[str, tuple[pa.Table, np.ndarray]] = {}
+        OperatorContext.seal_together(ctxs, schemas)  # the rest of every declared output's rows
         for name in names:
             if schemas.get(name) is not None:
-                OperatorContext.seal_together(ctxs, schemas)  # (the rest of every context's rows)
                 counts = np.array([sum(t.num_rows for t in c.sealed[name]) for c in ctxs], dtype=np.int64)
                 if counts.sum():
                     pieces = [t for c in ctxs for t in c.sealed[name]]
