@@ -61,24 +61,34 @@ class OperatorContext:
         """Produced events not built into a table yet (every output)."""
         return sum(len(v) for v in self.events.values())
 
-    def seal(self, schemas: dict[str, pa.Schema | None], only_inferred: bool = False) -> None:
+    def seal(self, schemas: dict[str, pa.Schema | None]) -> None:
         """Build the events produced so far into a table per output now, while they are still
         in the CPU's caches; ``take_outputs`` joins the tables with the rest. (One table built
         from a whole epoch's events at its end walked tens of MB no cache held: 3x the time
-        per row.) ``only_inferred``: only outputs without a declared schema (a slice group
-        seals the declared ones of several slices together: ``seal_together``).
+        per row.)
 
         Without a declared schema Arrow infers each table's types from its own events; the
         tables are joined only when all inferred the same schema, and else the output's table
         is inferred from all its events at once (``_built``), as if never sealed."""
         for name in self.output_names:
             events, schema = self.events[name], schemas.get(name)
-            if not events or (only_inferred and schema is not None):
+            if not events:
                 continue
             self.sealed[name].append(_events_table(events, self.lineage[name], schema))
             if schema is None:
                 self._raw[name].append((events, self.lineage[name]))
             self.events[name], self.lineage[name] = [], []
+
+    def settle_inferred(self, schemas: dict[str, pa.Schema | None]) -> None:
+        """Build every output without a declared schema into its one table now (``_built``:
+        pieces joined, or inferred again from all events when they disagree) and drop the
+        events it was built from. A slice group calls this after each slice's loop: holding
+        every slice's events until the epoch's end made freeing them, cold, cost as much as a
+        tenth of a per-event count's epoch with 64 slices."""
+        for name in self.output_names:
+            if schemas.get(name) is None and (self.events[name] or self.sealed[name]):
+                self.sealed[name] = [self._built(name, None)]  # type: ignore[list-item]
+                self.events[name], self.lineage[name], self._raw[name] = [], [], []
 
     @staticmethod
     def seal_together(ctxs: Sequence["OperatorContext"], schemas: dict[str, pa.Schema | None]) -> None:

@@ -279,7 +279,7 @@ def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list
             raise
         rt.busy_s += time.perf_counter() - t1
         ran.append(i)
-        rt.ctx.seal(stage.output_schemas, only_inferred=True)  # type: ignore[union-attr]
+        rt.ctx.settle_inferred(stage.output_schemas)  # type: ignore[union-attr]
         unsealed.append(i)
         waiting += rt.ctx.unsealed_rows()  # type: ignore[union-attr]
     t2 = time.perf_counter()

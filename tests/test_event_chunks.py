@@ -80,9 +80,9 @@ def seals(monkeypatch) -> list[int]:
             made.append(len(ctxs))
         return real_together(ctxs, schemas)
 
-    def seal(self, schemas, only_inferred=False):
+    def seal(self, schemas):
         before = self.unsealed_rows()
-        real_seal(self, schemas, only_inferred)
+        real_seal(self, schemas)
         if self.unsealed_rows() < before:
             made.append(1)
     monkeypatch.setattr(OperatorContext, "seal_together", staticmethod(together))
@@ -167,3 +167,27 @@ def test_mixing_batches_with_sealed_events_is_refused_as_with_events():
     ctx.produce_batch("out", pa.table({"x": [2], "_order": [0], "_sub": [0]}))
     with pytest.raises(ValueError, match="mixed produce"):
         ctx.take_outputs({"out": schema})
+
+
+def test_settling_an_undeclared_output_keeps_one_table_as_take_outputs_builds_it_and_drops_its_events():
+    """A group settles each slice's undeclared outputs after its loop: an int piece, a float
+    piece with a column more and a waiting event become the one table ``take_outputs`` would
+    build (inferred from every event), and
+    the events it was inferred from are let go; a declared output is left to ``seal_together``."""
+    declared = pa.schema([("y", pa.int64())])
+    schemas = {"out": None, "dec": declared}
+    ctx = OperatorContext("s", 0, ("out", "dec"))
+    for i, event in enumerate([{"x": 1}, {"x": 2.5, "z": 1}, {"x": 3}]):
+        ctx.begin_event(i, 0)
+        ctx.produce("out", event)
+        ctx.produce("dec", {"y": i})
+        if i < 2:
+            ctx.seal(schemas)  # pieces: int64, then double; 3 still waits
+    ctx.settle_inferred(schemas)
+    assert len(ctx.sealed["out"]) == 1 and ctx.events["out"] == [] and ctx._raw["out"] == []
+    assert len(ctx.sealed["dec"]) == 2 and len(ctx.events["dec"]) == 1  # untouched
+    out = ctx.take_outputs(schemas)
+    # From all events at once: the first event's columns (z dropped), x a double.
+    assert out["out"].schema.names == ["x", "_order", "_sub"] and out["out"].schema.field("x").type == pa.float64()
+    assert out["out"]["x"].to_pylist() == [1.0, 2.5, 3.0] and out["out"]["_order"].to_pylist() == [0, 1, 2]
+    assert out["dec"]["y"].to_pylist() == [0, 1, 2]
