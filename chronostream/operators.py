@@ -143,11 +143,12 @@ class OperatorContext:
 
     def produce(self, stream_id: str, event: dict) -> None:
         """Record one produced event under the current lineage."""
-        if stream_id not in self.events:
+        events = self.events.get(stream_id)
+        if events is None:
             raise self._undeclared(stream_id)
         # Per-stream outputs keep production order; mixing per-event and batch
         # produce on one stream is refused in take_outputs().
-        self.events[stream_id].append(event)
+        events.append(event)
         self.lineage[stream_id].append((self._order, self._sub, self._k))
         self._k += 1
 
