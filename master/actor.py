@@ -483,9 +483,18 @@ class JobMaster:
         self._at_step("detected", lost)
         backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         damaged: dict[tuple[int, int], list[str]] = {}
-        catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in sorted(self.alive)],
+        hosts = sorted(self.alive)
+        catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in hosts],
                                         return_exceptions=True)
-        for h, cat in zip(sorted(self.alive), catalogs):
+        for i, h in enumerate(hosts):
+            if isinstance(catalogs[i], BaseException) and not isinstance(catalogs[i], RayActorError):
+                # A live host that failed to answer (not a death: the watch loop finds those)
+                # holds copies the plan must not miss: ask once more.
+                self._event("backup_catalog_failed", host=h, error=repr(catalogs[i]))
+                await asyncio.sleep(0.2)
+                catalogs[i] = (await asyncio.gather(self.handles[h].backup_catalog.remote(),
+                                                    return_exceptions=True))[0]
+        for h, cat in zip(hosts, catalogs):
             if isinstance(cat, BaseException):
                 continue
             good, bad = cat

@@ -91,8 +91,10 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     hosts (the candidates; a stage with none left is adopted by the live
     holders of its backups, or, with none, by a new host: ``Adoption.host``
     None); ``checkpointed``: slices known to have shipped a checkpoint
-    (their loss of every copy is an error unless ``recompute_lost``, or
-    the stage is ``rebuildable``); ``chain``: each slice's backup holders in chain
+    (their loss of every copy is an error unless ``recompute_lost``, the
+    stage is ``rebuildable``, or ``floor`` shows that no upstream output log
+    was trimmed yet: then the slice is rebuilt from the start, exactly, as
+    one never checkpointed is); ``chain``: each slice's backup holders in chain
     order, to break ties: the l = 1 holders of a container's slices are
     all different peers, so preferring them spreads the work; ``damaged``:
     checkpoints refused by their checksum, named in the error when no
@@ -139,9 +141,15 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                 copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
             else:
                 bad = (damaged or {}).get((stage, s), [])
-                if ((stage, s) in checkpointed or bad) and not recompute_lost and stage not in rebuildable:
+                # Upstream logs still whole from epoch 0 (no GC mark applied to them yet): a
+                # rebuild from the start replays them and is exact, checkpointed or not.
+                logs_whole = floor is not None and floor.get(stage, 0) < 0
+                if ((stage, s) in checkpointed or bad) and not (recompute_lost or logs_whole) \
+                        and stage not in rebuildable:
+                    holders = (chain or {}).get((stage, s), [])
                     why = (f"damaged: {'; '.join(bad)}" if bad
-                           else f"container {dead} and all its backup holders died")
+                           else f"container {dead} died and no live host holds a copy"
+                           + (f"; its chain's holders were hosts {holders}" if holders else ""))
                     raise BackupsLost(f"every backup of stage {names.get(stage, stage)!r} slice {s} is lost ({why}); "
                                       "pass recompute_lost=True to rebuild it from the start")
                 host = min(hosts, key=lambda h: (load.get(h, 0), h)) if hosts else None

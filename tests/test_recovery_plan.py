@@ -95,3 +95,23 @@ def test_a_source_whose_every_backup_is_lost_is_rebuilt_from_the_start():
         plan_recovery(LOST, {}, LIVE, 10, checkpointed={(1, s) for s in range(4)})
     plan = plan_recovery(LOST, {}, LIVE, 10, checkpointed={(1, s) for s in range(4)}, rebuildable={1})
     assert all(a.epochs[s] == -1 and a.holders[s] == [] for a in plan for s in a.slices)
+
+
+def test_a_checkpointed_slice_with_no_copy_left_is_rebuilt_from_the_start_while_no_upstream_log_was_trimmed():
+    """Every copy gone (or none arrived yet: a checkpoint taken, not yet received), but no GC mark
+    applied to the stage's upstream logs: replaying them from epoch 0 rebuilds the slice exactly."""
+    checkpointed = {(1, s) for s in range(4)}
+    plan = plan_recovery(LOST, {}, LIVE, 10, checkpointed=checkpointed, floor={0: -1, 1: -1})
+    assert sorted(s for a in plan for s in a.slices) == [0, 1, 2, 3]
+    assert all(a.epochs[s] == -1 and a.holders[s] == [] for a in plan for s in a.slices)
+    assert set(hosts_by_slice(plan).values()) <= {1, 2}
+
+
+def test_a_checkpointed_slice_with_no_copy_left_after_a_trim_is_a_loss_naming_its_chains_holders():
+    checkpointed = {(1, s) for s in range(4)}
+    with pytest.raises(BackupsLost, match=r"slice 0 is lost \(container 0 died and no live host holds a copy; "
+                                          r"its chain's holders were hosts \[3\]\)"):
+        plan_recovery(LOST, {}, LIVE, 10, checkpointed=checkpointed, floor={0: -1, 1: 4},
+                      chain={(1, s): [3] for s in range(4)})
+    with pytest.raises(BackupsLost, match="slice 0"):  # marks unknown (a restarted master): no guess
+        plan_recovery(LOST, {}, LIVE, 10, checkpointed=checkpointed, floor=None)
