@@ -84,7 +84,9 @@ class OperatorContext:
         pieces joined, or inferred again from all events when they disagree) and drop the
         events it was built from. A slice group calls this after each slice's loop: holding
         every slice's events until the epoch's end made freeing them, cold, cost as much as a
-        tenth of a per-event count's epoch with 64 slices."""
+        tenth of a per-event count's epoch with 64 slices. Call it once the context produces
+        no more events before ``take_outputs``: a later piece inferred differently could not be
+        inferred again with the settled events (``_built`` refuses that)."""
         for name in self.output_names:
             if schemas.get(name) is None and (self.events[name] or self.sealed[name]):
                 self.sealed[name] = [self._built(name, None)]  # type: ignore[list-item]
@@ -121,6 +123,10 @@ class OperatorContext:
             # Arrow inferred different types for different pieces (an int column, then a
             # float one): infer from every event at once, as with no piece built before.
             raw = self._raw[name] + [(events, self.lineage[name])]
+            if sum(len(ev) for ev, _ in raw) != sum(t.num_rows for t in pieces):
+                raise RuntimeError(f"stage {self.stage!r} slice {self.slice_id}: output {name!r} got events "
+                                   "after it was settled, of other inferred types; its settled events are "
+                                   "gone, so it cannot be inferred again whole")
             return _events_table([e for ev, _ in raw for e in ev], [x for _, lin in raw for x in lin], None)
         return pa.concat_tables(pieces)
 

@@ -191,3 +191,19 @@ def test_settling_an_undeclared_output_keeps_one_table_as_take_outputs_builds_it
     assert out["out"].schema.names == ["x", "_order", "_sub"] and out["out"].schema.field("x").type == pa.float64()
     assert out["out"]["x"].to_pylist() == [1.0, 2.5, 3.0] and out["out"]["_order"].to_pylist() == [0, 1, 2]
     assert out["dec"]["y"].to_pylist() == [0, 1, 2]
+
+
+def test_events_after_a_settle_that_infer_other_types_are_refused_not_dropped():
+    """Settling lets the events go; a later piece of other types could only be inferred again
+    without them, losing rows: refused with the stage, slice and output named."""
+    ctx = OperatorContext("s", 3, ("out",))
+    ctx.begin_event(0, 0)
+    ctx.produce("out", {"x": 1})
+    ctx.settle_inferred({"out": None})
+    ctx.begin_event(1, 0)
+    ctx.produce("out", {"x": 2})  # same types: joined
+    assert ctx._built("out", None)["x"].to_pylist() == [1, 2]
+    ctx.produce("out", {"x": 2.5})
+    ctx.seal({"out": None})
+    with pytest.raises(RuntimeError, match=r"stage 's' slice 3: output 'out' got events after it was settled"):
+        ctx.take_outputs({"out": None})
