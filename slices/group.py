@@ -250,8 +250,9 @@ def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list
     """A per-event operator's epoch: the group's rows (``tables[k]``: input ``names[k]``'s, a
     table each slice's loop turns into dicts a chunk at a time, or its rows as dicts already),
     the group's merge order as (``inp``, ``local``) with each row's lineage (``order``,
-    ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own loop over its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
-    dead letters as alone). The outputs become one table per stream when the stage declares
+    ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own loop over
+    its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
+    dead letters as alone), then settles its undeclared outputs (``settle_inferred``). The outputs become one table per stream when the stage declares
     their schemas (``OperatorContext.take_outputs_together``), chained and numbered once as a
     fused group's; else each slice emits its own. ``shared_s`` (admission, merge) and
     the group's emitting are shared out by rows."""
