@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -326,6 +327,20 @@ class StoredKeys:
         return list(self.chunks[0]) if self.chunks else []
 
 
+class _GroupAdded:
+    """One ``KeyIndexGroup.slots`` call's new keys, grouped by member: their hashes, their slots
+    in their member and the keys per column (each member's share: rows ``lo:hi``)."""
+
+    __slots__ = ("hashes", "slots", "keys")
+
+    def __init__(self, hashes: np.ndarray, slots: np.ndarray, keys: list[pa.Array]) -> None:
+        self.hashes, self.slots, self.keys = hashes, slots, keys
+
+
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+
+
 class KeyIndex:
     """Distinct keys seen so far, each with a dense slot number (0, 1, 2...).
 
@@ -351,19 +366,40 @@ class KeyIndex:
         # the group does the lookups meanwhile, so the merge waits for this index's own.
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._group: KeyIndexGroup | None = None  # the group that added them
+        # Keys a group added and this index has not even stored yet: (the group's batch of new
+        # keys, this index's rows lo:hi of it). Stored (``_materialize``) when this index's keys
+        # or pending hashes are read: a group of 64 slices storing each slice's few new keys
+        # every epoch cost benchmarks.slices' word count ~10% of its time.
+        self._deferred: list[tuple[_GroupAdded, int, int]] = []
 
     def __len__(self) -> int:
         return self._size
 
     def keys(self) -> list[pa.Array]:
         """The stored keys per column, in slot order."""
+        self._materialize()
         return self._keys.columns()
 
     def take(self, slots: np.ndarray) -> list[pa.Array]:
         """The keys of ``slots``, per key column (cost proportional to ``len(slots)``)."""
+        self._materialize()
         return self._keys.take(slots) if self._size else []
 
+    def _materialize(self) -> None:
+        """Store the keys a group added to this index (``_deferred``), one append for all."""
+        if not self._deferred:
+            return
+        group = self._group
+        with group._lock if group is not None else nullcontext():
+            pieces, self._deferred = self._deferred, []
+            cols = [_concat([added.keys[c].slice(lo, hi - lo) for added, lo, hi in pieces])
+                    for c in range(len(pieces[0][0].keys))]
+            self._keys.append(cols)
+            self._pending.append((np.concatenate([added.hashes[lo:hi] for added, lo, hi in pieces]),
+                                  np.concatenate([added.slots[lo:hi] for added, lo, hi in pieces])))
+
     def _settle(self) -> None:
+        self._materialize()
         if self._pending:
             self._runs.finish_merge()  # the keys a group added join the main run whole
         if self._pending and self._group is not None:
@@ -384,15 +420,6 @@ class KeyIndex:
         self._settle()
         hashes, slots = self._runs.merged()
         return hashes, slots
-
-    def _append_unsorted(self, keys: Sequence[pa.Array], hashes: np.ndarray) -> np.ndarray:
-        """Give new keys (known absent) the next slots; their hashes merge in later."""
-        k = len(hashes)
-        slots = np.arange(self._size, self._size + k, dtype=np.int64)
-        self._keys.append(list(keys))
-        self._size += k
-        self._pending.append((hashes, slots))
-        return slots
 
     def slots(self, unique_keys: Sequence[pa.Array], hashes: np.ndarray | None = None) -> np.ndarray:
         """Slot of each row of ``unique_keys`` (rows must be distinct keys); new keys get new slots.
@@ -512,6 +539,9 @@ class KeyIndexGroup:
         Only members the group left at their size get them (the group's entries are then
         exactly their keys); the others merge their pending keys by sorting, as before.
         """
+        for m in self.members:
+            if m is not None and m._group is self:
+                m._materialize()
         hashes, member, slot, _at = self._runs.merged()
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
@@ -586,20 +616,26 @@ class KeyIndexGroup:
         new = np.flatnonzero(~found)
         if len(new):
             by_member, cut = self._by_member(member_of[new])
-            taken = [col.take(pa.array(new[by_member])) for col in keys]
-            at_keys[new[by_member]] = np.arange(len(self._keys), len(self._keys) + len(new), dtype=np.int64)
+            rows = new[by_member]  # the new keys, grouped by member
+            taken = [col.take(pa.array(rows)) for col in keys]
+            at_keys[rows] = np.arange(len(self._keys), len(self._keys) + len(new), dtype=np.int64)
             self._keys.append(taken)
-            for i in range(len(self.members)):
-                lo, hi = int(cut[i]), int(cut[i + 1])
-                if hi > lo:
-                    rows_i = new[by_member[lo:hi]]
-                    out[rows_i] = self.members[i]._append_unsorted(  # type: ignore[union-attr]
-                        [t.slice(lo, hi - lo) for t in taken], hashes[rows_i])
+            # A member's new keys take its next slots, in batch order; the member stores them
+            # when it reads its keys (``KeyIndex._materialize``), not once per batch.
+            counts = np.diff(cut)
+            sizes = np.asarray(self._sizes, dtype=np.int64)
+            new_slots = np.arange(len(new), dtype=np.int64) + np.repeat(sizes - cut[:-1], counts)
+            out[rows] = new_slots
+            added = _GroupAdded(hashes[rows], new_slots, taken)
+            for i in np.flatnonzero(counts).tolist():
+                m = self.members[i]
+                m._size += int(counts[i])  # type: ignore[union-attr]
+                m._deferred.append((added, int(cut[i]), int(cut[i + 1])))  # type: ignore[union-attr]
+            self._sizes = (sizes + counts).tolist()
             # New keys go into the recent run (O(recent) per batch), as in a single index.
             new_order = by_hash[~found[by_hash]]
             self._runs.add(hashes[new_order], [member_of[new_order].astype(np.int32), out[new_order],
                                                at_keys[new_order]], self.RECENT_MAX)
-            self._sizes = [len(m) if m is not None else 0 for m in self.members]
         self._runs.advance(len(new), self.RECENT_MAX, self.MERGE_STEP_MIN)
         return out
 

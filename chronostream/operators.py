@@ -631,14 +631,13 @@ class KeyedAggregate(Operator):
             group = agg._key_group = KeyIndexGroup.covering(indexes) or (
                 KeyIndexGroup(indexes) if len(ops) > 1 else None)
         if owner_sorted is None:  # one op: its segments are the distinct keys, in order
-            op_segments = [np.arange(len(start_pos))]
+            by_owner, cut = np.arange(len(start_pos)), np.array([0, len(start_pos)])
             seg_slots = agg.key_index.slots(unique_keys, hashes=hashes) if group is None else group.slots(
                 np.full(len(start_pos), group.positions(indexes)[0]), unique_keys, hashes)
         else:
             seg_owner = owner_sorted[start_pos]
             by_owner = stable_argsort(seg_owner)
             cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
-            op_segments = [by_owner[cut[i]:cut[i + 1]] for i in range(len(ops))]
             assert group is not None
             take = pa.array(seg_key)
             seg_slots = group.slots(group.positions(indexes)[seg_owner], [col.take(take) for col in unique_keys],
@@ -647,16 +646,27 @@ class KeyedAggregate(Operator):
         kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
         needed = ["count"] + [_state_array_name(a, col, kinds[col]) for col in value_cols
                               for a in ("sum", "min", "max")]
-        prior = {name: np.empty(len(start_pos), dtype=_state_array_dtype(name)) for name in needed}
-        per_op: list[tuple[KeyedAggregate, np.ndarray, np.ndarray]] = []  # (op, its segments, their slots)
-        for op, segs in zip(ops, op_segments):
-            if not len(segs):
+        # Segments in op order (``by_owner``): op i's are ``cut[i]:cut[i + 1]`` of it, so each op
+        # reads and writes a contiguous stretch (a view), not a fancy-indexed subset of its own.
+        slots_by_op = seg_slots[by_owner]
+        prior_by_op = {name: np.empty(len(start_pos), dtype=_state_array_dtype(name)) for name in needed}
+        per_op: list[tuple[KeyedAggregate, int, int]] = []  # (op, its stretch of by_owner)
+        bounds_by_op = cut.tolist()
+        needed_set = frozenset(needed)
+        for i, op in enumerate(ops):
+            lo, hi = bounds_by_op[i], bounds_by_op[i + 1]
+            if hi == lo:
                 continue
-            slots = seg_slots[segs]
-            op._grow(len(op.key_index), needed)
+            if op._must_grow(needed_set):
+                op._grow(len(op.key_index), needed)
+            slots = slots_by_op[lo:hi]
             for name in needed:
-                prior[name][segs] = op.arrays[name][slots]
-            per_op.append((op, segs, slots))
+                prior_by_op[name][lo:hi] = op.arrays[name][slots]
+            per_op.append((op, lo, hi))
+        prior = {}
+        for name, values in prior_by_op.items():
+            prior[name] = np.empty_like(values)
+            prior[name][by_owner] = values
         # Running count.
         pos_in_group = np.arange(n) - start_pos[seg]
         running_count = prior["count"][seg] + pos_in_group + 1
@@ -702,16 +712,19 @@ class KeyedAggregate(Operator):
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
         updates.append(("count", running_count))
-        for op, segs, slots in per_op:
+        last_by_op = last_rows[by_owner]
+        updates_by_op = [(name, values[last_by_op]) for name, values in updates]
+        for op, lo, hi in per_op:
+            slots = slots_by_op[lo:hi]
             listed = op._dirty_mask[slots]
-            if not listed.all():  # (all listed: the usual case once the keys are warm, or with no checkpoints)
+            if not listed.all():  # (all listed: the usual case once the keys are warm)
                 fresh = slots[~listed]
                 op._dirty_mask[fresh] = True
                 op._dirty_slots.append(fresh)
-            rows = last_rows[segs]
-            for name, values in updates:
-                op.arrays[name][slots] = values[rows]
-            op._mirror_writes(slots)
+            for name, values in updates_by_op:
+                op.arrays[name][slots] = values[lo:hi]
+            if op._growth is not None:
+                op._growth.mirror(op._slot_arrays(), slots)
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.arange(n)
         cols: dict[str, pa.Array] = {c: batch.column(c) for c in agg.key_columns}
@@ -726,6 +739,15 @@ class KeyedAggregate(Operator):
         cols[ORDER] = batch.column(ORDER)
         cols[SUB] = batch.column(SUB)
         return {"out": (pa.table(cols), np.asarray(bounds))}
+
+    def _must_grow(self, names: frozenset[str]) -> bool:
+        """False when ``_grow(len(self.key_index), names)`` would do nothing (checked inline: a group
+        of 64 slices asks every slice every batch)."""
+        count = self.arrays.get("count")
+        if self._growth is not None or count is None:
+            return True
+        cap, size = len(count), len(self.key_index)
+        return size > cap or should_start_spread(size, cap) or not self.arrays.keys() >= names
 
     def _grow(self, size: int, names: Sequence[str] = ()) -> None:
         """Room for ``size`` slots in every array, and arrays ``names`` (zeros: never written) made.
@@ -767,11 +789,6 @@ class KeyedAggregate(Operator):
         self._dirty_mask = arrays.pop(_DIRTY)
         self.arrays = arrays
         self._growth = None
-
-    def _mirror_writes(self, slots: np.ndarray) -> None:
-        """Writes at ``slots`` go to the arrays' next doubling too, while it is being copied."""
-        if self._growth is not None:
-            self._growth.mirror(self._slot_arrays(), slots)
 
     # -- checkpoints (see slices/checkpoint.py) ----------------------------------
 

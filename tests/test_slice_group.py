@@ -238,9 +238,26 @@ def test_group_slots_equal_each_members_own_numbering(batches, members, recent_m
         assert group.matches(indexes)
     for m, ix in enumerate(indexes):
         assert len(ix) == len(ref[m])
+        assert (ix.keys()[0].to_pylist() if len(ix) else []) == [f"k{k}" for k in sorted(ref[m], key=ref[m].get)]
         if ref[m]:
             keys = sorted(ref[m])
             assert ix.slots([pa.array([f"k{k}" for k in keys])]).tolist() == [ref[m][k] for k in keys]
+
+
+def test_a_members_keys_read_between_group_lookups_are_its_keys_in_slot_order():
+    """A group stores a member's new keys only when the member's keys are read: reads between
+    lookups (a checkpoint's ``take``, ``keys``) see every key added so far, at its slot, and
+    keys added after a read follow it."""
+    a, b = KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    first = pa.array(["p", "q", "r"])
+    assert group.slots(np.array([0, 1, 0]), [first], hash_columns([first])).tolist() == [0, 0, 1]
+    assert a.take(np.array([1, 0]))[0].to_pylist() == ["r", "p"]
+    second = pa.array(["s", "q", "t", "u"])
+    assert group.slots(np.array([0, 1, 1, 0]), [second], hash_columns([second])).tolist() == [2, 0, 1, 3]
+    assert a.keys()[0].to_pylist() == ["p", "r", "s", "u"]
+    assert b.take(np.array([1, 0]))[0].to_pylist() == ["t", "q"]
+    assert (len(a), len(b)) == (4, 2) and group.matches([a, b])
 
 
 def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not_re_sorted():
@@ -257,7 +274,9 @@ def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not
         group.slots(owner, [keys], hash_columns([keys]))
     want = []
     for m in members:  # what a sort of each member's keys gives
-        assert m._pending and m._group is group
+        assert m._deferred and not m._pending and m._group is group  # keys stored only when read
+        m._materialize()
+        assert m._pending and not m._deferred
         assert m._runs.only_main()
         hs = np.concatenate([m._runs.main[0]] + [h for h, _ in m._pending])
         sl = np.concatenate([m._runs.main[1]] + [x for _, x in m._pending])
@@ -265,7 +284,7 @@ def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not
     for m, (want_h, want_s) in zip(members, want):
         hashes, slots = m.sorted_hashes()  # the first call hands every member its arrays
         assert (hashes.tolist(), slots.tolist()) == (want_h, want_s)
-        assert m._group is None and not m._pending
+        assert m._group is None and not m._pending and not m._deferred
 
 
 def test_group_refuses_a_key_held_by_another_member_and_changes_nothing():
@@ -328,7 +347,7 @@ def test_a_group_serves_the_members_that_stay_when_others_leave_and_forgets_the_
             if m == 1:
                 assert slot == ref.setdefault(k, len(ref))
     assert group.members[0] is None and group.members[2] is None and group.members[1] is members[1]
-    assert members[1]._pending  # nothing was merged into its own arrays meanwhile
+    assert members[1]._deferred  # nothing was merged into its own arrays meanwhile
     fresh = KeyIndex()
     keys = sorted(ref, key=ref.get)
     assert fresh.slots([pa.array(keys)]).tolist() == members[1].slots([pa.array(keys)]).tolist()
@@ -361,7 +380,7 @@ def test_the_slices_left_after_a_migration_keep_their_results_without_a_re_sort(
         if part.num_rows:
             alone[1].consume_batch("in", part)
             assert exact(got) == exact(alone[1]._ctx.take_outputs({})["out"])
-    assert grouped[1].key_index._pending and grouped[1].key_index._group is not None
+    assert grouped[1].key_index._deferred and grouped[1].key_index._group is not None
     assert state_by_key(grouped[1]) == state_by_key(alone[1])
 
 
