@@ -3,8 +3,9 @@
 Grouping rows by slice, container or dictionary code is a stable argsort of
 small integers. numpy sorts 16-bit (and smaller) integers stably with a
 radix sort, 3-4x faster than its int64 merge sort on the 100,000s of rows
-of an epoch; codes up to 32 bits take two such passes. The result is the
-same permutation. Also the argsort of 64-bit hashes (uniform bits), which
+of an epoch; codes up to 32 bits take two such passes. Many keys of a small
+range (slice numbers) go to Arrow's counting sort instead. The result is
+the same permutation. Also the argsort of 64-bit hashes (uniform bits), which
 the key index sorts on every lookup batch and on every restore. Knows
 nothing else.
 """
@@ -12,6 +13,15 @@ nothing else.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+#: ``stable_argsort`` hands keys below ``COUNTING_TOP``, when there are ``COUNTING_MIN_ROWS`` or
+#: more, to Arrow, which counts them: slice, container and owner numbers. (Measured here with
+#: pyarrow 26: it counts key ranges up to 4,096 at least; at 8,000 it merge-sorts, 8x slower
+#: than numpy. Below 65,536 rows numpy's radix sort is as fast.)
+COUNTING_TOP = 1024
+COUNTING_MIN_ROWS = 1 << 16
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:
@@ -26,6 +36,11 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
     if not len(keys) or int(keys.min()) < 0:
         return np.argsort(keys, kind="stable")
     top = int(keys.max())
+    if top < COUNTING_TOP and len(keys) >= COUNTING_MIN_ROWS:
+        # Arrow's stable sort counts keys of a small range (a counting sort): one pass where
+        # numpy's radix sort makes several, 5x faster from 65,536 rows (0.26 against 1.3 ms
+        # for 163,840 slice numbers below 64). Its indices are uint64, below 2**63: viewed.
+        return np.asarray(pc.array_sort_indices(pa.array(keys.astype(np.uint16, copy=False)))).view(np.int64)
     if top < 1 << 16:
         return np.argsort(keys.astype(np.uint16, copy=False), kind="stable")
     if top < 1 << 32:

@@ -82,7 +82,19 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
         tagged = np.concatenate((np.array([binary_fingerprint(codes.dictionary)], np.uint64), code_hashes))
         field = pa.field(key_codes_column(key[0]), codes.type, metadata={KEY_HASHES_META: tagged.tobytes()})
         table = table.append_column(field, codes)
-    cont = out.slice_to_container[dst]
+    targets = out.slice_to_container
+    if not out.dual and len(targets) and bool(np.all(targets == targets[0])):
+        # One destination container: its part is every row, in slice order (a stable sort keeps
+        # producer order within a slice); rows already in slice order are not copied at all.
+        if not len(dst):
+            return {}
+        if len(dst) < 2 or bool(np.all(dst[1:] >= dst[:-1])):
+            return {int(targets[0]): (table, dst)}
+        order = stable_argsort(dst)
+        # dst[order], without a gather: each slice's number as often as it has rows.
+        dst_sorted = np.repeat(np.arange(out.num_slices, dtype=np.int64), np.bincount(dst, minlength=out.num_slices))
+        return {int(targets[0]): (table.take(pa.array(order)), dst_sorted)}
+    cont = targets[dst]
     rows = None  # row index per routed row (None: every row once, in order)
     if out.dual:
         alt = np.full(out.num_slices, -1, dtype=np.int64)
@@ -94,10 +106,7 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
             cont = np.concatenate((cont, alt[dst[copies]]))
             dst = dst[rows]
     # One stable sort on (container, slice): keeps producer order within a slice.
-    # With one destination container the slice alone is the key; rows already
-    # in slice order (one consumer slice) are not sorted nor copied at all.
-    one_container = rows is None and (len(cont) == 0 or bool(np.all(cont == cont[0])))
-    sort_key = dst if one_container else cont * out.num_slices + dst
+    sort_key = cont * out.num_slices + dst
     if rows is None and (len(sort_key) < 2 or bool(np.all(sort_key[1:] >= sort_key[:-1]))):
         cont_sorted, dst_sorted, taken = cont, dst, table
     else:

@@ -33,3 +33,16 @@ def test_stable_argsort_equals_numpy_stable_argsort_across_widths():
     for top in (10, 1 << 16, 1 << 30, 1 << 40):
         keys = rng.integers(0, top, 20_000)
         assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable"))
+
+
+@pytest.mark.parametrize("top", [1, 64, 1023, 1024])
+def test_many_keys_of_a_small_range_sort_like_numpys_stable_argsort_into_int64_positions(top):
+    """From COUNTING_MIN_ROWS keys below COUNTING_TOP, Arrow counts them: the same permutation,
+    as int64 (uint64 positions would turn arithmetic with int64 into floats)."""
+    from chronostream import sorting
+
+    rng = np.random.default_rng(top)
+    keys = rng.integers(0, top, sorting.COUNTING_MIN_ROWS + 17)
+    got = stable_argsort(keys)
+    assert got.dtype == np.int64
+    assert np.array_equal(got, np.argsort(keys, kind="stable"))
