@@ -99,8 +99,8 @@ class JobMaster:
         self._crash_at: str | None = None  # failure injection: exit at this recovery step (crash_in_recovery)
         self._kill_at: tuple[str, str] | None = None  # failure injection: (step, role) (kill_in_recovery)
         self._counters: Counters | None = None
-        # Highest GC mark applied per producer stage (logs trimmed up to it); None until
-        # known (a restarted master learns them again at its first GC round).
+        # Highest GC mark applied per producer stage (logs trimmed up to it), saved in the
+        # catalog before any host applies it: a restarted master reads it back.
         self.gc_marks: dict[int, int] | None = {}
         # Source stage -> the first global order a restore may read again (only grows; 0 until
         # a GC round knows it, also after a restart): what its source log may be trimmed to.
@@ -111,7 +111,7 @@ class JobMaster:
         self.host_names: dict[int, str] = self.catalog.load_host_names()
         self.resumed = self.catalog.exists()
         if self.resumed:
-            self.gc_marks = None
+            self.gc_marks = self.catalog.load_gc_marks()
             self._resume()
 
     def _host_name(self, host_id: int) -> str:
@@ -134,7 +134,8 @@ class JobMaster:
             except ValueError:  # it died while the master was away: recovered by the watch loop
                 self.handles[h] = None
                 self.last_seen[h] = now - 2 * self.opts.heartbeat_timeout_s
-        self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of))
+        self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of),
+                    gc_marks={str(k): v for k, v in sorted((self.gc_marks or {}).items())})
         self._unsettled_request, left = self.catalog.load_migration()
         self._unsettled = [Transfer.from_plain(d) for d in left]
         self._unfinished_recovery = self.catalog.load_recovery()
@@ -338,6 +339,8 @@ class JobMaster:
             self.source_floors = raised(self.source_floors, floors, 0)
             self.gc_marks = raised(self.gc_marks or {}, marks, -1)
             if any(v >= 0 for v in marks.values()):
+                # Write-ahead: the marks are durable before any log is trimmed to them.
+                self.catalog.save_gc_marks(self.gc_marks)
                 dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
                 self.gc_dropped += sum(dropped)
             await self._drop_stale_backups(dict(zip(hosts, held)))

@@ -4,7 +4,7 @@ Stored in one lmdb environment under the job's work directory: the
 placement (containers per stage, slice -> container, stage of each
 container), which host runs each container, the live hosts and their
 nodes, the next free id, the containers that finished, the memory-sink rows
-handed over at checkpoints, the job's state and its timeline. Values are
+handed over at checkpoints, the GC marks, the job's state and its timeline. Values are
 msgpack (sink rows: one key per packed group, ``containers.sink_parts``, its
 rows as Arrow IPC). Each ``save_*`` call is one lmdb
 transaction. Knows no Ray.
@@ -140,6 +140,27 @@ class MasterCatalog:
     def load_progress(self) -> dict[str, Any]:
         """The saved job state (see ``save_progress``)."""
         return self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
+
+    def save_gc_marks(self, marks: dict[int, int]) -> None:
+        """The highest GC mark per producer stage, saved *before* the hosts are told to trim to
+        it: a saved mark is never below one applied, so a restarted master that trusts it may
+        think logs trimmed that are not (and refuse a rebuild from the start), never the reverse."""
+        if self.closed:
+            return
+        put_all(self.env, [(b"gc_marks", _pack({str(k): int(v) for k, v in marks.items()}))])
+
+    def load_gc_marks(self) -> dict[int, int]:
+        """The marks ``save_gc_marks`` saved last; none (no log trimmed yet) when never saved.
+
+        >>> import tempfile, shutil
+        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
+        >>> before = cat.load_gc_marks()
+        >>> cat.save_gc_marks({0: 4, 2: -1})
+        >>> before, cat.load_gc_marks()
+        ({}, {0: 4, 2: -1})
+        >>> cat.close(); shutil.rmtree(d)
+        """
+        return {int(k): int(v) for k, v in self._get(b"gc_marks", {}).items()}
 
     def save_migration(self, request: str | None, transfers: list[dict[str, Any]]) -> None:
         """The migration in progress: the request that started it and one record per transfer

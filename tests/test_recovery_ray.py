@@ -305,6 +305,18 @@ def test_a_killed_master_restarts_from_its_catalog_while_containers_keep_process
     assert kinds_.index("master_restarted") < kinds_.index("recovery_end"), "the restarted master recovers"
 
 
+def test_a_restarted_master_knows_the_gc_marks_its_predecessor_applied_and_still_recovers_exactly(ray_session):
+    """The marks are saved before any host trims a log to them, so the restarted master reads them
+    back (it used to start with none known until its first GC round, and a slice that lost every
+    copy meanwhile failed the job even while the logs were whole)."""
+    faults = [SLOW_SOURCE, Fault("kill_master", at_epoch=36), Fault("kill", at_epoch=48, stage="running_sum")]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 2},
+                             checkpoint_every=2, gc_interval_s=0.25)
+    assert report.ok, report.mismatches
+    restarted = next(i for _, k, i in report.timeline if k == "master_restarted")
+    assert any(mark >= 0 for mark in restarted["gc_marks"].values()), restarted
+
+
 def test_a_sources_host_killed_after_a_master_restart_is_rebuilt_from_the_input(ray_session):
     """The restarted master hands the new source container the input table it got as a
     constructor argument: the driver must still own it (seed 509 of the campaign below found it
