@@ -639,9 +639,14 @@ class KeyedAggregate(Operator):
             by_owner = stable_argsort(seg_owner)
             cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
             assert group is not None
-            take = pa.array(seg_key)
-            seg_slots = group.slots(group.positions(indexes)[seg_owner], [col.take(take) for col in unique_keys],
-                                    hashes[seg_key])
+            if len(start_pos) == len(unique_keys[0]):
+                # Each key in one slice (the usual case: routing hashed it there): the segments
+                # are the distinct keys in order, no take needed.
+                seg_keys, seg_hashes = list(unique_keys), hashes
+            else:
+                take = pa.array(seg_key)
+                seg_keys, seg_hashes = [col.take(take) for col in unique_keys], hashes[seg_key]
+            seg_slots = group.slots(group.positions(indexes)[seg_owner], seg_keys, seg_hashes)
         value_cols = agg._value_columns()
         kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
         needed = ["count"] + [_state_array_name(a, col, kinds[col]) for col in value_cols

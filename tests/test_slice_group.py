@@ -101,6 +101,19 @@ def test_one_group_call_equals_every_slice_consuming_alone(epochs, n_ops):
         assert gs == as_
 
 
+def test_a_key_given_to_two_slices_of_a_group_is_refused_and_changes_no_state():
+    """Routing gives a key to one slice; a batch that gives one key to two ops (a routing bug) is a
+    KeyCollision before any op's state changes (the caller then reruns each slice alone)."""
+    ops = make_ops(2)
+    first, bounds = epoch_batch([{"k": "a", "i": 1, "f": 0.5}, {"k": "b", "i": 2, "f": 1.0}], np.array([0, 1]), 0)
+    KeyedAggregate.consume_slices(ops, "in", first, bounds)
+    before = [op.checkpoint_state(delta=False, clear=False)["__op__aggregate"] for op in ops]
+    both, bounds = epoch_batch([{"k": "a", "i": 3, "f": 0.0}, {"k": "a", "i": 4, "f": 0.0}], np.array([0, 1]), 2)
+    with pytest.raises(KeyCollision):
+        KeyedAggregate.consume_slices(ops, "in", both, bounds)
+    assert [op.checkpoint_state(delta=False, clear=False)["__op__aggregate"] for op in ops] == before
+
+
 def state_by_key(op: KeyedAggregate) -> dict:
     if not len(op.key_index):
         return {}
