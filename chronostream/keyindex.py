@@ -493,6 +493,8 @@ class KeyIndexGroup:
     #: merge into the main run a share per lookup (``merge_step``).
     RECENT_MAX = KeyIndex.RECENT_MAX
     MERGE_STEP_MIN = KeyIndex.MERGE_STEP_MIN
+    #: A member stores the keys the group added for it at the latest after this many batches.
+    DEFERRED_MAX = 64
 
     def __init__(self, members: Sequence[KeyIndex]) -> None:
         self.members: list[KeyIndex | None] = list(members)  # None: a member that left (``covering``)
@@ -631,6 +633,10 @@ class KeyIndexGroup:
                 m = self.members[i]
                 m._size += int(counts[i])  # type: ignore[union-attr]
                 m._deferred.append((added, int(cut[i]), int(cut[i + 1])))  # type: ignore[union-attr]
+                if len(m._deferred) >= self.DEFERRED_MAX:  # type: ignore[union-attr]
+                    # Bounded: a member nobody reads (no checkpoints) would otherwise hold one
+                    # entry per batch, and every batch's keys, for the whole job.
+                    m._materialize()  # type: ignore[union-attr]
             self._sizes = (sizes + counts).tolist()
             # New keys go into the recent run (O(recent) per batch), as in a single index.
             new_order = by_hash[~found[by_hash]]

@@ -273,6 +273,19 @@ def test_a_members_keys_read_between_group_lookups_are_its_keys_in_slot_order():
     assert (len(a), len(b)) == (4, 2) and group.matches([a, b])
 
 
+def test_a_member_nobody_reads_stores_its_keys_every_deferred_max_batches():
+    """Without reads (a job without checkpoints) a member's unstored batches stay bounded, and the
+    keys it stored along the way are its keys in slot order."""
+    a, b = KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    group.DEFERRED_MAX = 3
+    for i in range(10):
+        keys = pa.array([f"a{i}", f"b{i}"])
+        group.slots(np.array([0, 1]), [keys], hash_columns([keys]))
+        assert len(a._deferred) < 3 and len(b._deferred) < 3
+    assert a._keys.size == 9 and a.keys()[0].to_pylist() == [f"a{i}" for i in range(10)]
+
+
 def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not_re_sorted():
     """After keys added through a group, a member's own sorted (hash, slot) arrays (needed for its
     own lookups, e.g. once a migration breaks the group up) are the ones a full sort gives; they
