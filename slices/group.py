@@ -252,10 +252,11 @@ def _consume_events(runtimes: list[SliceRuntime], names: list[str], tables: list
     the group's merge order as (``inp``, ``local``) with each row's lineage (``order``,
     ``sub``), slice ``i`` owning ``bounds[i]:bounds[i+1]``. Each slice runs its own loop over
     its share (``SliceRuntime.consume_events``: the same calls, lineage, errors and
-    dead letters as alone), then settles its undeclared outputs (``settle_inferred``). The outputs become one table per stream when the stage declares
-    their schemas (``OperatorContext.take_outputs_together``), chained and numbered once as a
-    fused group's; else each slice emits its own. ``shared_s`` (admission, merge) and
-    the group's emitting are shared out by rows."""
+    dead letters as alone), then settles its undeclared outputs (``settle_inferred``). The
+    outputs become one table per stream when the stage declares their schemas
+    (``OperatorContext.take_outputs_together``), chained and numbered once as a fused
+    group's; else each slice emits its own. ``shared_s`` (admission, merge) and the group's
+    emitting are shared out by rows."""
     stage = runtimes[0].stage
     ran: list[int] = []
     unsealed: list[int] = []  # slices whose produced events wait to be built into a table
