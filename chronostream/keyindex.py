@@ -327,6 +327,34 @@ class StoredKeys:
         return list(self.chunks[0]) if self.chunks else []
 
 
+class _Appendable:
+    """A numpy array appended to in place (capacity doubled when full), read as a view.
+
+    >>> a = _Appendable(np.arange(2))
+    >>> a.extend(np.array([7, 8, 9])); a.view().tolist()
+    [0, 1, 7, 8, 9]
+    """
+
+    __slots__ = ("_data", "_size")
+
+    def __init__(self, initial: np.ndarray) -> None:
+        self._data, self._size = initial.copy(), len(initial)
+
+    def extend(self, values: np.ndarray) -> None:
+        """Append ``values`` (amortized O(len(values)))."""
+        end = self._size + len(values)
+        if end > len(self._data):
+            grown = np.empty(max(end, 2 * len(self._data), 1024), dtype=self._data.dtype)
+            grown[:self._size] = self._data[:self._size]
+            self._data = grown
+        self._data[self._size:end] = values
+        self._size = end
+
+    def view(self) -> np.ndarray:
+        """The values appended so far (a view: valid until the next ``extend``)."""
+        return self._data[:self._size]
+
+
 class _GroupAdded:
     """One ``KeyIndexGroup.slots`` call's new keys, grouped by member: their hashes, their slots
     in their member and the keys per column (each member's share: rows ``lo:hi``)."""
@@ -514,11 +542,17 @@ class KeyIndexGroup:
         for m in members:
             if len(m):
                 self._keys.append(m.keys())
-        offsets = np.cumsum([0] + [len(m) for m in members])[:-1].astype(np.int64)
+        sizes = np.array([len(m) for m in members], dtype=np.int64)
+        offsets = np.cumsum(sizes) - sizes
         at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
-        # Every key's hash in increasing order, with its member, its slot there and its place
-        # in the key copy; new keys go in as in a KeyIndex (_SortedRuns).
-        self._runs = _SortedRuns(hs, [member, slot, at])
+        # Each key of the copy's member and slot there, by place in the copy (appended with it).
+        self._member_at = _Appendable(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+        self._slot_at = _Appendable(np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(offsets, sizes))
+        # Every key's hash in increasing order, with its place in the key copy; new keys go in as
+        # in a KeyIndex (_SortedRuns). One payload, not (member, slot, place): each batch's new
+        # keys are merged into the recent run, a copy of all of it, and three payloads made that
+        # copy (and the middle run's merges) 1.75x a KeyIndex's.
+        self._runs = _SortedRuns(hs, [at])
         if len(hs) > 1 and bool(np.any(hs[1:] == hs[:-1])):
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
@@ -544,7 +578,8 @@ class KeyIndexGroup:
         for m in self.members:
             if m is not None and m._group is self:
                 m._materialize()
-        hashes, member, slot, _at = self._runs.merged()
+        hashes, at = self._runs.merged()
+        member, slot = self._member_at.view()[at], self._slot_at.view()[at]
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
@@ -604,13 +639,16 @@ class KeyIndexGroup:
         n = len(hashes)
         by_hash, hs = _in_hash_order(hashes, "two keys of one group batch share a 64-bit hash")
         # ``at_keys``: each hit's position in the group's key copy.
-        found, (owner, out, at_keys) = self._runs.find(hashes, by_hash, hs)
+        found, (at_keys,) = self._runs.find(hashes, by_hash, hs)
         rows = np.flatnonzero(found)
+        out = np.empty(n, dtype=np.int64)
         if len(rows):
-            if bool(np.any(owner[rows] != member_of[rows])):
+            at_hit = at_keys[rows]
+            if bool(np.any(self._member_at.view()[at_hit] != member_of[rows])):
                 raise KeyCollision("a key's hash is held by another slice of the group")
+            out[rows] = self._slot_at.view()[at_hit]
             # Verify the hits key by key: one take from the group's copy, one comparison.
-            stored = self._keys.take(at_keys[rows])
+            stored = self._keys.take(at_hit)
             sel = pa.array(rows)
             for got, col in zip(stored, keys):
                 if not _same(got, col.take(sel)).all():
@@ -628,6 +666,8 @@ class KeyIndexGroup:
             sizes = np.asarray(self._sizes, dtype=np.int64)
             new_slots = np.arange(len(new), dtype=np.int64) + np.repeat(sizes - cut[:-1], counts)
             out[rows] = new_slots
+            self._member_at.extend(np.repeat(np.arange(len(counts), dtype=np.int32), counts))
+            self._slot_at.extend(new_slots)
             added = _GroupAdded(hashes[rows], new_slots, taken)
             for i in np.flatnonzero(counts).tolist():
                 m = self.members[i]
@@ -640,8 +680,7 @@ class KeyIndexGroup:
             self._sizes = (sizes + counts).tolist()
             # New keys go into the recent run (O(recent) per batch), as in a single index.
             new_order = by_hash[~found[by_hash]]
-            self._runs.add(hashes[new_order], [member_of[new_order].astype(np.int32), out[new_order],
-                                               at_keys[new_order]], self.RECENT_MAX)
+            self._runs.add(hashes[new_order], [at_keys[new_order]], self.RECENT_MAX)
         self._runs.advance(len(new), self.RECENT_MAX, self.MERGE_STEP_MIN)
         return out
 

@@ -313,6 +313,29 @@ def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not
         assert m._group is None and not m._pending and not m._deferred
 
 
+def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys():
+    """The group finds a hit's member and slot by the key's place in its key copy (arrays grown
+    as keys come): after thousands of keys in many batches, hits give every key its member's slot,
+    and members leaving the group get the (hash, slot) arrays of their own keys."""
+    members = [KeyIndex() for _ in range(3)]
+    members[2].slots([pa.array(["own0", "own1", "own2"])])
+    group = KeyIndexGroup(members)
+    ref: list[dict[str, int]] = [{}, {}, {"own0": 0, "own1": 1, "own2": 2}]
+    rng = np.random.default_rng(3)
+    for b in range(12):
+        keys = pa.array(sorted({f"k{int(i)}" for i in rng.integers(0, 6000, 700)} | {f"new{b}"}))
+        owner = slice_of([keys], 3)
+        got = group.slots(owner, [keys], hash_columns([keys])).tolist()
+        assert got == [ref[o].setdefault(k, len(ref[o])) for k, o in zip(keys.to_pylist(), owner.tolist())]
+    assert sum(map(len, ref)) > 3000
+    for m, want in zip(members, ref):
+        hashes, slots = m.sorted_hashes()  # cut from the group's arrays
+        keys = sorted(want)
+        by_hash = dict(zip(hashes.tolist(), slots.tolist()))
+        assert len(by_hash) == len(want)
+        assert [by_hash[int(h)] for h in hash_columns([pa.array(keys)])] == [want[k] for k in keys]
+
+
 def test_group_refuses_a_key_held_by_another_member_and_changes_nothing():
     a, b = KeyIndex(), KeyIndex()
     a.slots([pa.array(["x"])])
