@@ -174,8 +174,7 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     # Busy time and counts per slice: its share of the group's rows.
     elapsed = time.perf_counter() - t0
     total = max(int(bounds[-1]), 1)
-    for i, rt in enumerate(runtimes):
-        n_in = int(bounds[i + 1] - bounds[i])
+    for rt, n_in in zip(runtimes, np.diff(bounds).tolist()):
         if n_in:
             rt.events_in += n_in
             rt.busy_s += elapsed * n_in / total
@@ -214,8 +213,10 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
         runtimes[i]._begin(epoch)
     # The users' vectors of this stream as the rows of one matrix, all of one width.
     need = max(int(prod.max()) + 1 for _t, _pos, prod, _s in live)
-    width = max(len(runtimes[i].progress.array(stream_id, need)) for i in users)
-    vectors = [runtimes[i].progress.array(stream_id, width) for i in users]
+    vectors = [runtimes[i].progress.array(stream_id, need) for i in users]
+    width = max(len(v) for v in vectors)
+    if any(len(v) != width for v in vectors):  # (a slice that once had more producers: rare)
+        vectors = [runtimes[i].progress.array(stream_id, width) for i in users]
     consumed = np.full((len(runtimes), width), -1, dtype=np.int64)
     consumed[users] = np.stack(vectors)
     flat = consumed.reshape(-1)
@@ -240,7 +241,9 @@ def _admit_parts(runtimes: list[SliceRuntime], epoch: int, stream_id: int, parts
             owners.append(pos[keep])
     for i, v in zip(users, vectors):
         v[:] = consumed[i]
-        runtimes[i].duplicates_dropped += int(dropped[i])
+    if dropped.any():
+        for i in np.flatnonzero(dropped).tolist():
+            runtimes[i].duplicates_dropped += int(dropped[i])
     return kept_tables, owners
 
 
@@ -437,9 +440,8 @@ def _number(runtimes: list[SliceRuntime], sid: int, table: pa.Table, out_bounds:
     seq = np.arange(n, dtype=np.int64) + np.repeat(first - out_bounds[:-1], counts)
     ids = np.repeat(np.array([rt.slice_id for rt in runtimes], dtype=np.int64), counts)
     table = table.append_column(SLICE, pa.array(ids)).append_column(SEQ, pa.array(seq))
-    for i, rt in enumerate(runtimes):
-        c = int(counts[i])
+    for rt, lo, c in zip(runtimes, out_bounds.tolist(), counts.tolist()):  # (Python ints: 64 slices an epoch)
         if c:
-            results.setdefault(rt.slice_id, {})[sid] = table.slice(int(out_bounds[i]), c)
+            results.setdefault(rt.slice_id, {})[sid] = table.slice(lo, c)
             rt.next_seq[sid] += c
             rt.events_out += c
