@@ -327,34 +327,6 @@ class StoredKeys:
         return list(self.chunks[0]) if self.chunks else []
 
 
-class _Appendable:
-    """A numpy array appended to in place (capacity doubled when full), read as a view.
-
-    >>> a = _Appendable(np.arange(2))
-    >>> a.extend(np.array([7, 8, 9])); a.view().tolist()
-    [0, 1, 7, 8, 9]
-    """
-
-    __slots__ = ("_data", "_size")
-
-    def __init__(self, initial: np.ndarray) -> None:
-        self._data, self._size = initial.copy(), len(initial)
-
-    def extend(self, values: np.ndarray) -> None:
-        """Append ``values`` (amortized O(len(values)))."""
-        end = self._size + len(values)
-        if end > len(self._data):
-            grown = np.empty(max(end, 2 * len(self._data), 1024), dtype=self._data.dtype)
-            grown[:self._size] = self._data[:self._size]
-            self._data = grown
-        self._data[self._size:end] = values
-        self._size = end
-
-    def view(self) -> np.ndarray:
-        """The values appended so far (a view: valid until the next ``extend``)."""
-        return self._data[:self._size]
-
-
 class _GroupAdded:
     """One ``KeyIndexGroup.slots`` call's new keys, grouped by member: their hashes, their slots
     in their member and the keys per column (each member's share: rows ``lo:hi``)."""
@@ -538,16 +510,16 @@ class KeyIndexGroup:
         # batch of new keys; ``_at`` is each entry's position in it. Hits are verified with one
         # take from it: one take per member (64 slices: 64 takes an epoch, each a few Arrow
         # calls per chunk) cost the word count of benchmarks.slices 12-14% of its time.
+        # Beside each key, its member and its slot there (the copy's last two columns): a hit's
+        # verifying take reads them with it.
         self._keys = StoredKeys()
-        for m in members:
+        for i, m in enumerate(members):
             if len(m):
-                self._keys.append(m.keys())
+                self._keys.append(m.keys() + [pa.array(np.full(len(m), i, dtype=np.int32)),
+                                              pa.array(np.arange(len(m), dtype=np.int64))])
         sizes = np.array([len(m) for m in members], dtype=np.int64)
         offsets = np.cumsum(sizes) - sizes
         at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
-        # Each key of the copy's member and slot there, by place in the copy (appended with it).
-        self._member_at = _Appendable(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
-        self._slot_at = _Appendable(np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(offsets, sizes))
         # Every key's hash in increasing order, with its place in the key copy; new keys go in as
         # in a KeyIndex (_SortedRuns). One payload, not (member, slot, place): each batch's new
         # keys are merged into the recent run, a copy of all of it, and three payloads made that
@@ -579,7 +551,7 @@ class KeyIndexGroup:
             if m is not None and m._group is self:
                 m._materialize()
         hashes, at = self._runs.merged()
-        member, slot = self._member_at.view()[at], self._slot_at.view()[at]
+        member, slot = (np.asarray(c) for c in self._keys.take(at)[-2:]) if len(at) else (at, at)
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
@@ -643,12 +615,11 @@ class KeyIndexGroup:
         rows = np.flatnonzero(found)
         out = np.empty(n, dtype=np.int64)
         if len(rows):
-            at_hit = at_keys[rows]
-            if bool(np.any(self._member_at.view()[at_hit] != member_of[rows])):
-                raise KeyCollision("a key's hash is held by another slice of the group")
-            out[rows] = self._slot_at.view()[at_hit]
             # Verify the hits key by key: one take from the group's copy, one comparison.
-            stored = self._keys.take(at_hit)
+            *stored, owner, slot = self._keys.take(at_keys[rows])
+            if bool(np.any(np.asarray(owner) != member_of[rows])):
+                raise KeyCollision("a key's hash is held by another slice of the group")
+            out[rows] = np.asarray(slot)
             sel = pa.array(rows)
             for got, col in zip(stored, keys):
                 if not _same(got, col.take(sel)).all():
@@ -659,15 +630,14 @@ class KeyIndexGroup:
             rows = new[by_member]  # the new keys, grouped by member
             taken = [col.take(pa.array(rows)) for col in keys]
             at_keys[rows] = np.arange(len(self._keys), len(self._keys) + len(new), dtype=np.int64)
-            self._keys.append(taken)
             # A member's new keys take its next slots, in batch order; the member stores them
             # when it reads its keys (``KeyIndex._materialize``), not once per batch.
             counts = np.diff(cut)
             sizes = np.asarray(self._sizes, dtype=np.int64)
             new_slots = np.arange(len(new), dtype=np.int64) + np.repeat(sizes - cut[:-1], counts)
             out[rows] = new_slots
-            self._member_at.extend(np.repeat(np.arange(len(counts), dtype=np.int32), counts))
-            self._slot_at.extend(new_slots)
+            self._keys.append(taken + [pa.array(np.repeat(np.arange(len(counts), dtype=np.int32), counts)),
+                                       pa.array(new_slots)])
             added = _GroupAdded(hashes[rows], new_slots, taken)
             for i in np.flatnonzero(counts).tolist():
                 m = self.members[i]
