@@ -507,11 +507,10 @@ class KeyIndexGroup:
         order = np.argsort(hs, kind="stable")
         hs, member, slot = hs[order], member[order], slot[order]
         # The group's own copy of every key it knows, one chunk per member here, then one per
-        # batch of new keys; ``_at`` is each entry's position in it. Hits are verified with one
-        # take from it: one take per member (64 slices: 64 takes an epoch, each a few Arrow
-        # calls per chunk) cost the word count of benchmarks.slices 12-14% of its time.
-        # Beside each key, its member and its slot there (the copy's last two columns): a hit's
-        # verifying take reads them with it.
+        # batch of new keys, with each key's member and its slot there as the last two columns.
+        # Hits are verified with one take from it, which reads their member and slot too: one
+        # take per member (64 slices: 64 takes an epoch, each a few Arrow calls per chunk) cost
+        # the word count of benchmarks.slices 12-14% of its time.
         self._keys = StoredKeys()
         for i, m in enumerate(members):
             if len(m):
@@ -528,7 +527,7 @@ class KeyIndexGroup:
         if len(hs) > 1 and bool(np.any(hs[1:] == hs[:-1])):
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
-        self._sizes = [len(m) for m in members]
+        self._sizes = sizes.tolist()
         for m in members:
             m._group = self
         # Threads of one container (scale-up) can meet in one group: one keeps using it for
@@ -551,6 +550,7 @@ class KeyIndexGroup:
             if m is not None and m._group is self:
                 m._materialize()
         hashes, at = self._runs.merged()
+        # Each entry's member and slot: the key copy's last two columns (none when it is empty).
         member, slot = (np.asarray(c) for c in self._keys.take(at)[-2:]) if len(at) else (at, at)
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
