@@ -550,8 +550,10 @@ class KeyIndexGroup:
             if m is not None and m._group is self:
                 m._materialize()
         hashes, at = self._runs.merged()
-        # Each entry's member and slot: the key copy's last two columns (none when it is empty).
-        member, slot = (np.asarray(c) for c in self._keys.take(at)[-2:]) if len(at) else (at, at)
+        # Each entry's member and slot: the key copy's last two columns, read by place (its
+        # chunks are in place order) without taking the keys themselves.
+        member, slot = ((np.concatenate([np.asarray(cols[c]) for cols in self._keys.chunks])[at] for c in (-2, -1))
+                        if self._keys.chunks else (at, at))
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
