@@ -153,7 +153,19 @@ def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
 
 def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(warm_pool):
     first, second = warm_pool(2)["names"]
-    ray.kill(ray.get_actor(first, namespace=RAY_NAMESPACE))
+    dead = ray.get_actor(first, namespace=RAY_NAMESPACE)
+    ray.kill(dead)
+    # (``ray.kill`` only asks: until the process is gone it may still take a lease, and the
+    # pool would rightly hand it out)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(dead.ready.remote(), timeout=5)
+        except RayActorError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"spare {first} still answers 30 s after it was killed")
     name, spare = ray.get(_pool().take.remote())
     try:
         assert name == second
