@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 
 from chronostream.hashing import binary_fingerprint, hash_columns
 from chronostream.keyindex import KeyIndex, KeyIndexGroup
-from chronostream.slot_arrays import SpreadGrowth, doubled_capacity, should_start_spread
+from chronostream.slot_arrays import (ARENA_MAX_BYTES, SPREAD_MIN, SlotArena, SpreadGrowth, doubled_capacity,
+                                      should_start_spread)
 from chronostream.sorting import stable_argsort
 from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
 from chronostream.state import NAN_KEY, KeyValueState, canonical_key, check_hot_limit  # noqa: F401 - re-exported
@@ -553,6 +554,9 @@ class KeyedAggregate(Operator):
         self._dirty_slots: list[np.ndarray] = []
         self._dirty_mask = np.zeros(0, dtype=bool)
         self._growth: SpreadGrowth | None = None  # the arrays' next doubling, copied a share per batch
+        # (kept on a group's first op: its slot arena, the ops it was built for, the ``arrays``
+        # dict and dirty mask it gave each, which arrays each dict holds; see ``_group_arena``)
+        self._arena: tuple[SlotArena, list, list, list, dict] | None = None
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -636,8 +640,6 @@ class KeyedAggregate(Operator):
                 np.full(len(start_pos), group.positions(indexes)[0]), unique_keys, hashes)
         else:
             seg_owner = owner_sorted[start_pos]
-            by_owner = stable_argsort(seg_owner)
-            cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
             assert group is not None
             if len(start_pos) == len(unique_keys[0]):
                 # Each key in one slice (the usual case: routing hashed it there): the segments
@@ -651,27 +653,37 @@ class KeyedAggregate(Operator):
         kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
         needed = ["count"] + [_state_array_name(a, col, kinds[col]) for col in value_cols
                               for a in ("sum", "min", "max")]
-        # Segments in op order (``by_owner``): op i's are ``cut[i]:cut[i + 1]`` of it, so each op
-        # reads and writes a contiguous stretch (a view), not a fancy-indexed subset of its own.
-        slots_by_op = seg_slots[by_owner]
-        prior_by_op = {name: np.empty(len(start_pos), dtype=_state_array_dtype(name)) for name in needed}
+        # Many ops whose state fits one slot arena: one gather per array for all of them, at each
+        # segment's place in the arena (``at``). Otherwise each op gathers its own.
+        arena = cls._group_arena(ops, needed, seg_owner, seg_slots) if owner_sorted is not None else None
         per_op: list[tuple[KeyedAggregate, int, int]] = []  # (op, its stretch of by_owner)
-        bounds_by_op = cut.tolist()
-        needed_set = frozenset(needed)
-        for i, op in enumerate(ops):
-            lo, hi = bounds_by_op[i], bounds_by_op[i + 1]
-            if hi == lo:
-                continue
-            if op._must_grow(needed_set):
-                op._grow(len(op.key_index), needed)
-            slots = slots_by_op[lo:hi]
-            for name in needed:
-                prior_by_op[name][lo:hi] = op.arrays[name][slots]
-            per_op.append((op, lo, hi))
-        prior = {}
-        for name, values in prior_by_op.items():
-            prior[name] = np.empty_like(values)
-            prior[name][by_owner] = values
+        if arena is not None:
+            at = arena.offsets[seg_owner] + seg_slots
+            prior = {name: arena.arrays[name][at] for name in needed}
+        else:
+            # Segments in op order (``by_owner``): op i's are ``cut[i]:cut[i + 1]`` of it, so each
+            # op reads and writes a contiguous stretch (a view), not a fancy-indexed subset of its own.
+            if owner_sorted is not None:
+                by_owner = stable_argsort(seg_owner)
+                cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
+            slots_by_op = seg_slots[by_owner]
+            prior_by_op = {name: np.empty(len(start_pos), dtype=_state_array_dtype(name)) for name in needed}
+            bounds_by_op = cut.tolist()
+            needed_set = frozenset(needed)
+            for i, op in enumerate(ops):
+                lo, hi = bounds_by_op[i], bounds_by_op[i + 1]
+                if hi == lo:
+                    continue
+                if op._must_grow(needed_set):
+                    op._grow(len(op.key_index), needed)
+                slots = slots_by_op[lo:hi]
+                for name in needed:
+                    prior_by_op[name][lo:hi] = op.arrays[name][slots]
+                per_op.append((op, lo, hi))
+            prior = {}
+            for name, values in prior_by_op.items():
+                prior[name] = np.empty_like(values)
+                prior[name][by_owner] = values
         # Running count.
         pos_in_group = np.arange(n) - start_pos[seg]
         running_count = prior["count"][seg] + pos_in_group + 1
@@ -717,19 +729,22 @@ class KeyedAggregate(Operator):
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
         updates.append(("count", running_count))
-        last_by_op = last_rows[by_owner]
-        updates_by_op = [(name, values[last_by_op]) for name, values in updates]
-        for op, lo, hi in per_op:
-            slots = slots_by_op[lo:hi]
-            listed = op._dirty_mask[slots]
-            if not listed.all():  # (all listed: the usual case once the keys are warm)
-                fresh = slots[~listed]
-                op._dirty_mask[fresh] = True
-                op._dirty_slots.append(fresh)
-            for name, values in updates_by_op:
-                op.arrays[name][slots] = values[lo:hi]
-            if op._growth is not None:
-                op._growth.mirror(op._slot_arrays(), slots)
+        if arena is not None:
+            cls._write_arena(ops, arena, at, seg_owner, seg_slots, [(name, values[last_rows]) for name, values in updates])
+        else:
+            last_by_op = last_rows[by_owner]
+            updates_by_op = [(name, values[last_by_op]) for name, values in updates]
+            for op, lo, hi in per_op:
+                slots = slots_by_op[lo:hi]
+                listed = op._dirty_mask[slots]
+                if not listed.all():  # (all listed: the usual case once the keys are warm)
+                    fresh = slots[~listed]
+                    op._dirty_mask[fresh] = True
+                    op._dirty_slots.append(fresh)
+                for name, values in updates_by_op:
+                    op.arrays[name][slots] = values[lo:hi]
+                if op._growth is not None:
+                    op._growth.mirror(op._slot_arrays(), slots)
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.arange(n)
         cols: dict[str, pa.Array] = {c: batch.column(c) for c in agg.key_columns}
@@ -744,6 +759,80 @@ class KeyedAggregate(Operator):
         cols[ORDER] = batch.column(ORDER)
         cols[SUB] = batch.column(SUB)
         return {"out": (pa.table(cols), np.asarray(bounds))}
+
+    @classmethod
+    def _group_arena(cls, ops: Sequence["KeyedAggregate"], names: list[str], seg_owner: np.ndarray,
+                     seg_slots: np.ndarray) -> SlotArena | None:
+        """The slot arena holding ``ops``' arrays for this batch (``seg_owner``/``seg_slots``: the
+        op and slot of each segment): kept on the first op while every op still has the arrays
+        it gave it and room for these slots, else built anew; None when their state is too
+        large for one (``ARENA_MAX_BYTES``, or an op's arrays doubling a share at a time).
+
+        An op is given the arrays it had, and the arrays ``names`` once it has rows: as alone,
+        an op without rows makes no arrays (its checkpoints carry none)."""
+        kept = ops[0]._arena
+        if kept is not None:
+            arena, members, dicts, masks, given = kept
+            if (len(members) == len(ops) and all(
+                    op is m and op.arrays is d and op._dirty_mask is k and op._growth is None
+                    for op, m, d, k in zip(ops, members, dicts, masks))
+                    and arena.arrays.keys() >= set(names)
+                    and not bool(np.any(seg_slots >= arena.capacities[seg_owner]))):
+                cls._give_arrays(arena, dicts, given, names, seg_owner)
+                return arena
+        ops[0]._arena = None
+        sizes = [len(op.key_index) for op in ops]
+        # Room for twice the keys: members grow alike (keys hash evenly), so the arena is rebuilt
+        # about once per doubling of the group's keys, a copy of all of it each time.
+        caps = [max(len(op._dirty_mask), 2 * size, 64) for op, size in zip(ops, sizes)]
+        names_all = list(dict.fromkeys([*names, *(name for op in ops for name in op.arrays)]))
+        itemsizes = [np.dtype(_state_array_dtype(name)).itemsize for name in names_all] + [1]
+        if (max(caps) >= SPREAD_MIN or any(op._growth is not None for op in ops)
+                or SlotArena.bytes_for(caps, itemsizes) > ARENA_MAX_BYTES):
+            return None
+        empty = {name: np.zeros(0, _state_array_dtype(name)) for name in names_all}
+        arena = SlotArena([{**empty, **op.arrays, _DIRTY: op._dirty_mask} for op in ops], caps)
+        given = {name: np.array([name in op.arrays for op in ops]) for name in names_all}
+        dicts, masks = [], []
+        for op, view in zip(ops, arena.views):
+            op.arrays = {name: view[name] for name in op.arrays}
+            op._dirty_mask = view[_DIRTY]
+            dicts.append(op.arrays)
+            masks.append(op._dirty_mask)
+        cls._give_arrays(arena, dicts, given, names, seg_owner)
+        ops[0]._arena = (arena, list(ops), dicts, masks, given)
+        return arena
+
+    @staticmethod
+    def _give_arrays(arena: SlotArena, dicts: list[dict[str, np.ndarray]], given: dict[str, np.ndarray],
+                     names: list[str], seg_owner: np.ndarray) -> None:
+        """Put the arena's arrays ``names`` into the ``arrays`` dict of each op with rows here that
+        lacks them (the dict the arena gave it: changed in place, so it stays the op's)."""
+        has_rows = np.bincount(seg_owner, minlength=len(dicts)) > 0
+        for name in names:
+            for i in np.flatnonzero(has_rows & ~given[name]).tolist():
+                dicts[i][name] = arena.views[i][name]
+                given[name][i] = True
+
+    @staticmethod
+    def _write_arena(ops: Sequence["KeyedAggregate"], arena: SlotArena, at: np.ndarray, seg_owner: np.ndarray,
+                     seg_slots: np.ndarray, values: list[tuple[str, np.ndarray]]) -> None:
+        """Write each segment's last running values at its place ``at`` in the arena; list the
+        slots written for the first time since the ops' last checkpoint with their op."""
+        dirty = arena.arrays[_DIRTY]
+        listed = dirty[at]
+        if not listed.all():  # (all listed: the usual case once the keys are warm)
+            fresh = ~listed
+            dirty[at[fresh]] = True
+            owner, slots = seg_owner[fresh], seg_slots[fresh]
+            by_owner = stable_argsort(owner)
+            owner, slots = owner[by_owner], slots[by_owner]
+            starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1])))
+            ends = np.append(starts[1:], len(owner)).tolist()
+            for i, lo, hi in zip(owner[starts].tolist(), starts.tolist(), ends):
+                ops[i]._dirty_slots.append(slots[lo:hi])
+        for name, v in values:
+            arena.arrays[name][at] = v
 
     def _must_grow(self, names: frozenset[str]) -> bool:
         """False when ``_grow(len(self.key_index), names)`` would do nothing (checked inline: a group
@@ -783,8 +872,10 @@ class KeyedAggregate(Operator):
             return out
 
         self._dirty_mask = grow(self._dirty_mask, bool)
-        for name in dict.fromkeys(["count", *self.arrays, *missing]):  # each once, count first
-            self.arrays[name] = grow(self.arrays.get(name), _state_array_dtype(name))
+        # A new dict, not the old one changed: a group's slot arena knows its members' arrays by
+        # the dict it gave them (``_group_arena``).
+        self.arrays = {name: grow(self.arrays.get(name), _state_array_dtype(name))
+                       for name in dict.fromkeys(["count", *self.arrays, *missing])}  # each once, count first
 
     def _slot_arrays(self) -> dict[str, np.ndarray]:
         """Every array indexed by slot: the running values and the dirty mask (``_DIRTY``)."""

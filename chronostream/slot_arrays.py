@@ -1,7 +1,8 @@
 """Room for more slots in dense per-slot arrays, without a stall that grows with them.
 
 Owns: how a set of equally long numpy arrays indexed by a slot (the built-in
-aggregate's running values and its dirty mask) gets longer. Knows nothing
+aggregate's running values and its dirty mask) gets longer, and how several
+slices' sets are laid out back to back (``SlotArena``). Knows nothing
 of keys, operators or checkpoints; the caller says how many slots are in
 use and which slots it wrote.
 
@@ -110,3 +111,54 @@ class SpreadGrowth:
         if len(copied):
             for name, a in arrays.items():
                 self.new[name][copied] = a[copied]
+
+
+#: A group's arena stays under this many bytes: a rebuild (a member outgrew its stretch, or
+#: the group changed) copies all of it inside one epoch.
+ARENA_MAX_BYTES = 64 << 20
+
+
+class SlotArena:
+    """Several slices' slot arrays back to back: one array per name, each slice's arrays views of its stretch.
+
+    A group of slices then reads and writes every slice's values with one gather and one
+    scatter per array, at ``offsets[member] + slot``, where one per slice cost a few numpy
+    calls each (64 slices: half a millisecond an epoch). The members' own arrays are the
+    views (``views[i]``): whatever reads or writes a member alone (a checkpoint, a restore,
+    a batch outside the group) sees the same values. A member that replaces an array
+    (grown, restored) has left the arena: the caller checks that its arrays are still
+    the views, else builds a new arena. Each stretch has room for ``capacities[i]``
+    slots; the values past a member's arrays are zero.
+
+    >>> arena = SlotArena([{"count": np.array([1, 2])}, {"count": np.array([5])}], capacities=[4, 2])
+    >>> arena.offsets.tolist(), arena.views[1]["count"].tolist()
+    ([0, 4], [5, 0])
+    >>> arena.arrays["count"][arena.offsets[[0, 1]] + [1, 0]].tolist()
+    [2, 5]
+    >>> arena.views[0]["count"][3] = 7; arena.arrays["count"].tolist()
+    [1, 2, 0, 7, 5, 0]
+    """
+
+    def __init__(self, members: list[dict[str, np.ndarray]], capacities: list[int]) -> None:
+        caps = np.asarray(capacities, dtype=np.int64)
+        self.capacities = caps
+        self.offsets = np.concatenate((np.zeros(1, np.int64), np.cumsum(caps)[:-1]))
+        total = int(caps.sum())
+        dtypes = {name: a.dtype for m in members for name, a in m.items()}
+        self.arrays = {name: np.zeros(total, dtype=dtype) for name, dtype in dtypes.items()}
+        self.views: list[dict[str, np.ndarray]] = []
+        for m, lo, cap in zip(members, self.offsets.tolist(), caps.tolist()):
+            view = {name: a[lo:lo + cap] for name, a in self.arrays.items()}
+            for name, a in m.items():
+                n = min(len(a), cap)
+                view[name][:n] = a[:n]
+            self.views.append(view)
+
+    @staticmethod
+    def bytes_for(capacities: list[int], itemsizes: list[int]) -> int:
+        """The bytes an arena of these stretches and arrays of these item sizes holds.
+
+        >>> SlotArena.bytes_for([4, 2], [8, 1])
+        54
+        """
+        return sum(capacities) * sum(itemsizes)

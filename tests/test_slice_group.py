@@ -1113,3 +1113,101 @@ def test_a_grouped_vectorized_operator_that_raises_fails_the_job_with_the_serial
         cs.run(batch_tally_job(16, poison_every=97), executor="local", containers=2)
     assert "total 97" in str(serial.value) and str(grouped.value) == str(serial.value)
 
+
+
+def many_key_epochs(n_epochs: int, seed: int, keys: int = 5000, rows: int = 400) -> list[list[dict]]:
+    """Epochs of rows over many keys (new ones keep coming), int and float values."""
+    rng = np.random.default_rng(seed)
+    return [[{"k": f"k{int(k)}", "i": int(i), "f": float(f)}
+             for k, i, f in zip(rng.integers(0, keys, rows), rng.integers(-1000, 1000, rows), rng.normal(size=rows))]
+            for _ in range(n_epochs)]
+
+
+def feed_alone(ops: list[KeyedAggregate], batch: pa.Table, bounds: np.ndarray) -> None:
+    for i, op in enumerate(ops):
+        if bounds[i + 1] > bounds[i]:
+            op.consume_batch("in", batch.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i])))
+            op._ctx.take_outputs({})
+
+
+def snapshots(ops: list[KeyedAggregate], delta: bool) -> list:
+    return [op.checkpoint_state(delta=delta)["__op__aggregate"] for op in ops]
+
+
+def test_a_groups_slot_arena_rebuilt_as_keys_come_keeps_every_value_and_delta():
+    """A group keeps its slices' arrays back to back in one slot arena (one gather and one
+    scatter per array for all of them); as thousands of new keys outgrow it, it is rebuilt.
+    Every delta checkpoint (the slots changed since the last one) and the final full state of
+    each slice equal the same slice's alone."""
+    grouped, alone = make_ops(4), make_ops(4)
+    arenas = set()
+    for e, (_rows, batch, bounds) in enumerate(hashed_epochs(many_key_epochs(10, seed=1), 4)):
+        KeyedAggregate.consume_slices(grouped, "in", batch, bounds)
+        feed_alone(alone, batch, bounds)
+        arenas.add(id(grouped[0]._arena[0]))
+        if e % 3 == 2:
+            assert snapshots(grouped, delta=True) == snapshots(alone, delta=True)
+    assert len(arenas) > 1, "the keys outgrew the first arena"
+    assert all(op.arrays["count"].base is grouped[0]._arena[0].arrays["count"] for op in grouped)
+    assert snapshots(grouped, delta=False) == snapshots(alone, delta=False)
+
+
+def test_a_slice_grown_alone_between_group_batches_leaves_the_arena_and_loses_nothing():
+    """A slice that consumes on its own between group batches (its arrays replaced as its keys
+    grow) is no longer the arena's view: the group builds a new arena from its arrays."""
+    grouped, alone = make_ops(3), make_ops(3)
+    epochs = list(hashed_epochs(many_key_epochs(4, seed=2), 3))
+    for _rows, batch, bounds in epochs[:2]:
+        KeyedAggregate.consume_slices(grouped, "in", batch, bounds)
+        feed_alone(alone, batch, bounds)
+    first = grouped[0]._arena[0]
+    solo = pa.Table.from_pylist([{"k": f"solo{j}", "i": j, "f": 0.5} for j in range(3000)],
+                                schema=pa.schema([("k", pa.string()), ("i", pa.int64()), ("f", pa.float64())]))
+    solo = solo.append_column(ORDER, pa.array(np.arange(10**6, 10**6 + 3000))).append_column(
+        SUB, pa.array(np.zeros(3000, np.int64)))
+    for ops in (grouped, alone):
+        ops[1].consume_batch("in", solo)
+        ops[1]._ctx.take_outputs({})
+    assert grouped[1].arrays["count"].base is not first.arrays["count"], "grown: its own arrays"
+    for _rows, batch, bounds in epochs[2:]:
+        KeyedAggregate.consume_slices(grouped, "in", batch, bounds)
+        feed_alone(alone, batch, bounds)
+    assert grouped[0]._arena[0] is not first
+    assert snapshots(grouped, delta=False) == snapshots(alone, delta=False)
+
+
+def test_a_group_whose_state_exceeds_the_arena_bound_updates_each_slice_on_its_own(monkeypatch):
+    from chronostream import slot_arrays
+
+    monkeypatch.setattr(operators, "ARENA_MAX_BYTES", 1000)
+    grouped, alone = make_ops(3), make_ops(3)
+    for _rows, batch, bounds in hashed_epochs(many_key_epochs(3, seed=4), 3):
+        KeyedAggregate.consume_slices(grouped, "in", batch, bounds)
+        feed_alone(alone, batch, bounds)
+    assert grouped[0]._arena is None
+    assert all(op.arrays["count"].base is None for op in grouped)
+    assert slot_arrays.ARENA_MAX_BYTES > 1000
+    assert snapshots(grouped, delta=False) == snapshots(alone, delta=False)
+
+
+def test_a_slice_that_made_an_array_alone_is_not_written_through_the_arenas_stale_view():
+    """A slice without rows in the group's batches has none of the arrays; consuming alone, it
+    makes them (a new ``arrays`` dict, its dirty mask and length unchanged). The group's next
+    batch must see that it no longer holds the dict the arena gave it."""
+    grouped, alone = make_ops(2), make_ops(2)
+    rows = [{"k": f"a{j}", "i": j, "f": 0.25 * j} for j in range(20)]
+    only_first, _ = epoch_batch(rows, np.zeros(20, np.int64), 0)
+    for ops in (grouped, alone):
+        if ops is grouped:
+            KeyedAggregate.consume_slices(ops, "in", only_first, np.array([0, 20, 20]))
+        else:
+            feed_alone(ops, only_first, np.array([0, 20, 20]))
+    assert grouped[1].arrays == {}
+    own, _ = epoch_batch([{"k": "b0", "i": 5, "f": 1.5}], np.zeros(1, np.int64), 100)
+    for ops in (grouped, alone):
+        ops[1].consume_batch("in", own)
+        ops[1]._ctx.take_outputs({})
+    both, _ = epoch_batch([{"k": "a1", "i": 7, "f": 2.0}, {"k": "b0", "i": 9, "f": 3.0}], np.array([0, 1]), 200)
+    KeyedAggregate.consume_slices(grouped, "in", both, np.array([0, 1, 2]))
+    feed_alone(alone, both, np.array([0, 1, 2]))
+    assert snapshots(grouped, delta=False) == snapshots(alone, delta=False)
