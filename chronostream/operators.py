@@ -557,6 +557,7 @@ class KeyedAggregate(Operator):
         # (kept on a group's first op: its slot arena, the ops it was built for, the ``arrays``
         # dict and dirty mask it gave each, which arrays each dict holds; see ``_group_arena``)
         self._arena: tuple[SlotArena, list, list, list, dict] | None = None
+        self._arena_refused: list | None = None  # (the ops whose state was too large for one)
 
     def _value_columns(self) -> list[str]:
         return sorted({c for a, c in self.specs if c is not None})
@@ -780,7 +781,10 @@ class KeyedAggregate(Operator):
                     and not bool(np.any(seg_slots >= arena.capacities[seg_owner]))):
                 cls._give_arrays(arena, dicts, given, names, seg_owner)
                 return arena
-        ops[0]._arena = None
+        refused = ops[0]._arena_refused
+        if refused is not None and len(refused) == len(ops) and all(a is b for a, b in zip(refused, ops)):
+            return None  # (these ops' state was too large: it does not shrink)
+        ops[0]._arena = ops[0]._arena_refused = None
         sizes = [len(op.key_index) for op in ops]
         # Room for twice the keys: members grow alike (keys hash evenly), so the arena is rebuilt
         # about once per doubling of the group's keys, a copy of all of it each time.
@@ -789,6 +793,7 @@ class KeyedAggregate(Operator):
         itemsizes = [np.dtype(_state_array_dtype(name)).itemsize for name in names_all] + [1]
         if (max(caps) >= SPREAD_MIN or any(op._growth is not None for op in ops)
                 or SlotArena.bytes_for(caps, itemsizes) > ARENA_MAX_BYTES):
+            ops[0]._arena_refused = list(ops)
             return None
         empty = {name: np.zeros(0, _state_array_dtype(name)) for name in names_all}
         arena = SlotArena([{**empty, **op.arrays, _DIRTY: op._dirty_mask} for op in ops], caps)
