@@ -580,8 +580,10 @@ class KeyedAggregate(Operator):
 
         Returns the ``out`` rows (one per input row, in input order) with their bounds
         per op. The heavy work (key encoding, hashing, the per-key scans, the output
-        table) is done once for the whole batch; per op there are only its key-index
-        lookup and its state's gather and scatter. All or nothing: when it raises, no
+        table) is done once for the whole batch, and so are the key lookups
+        (``KeyIndexGroup``) and, while the ops' arrays share a slot arena
+        (``_group_arena``), their state's gathers and scatters; otherwise each op gathers
+        and scatters its own. All or nothing: when it raises, no
         op's running values changed (a key index may hold new keys with zero counts,
         which read as unseen), so the caller can retry per slice or row by row.
         """
@@ -664,6 +666,7 @@ class KeyedAggregate(Operator):
         else:
             # Segments in op order (``by_owner``): op i's are ``cut[i]:cut[i + 1]`` of it, so each
             # op reads and writes a contiguous stretch (a view), not a fancy-indexed subset of its own.
+            # (One op: both were set with its segments above.)
             if owner_sorted is not None:
                 by_owner = stable_argsort(seg_owner)
                 cut = np.searchsorted(seg_owner[by_owner], np.arange(len(ops) + 1))
@@ -829,13 +832,12 @@ class KeyedAggregate(Operator):
         if not listed.all():  # (all listed: the usual case once the keys are warm)
             fresh = ~listed
             dirty[at[fresh]] = True
-            owner, slots = seg_owner[fresh], seg_slots[fresh]
-            by_owner = stable_argsort(owner)
-            owner, slots = owner[by_owner], slots[by_owner]
-            starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1])))
-            ends = np.append(starts[1:], len(owner)).tolist()
-            for i, lo, hi in zip(owner[starts].tolist(), starts.tolist(), ends):
-                ops[i]._dirty_slots.append(slots[lo:hi])
+            owner = seg_owner[fresh]
+            slots = seg_slots[fresh][stable_argsort(owner)]  # by op, segment order within one
+            counts = np.bincount(owner, minlength=len(ops))
+            ends = np.cumsum(counts).tolist()
+            for i in np.flatnonzero(counts).tolist():
+                ops[i]._dirty_slots.append(slots[ends[i] - int(counts[i]):ends[i]])
         for name, v in values:
             arena.arrays[name][at] = v
 

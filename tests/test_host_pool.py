@@ -58,6 +58,19 @@ def _pool_size() -> int:
         return 0
 
 
+def wait_until_gone(name: str, failure: str, timeout_s: float = 30.0) -> None:
+    """Until the named spare no longer answers (its name gone, or its process dead); fails with
+    ``failure`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).ready.remote(), timeout=5)
+        except (ValueError, RayActorError):
+            return
+        time.sleep(0.2)
+    pytest.fail(failure)
+
+
 def adopted(timeline) -> list[dict]:
     return [i for _, k, i in timeline if k == "spare_adopted"]
 
@@ -125,15 +138,7 @@ def test_a_pool_resized_to_zero_stops_its_spares(warm_pool):
     names = warm_pool(2)["names"]
     assert cs.keep_warm_hosts(0)["ready"] == 0
     for name in names:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).ready.remote(), timeout=5)
-            except (ValueError, RayActorError):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"spare {name} still answers after the pool was resized to 0")
+        wait_until_gone(name, f"spare {name} still answers after the pool was resized to 0")
 
 
 def test_a_negative_pool_size_is_refused():
@@ -153,19 +158,10 @@ def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
 
 def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(warm_pool):
     first, second = warm_pool(2)["names"]
-    dead = ray.get_actor(first, namespace=RAY_NAMESPACE)
-    ray.kill(dead)
+    ray.kill(ray.get_actor(first, namespace=RAY_NAMESPACE))
     # (``ray.kill`` only asks: until the process is gone it may still take a lease, and the
     # pool would rightly hand it out)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(dead.ready.remote(), timeout=5)
-        except RayActorError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"spare {first} still answers 30 s after it was killed")
+    wait_until_gone(first, f"spare {first} still answers 30 s after it was killed")
     name, spare = ray.get(_pool().take.remote())
     try:
         assert name == second
