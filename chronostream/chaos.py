@@ -24,8 +24,8 @@ import pyarrow as pa
 #: Kinds the schedule waits on: a recovery, the master's restart, or a rescaling's call.
 SETTLING_KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "scale_out",
                   "scale_in", "migrate", "compact")
-KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "delay", "corrupt_backup",
-         "truncate_backup", "scale_out", "scale_in", "migrate", "compact")
+KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "kill_spare", "delay",
+         "corrupt_backup", "truncate_backup", "scale_out", "scale_in", "migrate", "compact")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,11 @@ class Fault:
     master kills a second host with ``role`` in that recovery, one of
     ``master.recovery.RECOVERY_ROLES``: a host adopting lost slices, a
     producer told to reroute, a consumer told of new senders; the plan goes
-    on without it and its own recovery follows), ``delay`` (the host spends
+    on without it and its own recovery follows), ``kill_spare`` (the next
+    warm spare host the master takes from the pool, ``master.host_pool``,
+    for a scale-out's or a recovery's new host, dies before the master
+    adopts it, as when its process or node dies between the pool's lease
+    and the adoption: the master starts that host itself), ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
     peer is damaged; combine with a later ``kill`` of the slice's owner to
@@ -78,6 +82,8 @@ class Fault:
         """``kill a container of stage 'count' at epoch 5``."""
         if self.kind == "kill_master":
             return f"kill the job master at epoch {self.at_epoch}"
+        if self.kind == "kill_spare":
+            return f"kill the next warm spare the master takes, before its adoption (armed at epoch {self.at_epoch})"
         what = {"kill": "kill a container", "kill_master_in_recovery": "kill the job master at recovery step "
                 f"{self.step!r} after killing a container", "kill_in_recovery": f"kill a host ({self.role}) at "
                 f"recovery step {self.step!r} after killing a container", "kill_two": "kill two containers", "delay": f"delay a container by "
@@ -128,6 +134,9 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     if fault.kind == "kill_master":
         ray.kill(job.master, no_restart=False)
         return {"master": True}
+    if fault.kind == "kill_spare":
+        ray.get(job.master.kill_next_spare.remote())
+        return {"armed": True}
     stage = fault.stage or _stateful_stages(job)[0]
     if fault.kind in ("scale_out", "scale_in", "compact"):
         done = job.compact(stage) if fault.kind == "compact" else \

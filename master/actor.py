@@ -98,6 +98,7 @@ class JobMaster:
         self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
         self._crash_at: str | None = None  # failure injection: exit at this recovery step (crash_in_recovery)
         self._kill_at: tuple[str, str] | None = None  # failure injection: (step, role) (kill_in_recovery)
+        self._kill_spare = False  # failure injection: the next spare taken dies before its adoption
         self._counters: Counters | None = None
         # Highest GC mark applied per producer stage (logs trimmed up to it), saved in the
         # catalog before any host applies it: a restarted master reads it back.
@@ -231,11 +232,40 @@ class JobMaster:
         self.host_names[host_id] = name
         self.catalog.save_host_name(host_id, name)
         try:
+            if self._kill_spare:
+                self._kill_spare = False
+                await self._kill_spare_now(h, host_id, name)
             await h.adopt.remote(host_id, me, self.workdir, self.heartbeat_s)
         except RayActorError:
+            # It died after the pool leased it to us (its process or node): the caller starts the
+            # host itself. (Its name in the catalog is dropped there.)
+            log.warning("master: spare %s died before its adoption as host %s; starting the host", name, host_id)
+            self._event("spare_lost", host=host_id, spare=name)
             return None
         self._event("spare_adopted", host=host_id, spare=name)
         return h
+
+    async def kill_next_spare(self) -> None:
+        """Failure injection (``chronostream.chaos``, kind ``kill_spare``): the next warm spare this
+        master takes dies before it is adopted (``_adopted_spare``). Once only."""
+        self._kill_spare = True
+
+    async def _kill_spare_now(self, h: Any, host_id: int, name: str, timeout_s: float = 30.0) -> None:
+        """Kill spare ``h`` and return once it no longer answers (``ray.kill`` only asks: until the
+        process is gone it could still be adopted)."""
+        log.warning("master: killing spare %s before its adoption as host %s (failure injection)", name, host_id)
+        self._event("spare_kill_injected", host=host_id, spare=name)
+        ray.kill(h, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(h.ready.remote(), timeout=5)
+            except RayActorError:
+                return
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"spare {name} still answers {timeout_s:.0f} s after it was killed")
 
     def _stage_hosts(self, stage_id: int) -> dict[int, Any]:
         return {self.host_of[c]: self.handles[self.host_of[c]] for c in self.placement.containers[stage_id]}

@@ -86,6 +86,24 @@ def test_a_job_deploys_and_scales_out_onto_warm_spares_with_the_serial_output(wa
     assert len({i["host"] for i in took}) == 4
 
 
+def test_a_spare_that_dies_before_its_adoption_is_replaced_by_a_host_the_master_starts(warm_pool):
+    """The pool leased it (it answered), then it died before the master's adopt reached it: the
+    scale-out still gets its host, and the output is the serial run's."""
+    warm_pool(4)
+    faults = [SLOW_SOURCE, Fault("kill_spare", 5), Fault("scale_out", 10, "running_sum", n=1)]
+    report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 1, "stats": 1},
+                             checkpoint_every=2)
+    assert report.ok, report.mismatches
+    killed = [i for _, k, i in report.timeline if k == "spare_kill_injected"]
+    lost = [i for _, k, i in report.timeline if k == "spare_lost"]
+    assert len(killed) == 1 and lost == killed, report.format_timeline()
+    took = adopted(report.timeline)
+    assert len(took) == 3 and lost[0]["spare"] not in {i["spare"] for i in took}, "the deploy's three"
+    ends = [i for _, k, i in report.timeline if k == "migration_end"]
+    assert [t["phase"] for t in ends[0]["transfers"]] == ["done"], "the scale-out moved its slices"
+    assert ends[0]["transfers"][0]["host"] == lost[0]["host"], "to the host the master started in its place"
+
+
 def test_without_a_ready_spare_a_job_starts_its_hosts_itself(warm_pool):
     warm_pool(0)
     report = run_with_faults(query(1200), [], containers={"payments": 1, "running_sum": 1, "stats": 1})
