@@ -103,23 +103,44 @@ def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
     # part), each slice's in source order (one producer): nothing to sort. With
     # several senders, one radix sort by slice (stable_argsort) groups them.
     n = len(owner)
-    if n > 1 and bool(np.all(owner[1:] >= owner[:-1])):
-        perm = np.arange(n)
-    else:
-        perm = stable_argsort(owner)
-    if n > 1:
-        w, o = owner[perm], order[perm]
-        same_owner = w[1:] == w[:-1]
-        if not bool(np.all(~same_owner | (o[1:] >= o[:-1]))):
-            perm = np.lexsort((order, owner))
-            w, o = owner[perm], order[perm]
-            same_owner = w[1:] == w[:-1]
-        p, s = producer[perm], sub[perm]
-        same = same_owner & (o[1:] == o[:-1])
-        if not np.any(same & ((p[1:] != p[:-1]) | (s[1:] < s[:-1]))):
-            return perm
-        return np.lexsort((seq, producer, sub, order, owner))
-    return perm
+    if in_grouped_merge_order(owner, order, sub, producer):
+        return np.arange(n)
+    perm = stable_argsort(owner)
+    if in_grouped_merge_order(owner[perm], order[perm], sub[perm], producer[perm]):
+        return perm
+    by_order = np.lexsort((order, owner))
+    if _arrival_order_suffices(owner, order, by_order, sub, producer):
+        return by_order
+    return np.lexsort((seq, producer, sub, order, owner))
+
+
+def in_grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray, producer: np.ndarray) -> bool:
+    """Whether rows are grouped by owning slice and each slice's rows in merge order already
+    (``grouped_merge_order`` would return the identity): one pass over adjacent rows, no copy.
+
+    >>> in_grouped_merge_order(np.array([0, 0, 1]), np.array([2, 5, 0]), np.zeros(3, int), np.zeros(3, int))
+    True
+    """
+    if len(owner) < 2:
+        return True
+    if not bool(np.all(owner[1:] >= owner[:-1])):
+        return False
+    return _arrival_order_suffices(owner, order, None, sub, producer)
+
+
+def _arrival_order_suffices(owner: np.ndarray, order: np.ndarray, perm: np.ndarray | None, sub: np.ndarray,
+                            producer: np.ndarray) -> bool:
+    """Rows taken in ``perm`` (None: as they are), already grouped by owner: each owner's rows
+    are in ``order``, and rows of one (owner, order) come from one producer in sub-order."""
+    if perm is not None:
+        owner, order, sub, producer = owner[perm], order[perm], sub[perm], producer[perm]
+    if len(owner) < 2:
+        return True
+    same_owner = owner[1:] == owner[:-1]
+    if not bool(np.all(~same_owner | (order[1:] >= order[:-1]))):
+        return False
+    same = same_owner & (order[1:] == order[:-1])
+    return not bool(np.any(same & ((producer[1:] != producer[:-1]) | (sub[1:] < sub[:-1]))))
 
 
 #: One sender's rows for a stage, sorted by consumer slice, and that slice per row
@@ -151,12 +172,14 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         return _run_alone_from_parts(runtimes, {stream_id: (admitted, owners)}, time.perf_counter() - t0)
     combined = pa.concat_tables(admitted) if len(admitted) > 1 else admitted[0]
     owner = np.concatenate(owners) if len(owners) > 1 else owners[0]
-    cols = {k: np.asarray(combined.column(k)) for k in (ORDER, SUB, SLICE, SEQ)}
-    perm = grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE], cols[SEQ])
-    identity = bool(np.all(perm == np.arange(len(perm))))
-    merged = combined if identity else combined.take(pa.array(perm))
+    cols = {k: np.asarray(combined.column(k)) for k in (ORDER, SUB, SLICE)}
+    if in_grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE]):  # (the usual case: no copy)
+        merged = combined
+    else:
+        perm = grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE], np.asarray(combined.column(SEQ)))
+        merged, owner = combined.take(pa.array(perm)), owner[perm]
     batch = merged.drop_columns([SLICE, SEQ])
-    bounds = np.searchsorted(owner[perm], np.arange(len(runtimes) + 1))
+    bounds = np.searchsorted(owner, np.arange(len(runtimes) + 1))
     name = stage.inputs[0].name
     cls = type(runtimes[0].op)
     if not cls.fuses_slices():
