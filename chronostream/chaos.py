@@ -28,6 +28,10 @@ KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_
          "corrupt_backup", "truncate_backup", "scale_out", "scale_in", "migrate", "compact")
 
 
+#: ``Fault.parse``'s options: the fields a fault takes besides kind, epoch and stage.
+_FAULT_OPTIONS: dict[str, Any] = {"index": int, "seconds": float, "n": int, "step": str, "role": str}
+
+
 @dataclass(frozen=True)
 class Fault:
     """One fault: ``kind`` applied once the job has passed ``at_epoch`` (every container).
@@ -77,6 +81,37 @@ class Fault:
                 raise ValueError(f"unknown recovery step {self.step!r}; steps: {RECOVERY_STEPS}")
             if self.role not in RECOVERY_ROLES:
                 raise ValueError(f"unknown role {self.role!r}; roles: {RECOVERY_ROLES}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        """A fault written ``KIND@EPOCH[:STAGE][,NAME=VALUE...]`` (the ``chronostream chaos
+        --fault`` option), NAME one of ``index``, ``seconds``, ``n``, ``step``, ``role``.
+
+        >>> Fault.parse("kill_in_recovery@12:running_sum,step=planned,role=producer")
+        Fault(kind='kill_in_recovery', at_epoch=12, stage='running_sum', index=0, seconds=0.0, n=1, step='planned', role='producer')
+        >>> Fault.parse("scale_out@20:stats,n=2").describe()
+        "add 2 host(s) of stage 'stats' at epoch 20"
+        >>> Fault.parse("kill_master@10").kind
+        'kill_master'
+        """
+        head, *options = spec.split(",")
+        kind_epoch, _, stage = head.partition(":")
+        kind, _, epoch = kind_epoch.partition("@")
+        if not kind or not epoch.isdigit():
+            raise ValueError(f"a fault is KIND@EPOCH[:STAGE][,NAME=VALUE...] (e.g. kill@10:count or "
+                             f"scale_out@20:count,n=2), got {spec!r}")
+        values: dict[str, Any] = {}
+        for option in options:
+            name, eq, value = option.partition("=")
+            convert = _FAULT_OPTIONS.get(name)
+            if convert is None or not eq:
+                raise ValueError(f"fault {spec!r}: {option!r} is not NAME=VALUE with NAME one of "
+                                 f"{sorted(_FAULT_OPTIONS)}")
+            try:
+                values[name] = convert(value)
+            except ValueError:
+                raise ValueError(f"fault {spec!r}: {name} must be {convert.__name__}, got {value!r}") from None
+        return cls(kind, int(epoch), stage or None, **values)
 
     def describe(self) -> str:
         """``kill a container of stage 'count' at epoch 5``."""

@@ -67,12 +67,20 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     """Run a query with faults, compare every sink with the serial executor, print the timeline."""
     from chronostream.chaos import Fault, random_faults, run_with_faults
 
-    query = _load_query(args.file)
     faults = [_parse_kill(k) for k in args.kill]
+    try:  # (before the query runs: a typo costs no job)
+        faults += [Fault.parse(spec) for spec in args.fault]
+        kinds = tuple(k for k in args.kinds.split(",") if k)
+        for kind in kinds:
+            Fault(kind, 0)  # (an unknown kind is refused here, naming the kinds there are)
+    except ValueError as exc:
+        raise SystemExit(f"chronostream chaos: {exc}") from None
+    query = _load_query(args.file)
     stages = [s.name for s in cs.compile_query(query)[0].stages if s.kind == "operator"]
     if args.faults:
         epochs = cs.compile_query(query)[0].num_epochs or 10
-        faults += random_faults(args.seed, args.faults, stages, max(2, epochs * 3 // 4), args.containers)
+        faults += random_faults(args.seed, args.faults, stages, max(2, epochs * 3 // 4), args.containers, kinds)
+    faults.sort(key=lambda f: f.at_epoch)  # (stable: same-epoch faults keep the order given)
     if args.delay:
         source = next(s.name for s in cs.compile_query(query)[0].stages if s.kind == "source")
         faults.insert(0, Fault("delay", 0, source, seconds=args.delay))
@@ -217,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chaos", help="run a query file with injected faults and check its output is exact")
     c.add_argument("file")
     c.add_argument("--kill", action="append", default=[], help="STAGE@EPOCH: kill a container (repeatable)")
-    c.add_argument("--faults", type=int, default=0, help="add N random kills (seeded by --seed)")
+    c.add_argument("--fault", action="append", default=[], metavar="KIND@EPOCH[:STAGE][,NAME=VALUE...]",
+                   help="any fault of chronostream.chaos (repeatable), e.g. kill_master@10, "
+                        "scale_out@20:count,n=2, kill_in_recovery@12:count,step=planned,role=producer, "
+                        "delay@0:lines,seconds=0.05; NAME: index, seconds, n, step, role")
+    c.add_argument("--faults", type=int, default=0, help="add N random faults (seeded by --seed; kinds: --kinds)")
+    c.add_argument("--kinds", default="kill", help="comma-separated kinds --faults draws from (default kill)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--containers", type=int, default=3, help="containers per stage (default 3)")
     c.add_argument("--checkpoint-every", type=int, default=2, help="epochs between checkpoints (default 2)")

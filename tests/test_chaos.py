@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from chronostream.chaos import Fault, random_faults
@@ -37,3 +39,35 @@ def test_a_kill_in_a_recovery_counts_as_two_kills_against_the_stage_cap():
     stage) uses the whole allowance; the next becomes a delay."""
     faults = random_faults(5, 6, ["a"], 80, containers=4, kinds=("kill_in_recovery",))
     assert [f.kind for f in faults].count("kill_in_recovery") == 1
+
+
+def test_a_fault_written_as_text_carries_its_stage_and_options():
+    f = Fault.parse("kill_in_recovery@12:running_sum,step=planned,role=producer,index=2")
+    assert (f.kind, f.at_epoch, f.stage, f.step, f.role, f.index) == \
+        ("kill_in_recovery", 12, "running_sum", "planned", "producer", 2)
+    assert Fault.parse("delay@0:payments,seconds=0.05").seconds == 0.05
+    assert Fault.parse("kill_spare@5").stage is None
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("kill", "KIND@EPOCH"),
+    ("kill@x:count", "KIND@EPOCH"),
+    ("explode@3", "unknown fault kind 'explode'"),
+    ("scale_out@3:count,hosts=2", "'hosts=2' is not NAME=VALUE with NAME one of"),
+    ("scale_out@3:count,n=two", "n must be int, got 'two'"),
+    ("kill_in_recovery@3:count,step=later", "unknown recovery step 'later'"),
+])
+def test_a_fault_written_wrongly_is_refused_saying_what_is_wrong(spec, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Fault.parse(spec)
+
+
+def test_the_chaos_command_refuses_a_wrong_fault_before_running_anything(tmp_path, capsys):
+    from chronostream.cli import main
+
+    f = tmp_path / "q.py"
+    f.write_text("raise SystemExit('the query file was loaded')\n")
+    with pytest.raises(SystemExit, match=re.escape("chronostream chaos: unknown fault kind 'explode'")):
+        main(["chaos", str(f), "--fault", "explode@3"])
+    with pytest.raises(SystemExit, match="unknown fault kind 'nap'"):
+        main(["chaos", str(f), "--faults", "2", "--kinds", "kill,nap"])

@@ -253,12 +253,12 @@ def test_the_chaos_command_applies_every_fault_and_checks_the_output_against_the
                  "    q = running_sum(6, n=2400)\n"
                  "    q.epoch_events = 40\n"
                  "    return q\n")
-    assert main(["chaos", str(f), "--kill", "running_sum@10", "--kill", "stats@20", "--delay", "0.05",
-                 "--settle-pace", "0.5", "--containers", "3"]) == 0
+    assert main(["chaos", str(f), "--kill", "running_sum@10", "--fault", "kill@20:stats,index=1",
+                 "--fault", "kill_master@30", "--delay", "0.05", "--settle-pace", "0.5", "--containers", "3"]) == 0
     out = capsys.readouterr().out
-    assert "applied 3 of 3 faults\n" in out
+    assert "applied 4 of 4 faults\n" in out
     assert "sink 'sums': 2400 rows, OK" in out and "sink 'stats': 2400 rows, OK" in out
-    assert out.count("recovery_end") == 2
+    assert out.count("recovery_end") == 2 and "master_restarted" in out
 
 
 def run_then_kill_a_host(checkpoint_every: int):
