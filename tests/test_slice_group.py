@@ -446,6 +446,22 @@ def test_grouped_merge_order_is_each_slices_merge_order():
                                seq).tolist() == [0, 1, 2, 3, 4]
 
 
+
+def test_grouped_merge_order_of_interleaved_producers_equals_the_full_sort_with_or_without_ties():
+    """A keyed stage fed by a stage of many slices gets each event's rows from several producers,
+    interleaved: the order is still (slice, order, sub, producer, seq), ties included (seeded)."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        n = int(rng.integers(2, 80))
+        owner = rng.integers(0, 4, n)
+        owner = np.sort(owner) if rng.random() < 0.7 else owner
+        order = rng.integers(0, 8, n) + (1 << 40)
+        sub = rng.integers(0, 3, n) << int(rng.integers(0, 60))
+        producer = rng.integers(0, 3, n)
+        seq = np.arange(n)  # (each producer's rows arrive in its out_seq order)
+        expected = np.lexsort((seq, producer, sub, order, owner))
+        assert grouped_merge_order(owner, order, sub, producer, seq).tolist() == expected.tolist()
+
 # -- the slice group against slices run alone ---------------------------------------------------
 
 SLICES = 6
