@@ -19,6 +19,14 @@ and with every slice run alone (``alone_*``, groups turned off).
     python -m benchmarks.slices --json --counts 1,64 --repeat 9   # one ratio, more runs
     python -m benchmarks.slices --json --chained   # a vectorized map after the count
 
+``--rekey`` counts the counts: a second built-in ``count`` keyed by the
+first one's ``count`` column, in as many slices. Its slices get each
+line's rows from many of the first stage's slices, interleaved, and merge
+them back into source order every epoch (``grouped_merge_order``: one
+packed-key sort since the thirty-second session, a five-key lexsort before).
+
+    python -m benchmarks.slices --json --rekey --counts 1,64 --repeat 5
+
 ``--chained`` puts a stateless step after the count (``map_batches`` adding
 a column): a group runs it once over the group's output. Until 2026-11-27
 such a stage always ran slice by slice, as the ``alone_*`` figures do.
@@ -132,18 +140,23 @@ class BatchWordCount(cs.Operator):
 
 
 def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False,
-               vectorized: bool = False, undeclared: bool = False) -> cs.Query:
+               vectorized: bool = False, undeclared: bool = False, rekey: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
     the built-in ``count`` (``per_event``: by ``WordTally``; ``vectorized``: by
     ``BatchWordCount``) in ``slices`` slices (stage ``count``), into the memory sink ``counts``;
-    ``chained``: through ``doubled_count`` on the way; ``undeclared``: ``UndeclaredWordTally``."""
+    ``chained``: through ``doubled_count`` on the way; ``undeclared``: ``UndeclaredWordTally``;
+    ``rekey``: then counted again keyed by the count (stage ``by_count``, ``slices`` slices too:
+    how many words have reached each count so far)."""
     q = cs.Query(epoch_events=epoch)
     words = q.source("lines", table, slices=1).flat_map_batches(split_words).key_by("word")
     counter = (UndeclaredWordTally if undeclared else WordTally) if per_event else \
         BatchWordCount if vectorized else None
     counts = (words.apply(counter, slices=slices, name="count") if counter is not None
               else words.count(slices=slices, name="count"))
-    (counts.map_batches(doubled_count) if chained else counts).sink(name="counts")
+    counts = counts.map_batches(doubled_count) if chained else counts
+    if rekey:
+        counts = counts.key_by("count").count(slices=slices, name="by_count")
+    counts.sink(name="counts")
     return q
 
 
@@ -172,7 +185,7 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
             per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False,
-            topk_window: int | None = None) -> float:
+            topk_window: int | None = None, rekey: bool = False) -> float:
     """One job to its end in process: seconds from ``cs.run`` to its return (``table``: the
     mode's input; ``topk_window``: run the ``--topk`` query with that window)."""
     if topk_window is not None:
@@ -180,7 +193,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
     elif join:
         q = join_query(table, slices, epoch)
     else:
-        q = word_count(table, slices, epoch, chained, per_event, vectorized, undeclared)
+        q = word_count(table, slices, epoch, chained, per_event, vectorized, undeclared, rekey)
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -199,6 +212,8 @@ def main() -> None:
     p.add_argument("--counts", default=",".join(map(str, COUNTS)),
                    help="slice counts, comma-separated; 1 is always run (the baseline)")
     p.add_argument("--chained", action="store_true", help="a vectorized map after the count")
+    p.add_argument("--rekey", action="store_true",
+                   help="a second count after the first, keyed by the count, in as many slices")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--per-event", action="store_true",
                      help="count with a per-event operator (WordTally) instead of the built-in count")
@@ -215,6 +230,8 @@ def main() -> None:
     args = p.parse_args()
     if args.undeclared and not args.per_event:
         raise SystemExit("--undeclared goes with --per-event")
+    if args.rekey and (args.join or args.topk):
+        raise SystemExit("--rekey goes with the word count (not --join or --topk)")
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
         raise SystemExit(f"--counts: a slice count must be at least 1, got {counts[0]}")
@@ -235,7 +252,7 @@ def main() -> None:
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
                                             per_event=args.per_event, vectorized=args.vectorized,
                                             join=args.join, undeclared=args.undeclared,
-                                            topk_window=args.window if args.topk else None))
+                                            topk_window=args.window if args.topk else None, rekey=args.rekey))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -245,7 +262,7 @@ def main() -> None:
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
-          "chained": args.chained, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
+          "chained": args.chained, "rekey": args.rekey, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
           "undeclared": args.undeclared, "topk": args.topk,
           "categories": args.categories if args.topk else None, "window": args.window if args.topk else None,
           "rows": rows}, args.json)
