@@ -113,8 +113,9 @@ def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
     # Rows of many producers interleave in each slice (a keyed stage fed by a stage of many
     # slices: one source event's rows come from several). (slice, order, sub) packed into one
     # integer sorts in one stable pass, which takes the producers' sorted runs as they are
-    # (a sixth of the five-key lexsort's time); ties among them (rows of one event and
-    # sub-order from two producers: not seen in one-input stages) take the full sort.
+    # (1.6-2.1 ms an epoch of 41,000 rows, where the lexsort took 5 and the checks before it 5
+    # more); ties among them (rows of one event and sub-order from two producers: not seen in
+    # one-input stages) take the full sort.
     packed = _packed_merge_key(owner, order, sub)
     if packed is not None:
         perm = np.argsort(packed, kind="stable")
