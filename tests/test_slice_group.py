@@ -456,7 +456,8 @@ def test_grouped_merge_order_of_interleaved_producers_equals_the_full_sort_with_
         owner = rng.integers(0, 4, n)
         owner = np.sort(owner) if rng.random() < 0.7 else owner
         order = rng.integers(0, 8, n) + (1 << 40)
-        sub = rng.integers(0, 3, n) << int(rng.integers(0, 60))
+        sub = rng.integers(0, 3, n) << int(rng.integers(0, 60)) if rng.random() < 0.8 else \
+            rng.integers(0, 1 << 62, n)  # (sub-orders of no common shape: ranked)
         producer = rng.integers(0, 3, n)
         seq = np.arange(n)  # (each producer's rows arrive in its out_seq order)
         expected = np.lexsort((seq, producer, sub, order, owner))
