@@ -102,11 +102,15 @@ def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
     # goes back in sub-order. Rows usually arrive grouped by slice (one sender's
     # part), each slice's in source order (one producer): nothing to sort. With
     # several senders, one radix sort by slice (stable_argsort) groups them.
-    n = len(owner)
-    grouped = n < 2 or bool(np.all(owner[1:] >= owner[:-1]))
-    if grouped and _arrival_order_suffices(owner, order, None, sub, producer):
-        return np.arange(n)
-    if not grouped:
+    if in_grouped_merge_order(owner, order, sub, producer):
+        return np.arange(len(owner))
+    return _reordered(owner, order, sub, producer, seq)
+
+
+def _reordered(owner: np.ndarray, order: np.ndarray, sub: np.ndarray, producer: np.ndarray,
+               seq: np.ndarray) -> np.ndarray:
+    """``grouped_merge_order`` of rows known not to be in that order already."""
+    if not bool(np.all(owner[1:] >= owner[:-1])):
         perm = stable_argsort(owner)
         if _arrival_order_suffices(owner, order, perm, sub, producer):
             return perm
@@ -227,7 +231,7 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
     if in_grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE]):  # (the usual case: no copy)
         merged = combined
     else:
-        perm = grouped_merge_order(owner, cols[ORDER], cols[SUB], cols[SLICE], np.asarray(combined.column(SEQ)))
+        perm = _reordered(owner, cols[ORDER], cols[SUB], cols[SLICE], np.asarray(combined.column(SEQ)))
         merged, owner = combined.take(pa.array(perm)), owner[perm]
     batch = merged.drop_columns([SLICE, SEQ])
     bounds = np.searchsorted(owner, np.arange(len(runtimes) + 1))
