@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.hashing import binary_fingerprint, slices_codes_and_hashes
-from chronostream.sorting import stable_argsort
-from chronostream.types import KEY_HASHES_META, ORDER, key_codes_column
+from chronostream.sorting import packed_merge_key, stable_argsort, tie_free_argsort
+from chronostream.types import KEY_HASHES_META, ORDER, SUB, key_codes_column
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
 RoutedPart = tuple[pa.Table, np.ndarray]
@@ -66,8 +66,12 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
     """Split ``table`` into per-container parts for one downstream stage.
 
     Within a part, rows are ordered by consumer slice and keep their
-    original relative order (producer slice, then out_seq) inside a slice.
-    Rows of a slice in dual mode go to its owner and to its dual container.
+    original relative order (producer slice, then out_seq) inside a slice,
+    except when ``table``'s rows are not in source order (the outputs of a
+    producer's many slices, one slice after another): then each consumer
+    slice's rows are in (``_order``, ``_sub``) order, ties kept as they came
+    (``by_consumer_slice``). Rows of a slice in dual mode go to its owner
+    and to its dual container.
     ``key_codes``: the consumer groups by the stream's key; when hashing
     dictionary-encoded it (one string key whose values repeat), the parts
     carry those codes as column ``key_codes_column(key)`` (a dictionary
@@ -84,13 +88,13 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
         table = table.append_column(field, codes)
     targets = out.slice_to_container
     if not out.dual and len(targets) and bool(np.all(targets == targets[0])):
-        # One destination container: its part is every row, in slice order (a stable sort keeps
-        # producer order within a slice); rows already in slice order are not copied at all.
+        # One destination container: its part is every row, by slice (by_consumer_slice); rows
+        # already in that order are not copied at all.
         if not len(dst):
             return {}
-        if len(dst) < 2 or bool(np.all(dst[1:] >= dst[:-1])):
+        order = by_consumer_slice(dst, table)
+        if order is None:
             return {int(targets[0]): (table, dst)}
-        order = stable_argsort(dst)
         # dst[order], without a gather: each slice's number as often as it has rows.
         dst_sorted = np.repeat(np.arange(out.num_slices, dtype=np.int64), np.bincount(dst, minlength=out.num_slices))
         return {int(targets[0]): (table.take(pa.array(order)), dst_sorted)}
@@ -105,12 +109,11 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
             rows = np.concatenate((np.arange(len(dst)), copies))
             cont = np.concatenate((cont, alt[dst[copies]]))
             dst = dst[rows]
-    # One stable sort on (container, slice): keeps producer order within a slice.
-    sort_key = cont * out.num_slices + dst
-    if rows is None and (len(sort_key) < 2 or bool(np.all(sort_key[1:] >= sort_key[:-1]))):
+    # One sort on (container, slice) (by_consumer_slice), then each container's rows a slice of them.
+    order = by_consumer_slice(cont * out.num_slices + dst, table, rows)
+    if order is None:
         cont_sorted, dst_sorted, taken = cont, dst, table
     else:
-        order = stable_argsort(sort_key)
         cont_sorted, dst_sorted = cont[order], dst[order]
         take = order if rows is None else rows[order]
         taken = table.take(pa.array(take))
@@ -122,6 +125,41 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
         if e > s:
             parts[int(cont_sorted[s])] = (taken.slice(s, e - s), dst_sorted[s:e])
     return parts
+
+
+def by_consumer_slice(slot: np.ndarray, table: pa.Table, rows: np.ndarray | None = None) -> np.ndarray | None:
+    """Permutation grouping rows by ``slot`` (consumer slice, or container and slice): stable
+    (each slot's rows as they came), unless ``table``'s rows are not in source order; then each
+    slot's rows in (``_order``, ``_sub``) order when no two of a slot are equal in both. None
+    when the rows are in that order already (nothing to copy). ``rows``: the table row of each
+    ``slot`` entry (dual copies), None for one each.
+
+    Why: a keyed stage fed by a stage of many slices (a count after a count) gets each source
+    event's rows from several producer slices, and the producer's output holds its slices'
+    rows one slice after another; kept as they came, every consumer slice's rows would need
+    the merge's sort and a second copy of every column (``slices.group``). Sorted here, in
+    the one copy routing makes anyway, the merge finds them in order. Ties (rows of one event
+    and sub-order from two producers) keep arrival order, where the merge sorts them.
+
+    >>> t = pa.table({"_order": [4, 2, 3, 1], "_sub": [0, 0, 0, 0]})
+    >>> by_consumer_slice(np.array([0, 0, 1, 0]), t).tolist()
+    [3, 1, 0, 2]
+    >>> by_consumer_slice(np.array([0, 0, 1, 1]), t.sort_by("_order")) is None
+    True
+    """
+    names = table.schema.names
+    if len(slot) > 1 and ORDER in names and SUB in names:
+        order = np.asarray(table.column(ORDER))
+        if not bool(np.all(order[1:] >= order[:-1])):
+            sub = np.asarray(table.column(SUB))
+            if rows is not None:
+                order, sub = order[rows], sub[rows]
+            perm = tie_free_argsort(packed_merge_key(slot, order, sub))
+            if perm is not None:
+                return perm
+    if rows is None and (len(slot) < 2 or bool(np.all(slot[1:] >= slot[:-1]))):
+        return None
+    return stable_argsort(slot)
 
 
 def rows_of_slice(part: RoutedPart, slice_id: int) -> pa.Table | None:

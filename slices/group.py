@@ -52,7 +52,7 @@ import pyarrow as pa
 
 from chronostream.dag import StagePlan
 from chronostream.operators import OperatorContext
-from chronostream.sorting import stable_argsort
+from chronostream.sorting import packed_merge_key, stable_argsort, tie_free_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
 from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts
@@ -119,54 +119,8 @@ def _reordered(owner: np.ndarray, order: np.ndarray, sub: np.ndarray, producer: 
     # integer sorts in one pass: 0.7 ms an epoch of 41,000 rows, where the lexsort took 5 and
     # the checks before it 5 more; ties among them (rows of one event and sub-order from two
     # producers: not seen in one-input stages) take the full sort.
-    packed = _packed_merge_key(owner, order, sub)
-    if packed is not None:
-        perm = np.argsort(packed)  # (not stable: without ties, every sort gives the one order)
-        ranked = packed[perm]
-        if not bool(np.any(ranked[1:] == ranked[:-1])):
-            return perm
-    return np.lexsort((seq, producer, sub, order, owner))
-
-
-def _packed_merge_key(owner: np.ndarray, order: np.ndarray, sub: np.ndarray) -> np.ndarray | None:
-    """One int64 per row ordered as (``owner``, ``order``, ``sub``): the owner, the order above
-    the epoch's lowest and the sub-order as a small number (``_sub_field``), in bit fields;
-    None when they need more than 63 bits.
-
-    >>> _packed_merge_key(np.array([1, 0, 0]), np.array([7, 9, 7]), np.array([1 << 50, 0, 5])).tolist()
-    [18, 8, 1]
-    """
-    if not len(owner) or int(owner.min()) < 0:
-        return None
-    sub_field = _sub_field(sub)
-    sub_bits = max(1, int(sub_field.max()).bit_length())
-    low = int(order.min())
-    order_bits = max(1, (int(order.max()) - low).bit_length())
-    if int(owner.max()).bit_length() + order_bits + sub_bits > 63:
-        return None
-    return ((owner.astype(np.int64) << (order_bits + sub_bits)) | ((order.astype(np.int64) - low) << sub_bits)
-            | sub_field)
-
-
-def _sub_field(sub: np.ndarray) -> np.ndarray:
-    """Non-negative int64s ordered as ``sub``, as small as cheaply found: the sub-orders above
-    the lowest, shifted right by the trailing zero bits they all share (one flat_map's rows
-    differ in their top bits only: ``extend_sub_order``), unless that leaves more than 32 bits;
-    then each value's rank among the distinct ones (a sort: 0.75-0.94 ms on an epoch of 41,000
-    rows, more than the key's sort itself).
-
-    >>> _sub_field(np.array([3 << 43, 1 << 43, 5 << 43])).tolist()
-    [1, 0, 2]
-    >>> _sub_field(np.array([1 << 60, 7, 1 << 40])).tolist()
-    [2, 0, 1]
-    """
-    above = sub.astype(np.int64) - int(sub.min())
-    common = int(np.bitwise_or.reduce(above))
-    if common:
-        above >>= (common & -common).bit_length() - 1
-    if int(above.max()).bit_length() <= 32:
-        return above
-    return np.unique(sub, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    perm = tie_free_argsort(packed_merge_key(owner, order, sub))
+    return perm if perm is not None else np.lexsort((seq, producer, sub, order, owner))
 
 
 def in_grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray, producer: np.ndarray) -> bool:
@@ -186,7 +140,11 @@ def in_grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray
 def _arrival_order_suffices(owner: np.ndarray, order: np.ndarray, perm: np.ndarray | None, sub: np.ndarray,
                             producer: np.ndarray) -> bool:
     """Rows taken in ``perm`` (None: as they are), already grouped by owner: each owner's rows
-    are in ``order``, and rows of one (owner, order) come from one producer in sub-order."""
+    are in (``order``, ``sub``, ``producer``) order, rows equal in all three in arrival order,
+    which is their out_seq order (they come from one producer, which numbers rows in order).
+    Rows of one source event from several producers pass when their sub-orders differ and
+    ascend: routing sorts a keyed stage's rows of a many-slice producer so
+    (``containers.routing.route``)."""
     if perm is not None:
         owner, order, sub, producer = owner[perm], order[perm], sub[perm], producer[perm]
     if len(owner) < 2:
@@ -195,7 +153,8 @@ def _arrival_order_suffices(owner: np.ndarray, order: np.ndarray, perm: np.ndarr
     if not bool(np.all(~same_owner | (order[1:] >= order[:-1]))):
         return False
     same = same_owner & (order[1:] == order[:-1])
-    return not bool(np.any(same & ((producer[1:] != producer[:-1]) | (sub[1:] < sub[:-1]))))
+    back = (sub[1:] < sub[:-1]) | ((sub[1:] == sub[:-1]) & (producer[1:] < producer[:-1]))
+    return not bool(np.any(same & back))
 
 
 #: One sender's rows for a stage, sorted by consumer slice, and that slice per row

@@ -54,15 +54,18 @@ def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
     [2, 1, 0]
     """
     # Fast path, exact: a stable sort on the source order alone is the full
-    # order whenever every run of equal source order comes from one input and
-    # one producer slice with non-decreasing sub-order, since a producer's
-    # rows arrive in out_seq order. Fan-out (a line split into words) makes
-    # such runs common.
+    # order whenever every run of equal source order ascends in (sub-order,
+    # input, producer slice), rows equal in all three coming as they arrived,
+    # which is out_seq order (one producer's rows of one input). Fan-out (a
+    # line split into words) makes such runs common; routing sorts the rows of
+    # a producer's many slices into them (containers.routing.by_consumer_slice).
     perm = np.argsort(order, kind="stable")
     if len(perm) > 1:
         o, i, p, s = order[perm], input_idx[perm], producer[perm], sub[perm]
         same = o[1:] == o[:-1]
-        if not np.any(same & ((i[1:] != i[:-1]) | (p[1:] != p[:-1]) | (s[1:] < s[:-1]))):
+        back = (s[1:] < s[:-1]) | ((s[1:] == s[:-1]) & (
+            (i[1:] < i[:-1]) | ((i[1:] == i[:-1]) & (p[1:] < p[:-1]))))
+        if not np.any(same & back):
             return perm
     return np.lexsort((seq, producer, input_idx, sub, order))
 

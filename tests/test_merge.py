@@ -43,3 +43,29 @@ def test_merge_order_equals_full_lexicographic_order(cols):
     got = merge_order(cols["order"], cols["sub"], cols["inp"], cols["prod"], cols["seq"])
     ref = np.lexsort((cols["seq"], cols["prod"], cols["inp"], cols["sub"], cols["order"]))
     assert got.tolist() == ref.tolist()
+
+
+@st.composite
+def routed_inputs(draw):
+    """``merged_inputs`` interleaved (each producer's rows of an input still in out_seq order),
+    then sorted by (order, sub) keeping ties as they came: what routing sends a consumer slice
+    from a producer's many slices (``containers.routing.by_consumer_slice``)."""
+    cols = draw(merged_inputs())
+    n = len(cols["order"])
+    stream = cols["inp"] * 8 + cols["prod"]
+    keys = np.array(draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)), dtype=np.int64)
+    for s in np.unique(stream):  # each stream's keys ascend with its rows: its order survives
+        keys[stream == s] = np.sort(keys[stream == s])
+    arrival = np.argsort(keys, kind="stable")
+    routed = arrival[np.lexsort((cols["sub"][arrival], cols["order"][arrival]))]
+    return {k: v[routed] for k, v in cols.items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(routed_inputs())
+def test_merge_order_of_rows_routed_in_source_order_equals_full_lexicographic_order(cols):
+    """Rows already in (order, sub) order, of several producers and inputs: still the full
+    order, ties of two producers included (the fast path must not trust those)."""
+    got = merge_order(cols["order"], cols["sub"], cols["inp"], cols["prod"], cols["seq"])
+    ref = np.lexsort((cols["seq"], cols["prod"], cols["inp"], cols["sub"], cols["order"]))
+    assert got.tolist() == ref.tolist()

@@ -29,7 +29,7 @@ from containers.routing import OutputRoute, route
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
 import slices.group
-from slices.group import grouped_merge_order, process_inputs, process_parts, runs_grouped
+from slices.group import grouped_merge_order, in_grouped_merge_order, process_inputs, process_parts, runs_grouped
 from slices.slice import SliceRuntime
 from queries import keyed_join
 
@@ -460,8 +460,22 @@ def test_grouped_merge_order_of_interleaved_producers_equals_the_full_sort_with_
             rng.integers(0, 1 << 62, n)  # (sub-orders of no common shape: ranked)
         producer = rng.integers(0, 3, n)
         seq = np.arange(n)  # (each producer's rows arrive in its out_seq order)
+        if rng.random() < 0.5:  # as routing sends a many-slice producer's rows: in (slice, order, sub)
+            routed = np.lexsort((sub, order, owner))  # (stable: ties keep their arrival order)
+            owner, order, sub, producer, seq = owner[routed], order[routed], sub[routed], producer[routed], seq[routed]
         expected = np.lexsort((seq, producer, sub, order, owner))
         assert grouped_merge_order(owner, order, sub, producer, seq).tolist() == expected.tolist()
+
+
+def test_rows_of_several_producers_in_slice_order_and_sub_order_are_not_reordered():
+    """Routing sorts a many-slice producer's rows by (slice, order, sub): the merge takes them
+    as they are, though one event's rows come from several producers."""
+    owner = np.array([0, 0, 0, 1, 1])
+    order = np.array([4, 4, 6, 4, 4])
+    sub = np.array([1, 2, 0, 0, 0])
+    producer = np.array([3, 0, 1, 0, 2])  # (the last two tie on sub: producer order decides)
+    assert in_grouped_merge_order(owner, order, sub, producer)
+    assert not in_grouped_merge_order(owner, order, sub, np.array([3, 0, 1, 2, 0]))
 
 # -- the slice group against slices run alone ---------------------------------------------------
 
