@@ -21,9 +21,12 @@ and with every slice run alone (``alone_*``, groups turned off).
 
 ``--rekey`` counts the counts: a second built-in ``count`` keyed by the
 first one's ``count`` column, in as many slices. Its slices get each
-line's rows from many of the first stage's slices, interleaved, and merge
-them back into source order every epoch (``grouped_merge_order``: one
-packed-key sort since the thirty-second session, a five-key lexsort before).
+line's rows from many of the first stage's slices, interleaved, to be put
+back into source order every epoch: since the thirty-third session by
+routing, in the copy into slice order it makes anyway
+(``containers.routing.by_consumer_slice``); before, by the group's merge
+after it (one packed-key sort, a five-key lexsort before the thirty-second
+session).
 
     python -m benchmarks.slices --json --rekey --counts 1,64 --repeat 5
 

@@ -55,7 +55,7 @@ from chronostream.operators import OperatorContext
 from chronostream.sorting import packed_merge_key, stable_argsort, tie_free_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
-from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts
+from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts, steps_back
 
 log = logging.getLogger("chronostream.slices")
 
@@ -98,10 +98,11 @@ def grouped_merge_order(owner: np.ndarray, order: np.ndarray, sub: np.ndarray,
     [2, 1, 0]
     """
     # Same fast path as merge_order: stable sorts keep arrival order among equal
-    # (slice, order), which is the full order unless a run mixes producers or
-    # goes back in sub-order. Rows usually arrive grouped by slice (one sender's
-    # part), each slice's in source order (one producer): nothing to sort. With
-    # several senders, one radix sort by slice (stable_argsort) groups them.
+    # (slice, order), which is the full order unless a run steps back in
+    # (sub-order, producer) (steps_back). Rows usually arrive grouped by slice (one
+    # sender's part), each slice's in merge order (one producer, or routing sorted a
+    # many-slice producer's rows so): nothing to sort. With several senders, one
+    # radix sort by slice (stable_argsort) groups them.
     if in_grouped_merge_order(owner, order, sub, producer):
         return np.arange(len(owner))
     return _reordered(owner, order, sub, producer, seq)
@@ -153,8 +154,7 @@ def _arrival_order_suffices(owner: np.ndarray, order: np.ndarray, perm: np.ndarr
     if not bool(np.all(~same_owner | (order[1:] >= order[:-1]))):
         return False
     same = same_owner & (order[1:] == order[:-1])
-    back = (sub[1:] < sub[:-1]) | ((sub[1:] == sub[:-1]) & (producer[1:] < producer[:-1]))
-    return not bool(np.any(same & back))
+    return not bool(np.any(same & steps_back(sub, producer)))
 
 
 #: One sender's rows for a stage, sorted by consumer slice, and that slice per row

@@ -61,13 +61,24 @@ def merge_order(order: np.ndarray, sub: np.ndarray, input_idx: np.ndarray,
     # a producer's many slices into them (containers.routing.by_consumer_slice).
     perm = np.argsort(order, kind="stable")
     if len(perm) > 1:
-        o, i, p, s = order[perm], input_idx[perm], producer[perm], sub[perm]
-        same = o[1:] == o[:-1]
-        back = (s[1:] < s[:-1]) | ((s[1:] == s[:-1]) & (
-            (i[1:] < i[:-1]) | ((i[1:] == i[:-1]) & (p[1:] < p[:-1]))))
-        if not np.any(same & back):
+        o = order[perm]
+        if not np.any((o[1:] == o[:-1]) & steps_back(sub[perm], producer[perm], input_idx[perm])):
             return perm
     return np.lexsort((seq, producer, input_idx, sub, order))
+
+
+def steps_back(sub: np.ndarray, producer: np.ndarray, input_idx: np.ndarray | None = None) -> np.ndarray:
+    """For each pair of adjacent rows of equal source order: whether the second comes first in
+    merge order, by (sub-order, input, producer slice). Rows equal in all of them are one
+    producer's rows of one input, which arrive in out_seq order: not a step back.
+
+    >>> steps_back(np.array([0, 1, 1, 1]), np.array([5, 2, 3, 1])).tolist()
+    [False, False, True]
+    """
+    back = producer[1:] < producer[:-1]
+    if input_idx is not None:
+        back = (input_idx[1:] < input_idx[:-1]) | ((input_idx[1:] == input_idx[:-1]) & back)
+    return (sub[1:] < sub[:-1]) | ((sub[1:] == sub[:-1]) & back)
 
 
 def event_dicts(table: pa.Table) -> list[dict]:

@@ -446,7 +446,6 @@ def test_grouped_merge_order_is_each_slices_merge_order():
                                seq).tolist() == [0, 1, 2, 3, 4]
 
 
-
 def test_grouped_merge_order_of_interleaved_producers_equals_the_full_sort_with_or_without_ties():
     """A keyed stage fed by a stage of many slices gets each event's rows from several producers,
     interleaved: the order is still (slice, order, sub, producer, seq), ties included (seeded)."""
@@ -476,6 +475,7 @@ def test_rows_of_several_producers_in_slice_order_and_sub_order_are_not_reordere
     producer = np.array([3, 0, 1, 0, 2])  # (the last two tie on sub: producer order decides)
     assert in_grouped_merge_order(owner, order, sub, producer)
     assert not in_grouped_merge_order(owner, order, sub, np.array([3, 0, 1, 2, 0]))
+
 
 # -- the slice group against slices run alone ---------------------------------------------------
 
