@@ -25,11 +25,14 @@ _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-en
 _INITIAL_MAP_SIZE = 1 << 30
 
 
-def _encode(table: pa.Table) -> bytes:
+def _encode(table: pa.Table) -> pa.Buffer:
+    """One IPC stream of ``table``, as Arrow's buffer: lmdb copies it into its page, so a copy
+    into Python ``bytes`` first would be a second one (with 64 slices, 64 fresh allocations an
+    epoch that the C allocator hands back to the OS and faults in again: 0.8 ms of 1.2)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return sink.getvalue()
 
 
 def _decode(data: bytes) -> pa.Table:
