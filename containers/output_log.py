@@ -18,27 +18,12 @@ import lmdb
 import numpy as np
 import pyarrow as pa
 
+from chronostream.arrow_ipc import read_stream, stream_buffer
 from chronostream.types import ORDER, SEQ
 from containers.lmdb_store import delete_prefix, put_all
 
 _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-endian sorts right)
 _INITIAL_MAP_SIZE = 1 << 30
-#: Given once: without options, every writer reads two environment variables (30 us a batch).
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions()
-
-
-def _encode(table: pa.Table) -> pa.Buffer:
-    """One IPC stream of ``table``, as Arrow's buffer: lmdb copies it into its page, so a copy
-    into Python ``bytes`` first would be a second one (with 64 slices, 64 fresh allocations an
-    epoch that the C allocator hands back to the OS and faults in again: 0.8 ms of 1.2)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
-def _decode(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
 class OutputLog:
@@ -70,7 +55,7 @@ class OutputLog:
             if table.num_rows == 0:
                 continue
             first = int(table.column(SEQ)[0].as_py())
-            items.append((_KEY.pack(stream_id, slice_id, first), _encode(table)))
+            items.append((_KEY.pack(stream_id, slice_id, first), stream_buffer(table)))
             self.rows_written += table.num_rows
         put_all(self.env, items, self._resize_lock)
 
@@ -90,7 +75,7 @@ class OutputLog:
             for key, value in cur.iternext():
                 if not key.startswith(prefix):
                     break
-                table = _decode(value)
+                table = read_stream(value)
                 seq = np.asarray(table.column(SEQ))
                 if seq[-1] <= after_seq:
                     continue
@@ -125,7 +110,7 @@ class OutputLog:
                 for key, value in cur:
                     if not key.startswith(prefix):
                         break
-                    last = _decode(value).column(ORDER)
+                    last = read_stream(value).column(ORDER)
                     if len(last) and int(np.max(np.asarray(last))) >= before_order:
                         break
                     dead.append(key)

@@ -28,8 +28,8 @@ from typing import Any
 import lmdb
 import msgpack
 import numpy as np
-import pyarrow as pa
 
+from chronostream.arrow_ipc import read_stream, stream_buffer
 from containers.lmdb_store import put_all
 from containers.sink_parts import PackedSinkParts, SinkParts, add_sink_parts
 from master.placement import Placement
@@ -41,13 +41,6 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def _ipc(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 class MasterCatalog:
@@ -193,7 +186,7 @@ class MasterCatalog:
             self.sink_keys = self._count_sink_keys()
         items = []
         for sink_id, table, index in packed.groups:
-            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), _ipc(table)])))
+            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), stream_buffer(table).to_pybytes()])))
             self.sink_keys += 1
         put_all(self.env, items)
 
@@ -218,7 +211,7 @@ class MasterCatalog:
                     if not key.startswith(b"sink:"):
                         break
                     sink_id, index, ipc = _unpack(value)
-                    groups.append((sink_id, pa.ipc.open_stream(pa.py_buffer(ipc)).read_all(),
+                    groups.append((sink_id, read_stream(ipc),
                                    np.frombuffer(index, dtype=np.int64).reshape(-1, 3)))
         out: dict[int, SinkParts] = {}
         for group in groups:  # in the order stored: a later copy of a part replaces an earlier one

@@ -42,6 +42,7 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
+from chronostream.arrow_ipc import read_stream, stream_size, write_stream
 from chronostream.operators import canonical_key
 from chronostream.state import KeyValueState
 
@@ -265,15 +266,11 @@ class IpcAttachment:
 
     def __init__(self, table: pa.Table) -> None:
         self.table = table
-        mock = pa.MockOutputStream()
-        with pa.ipc.new_stream(mock, table.schema) as w:
-            w.write_table(table)
-        self.nbytes: int = mock.size()
+        self.nbytes: int = stream_size(table)
 
     def write_into(self, dest: pa.Buffer) -> None:
         """Write the IPC stream into ``dest``, a mutable buffer of exactly ``nbytes``."""
-        with pa.ipc.new_stream(pa.FixedSizeBufferWriter(dest), self.table.schema) as w:
-            w.write_table(self.table)
+        write_stream(pa.FixedSizeBufferWriter(dest), self.table)
 
     def buffer(self) -> pa.Buffer:
         """The IPC stream in a buffer of its own."""
@@ -294,7 +291,7 @@ def read_table_part(part: dict[str, Any]) -> pa.Table:
     """The table of a ``table`` part (serialized or frozen)."""
     if "frozen" in part:
         return part["frozen"]
-    return pa.ipc.open_stream(pa.py_buffer(part["ipc"])).read_all()
+    return read_stream(part["ipc"])
 
 
 def _serialized(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
