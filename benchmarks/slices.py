@@ -30,6 +30,14 @@ session).
 
     python -m benchmarks.slices --json --rekey --counts 1,64 --repeat 5
 
+``--ray`` runs each job on Ray instead (one container a stage, each an actor
+process of its own; the source's and the first count's outputs go to output
+logs for replay, as in any Ray job) and times its processing (``job.wait()``:
+from every container started to the last epoch, actor start-up left out).
+A stage's slices always run as a group there: no ``alone_*`` figures.
+
+    python -m benchmarks.slices --json --ray --counts 1,64 --repeat 3 --words 10000000 --rekey
+
 ``--chained`` puts a stateless step after the count (``map_batches`` adding
 a column): a group runs it once over the group's output. Until 2026-11-27
 such a stage always ran slice by slice, as the ``alone_*`` figures do.
@@ -188,15 +196,30 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
             per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False,
-            topk_window: int | None = None, rekey: bool = False) -> float:
+            topk_window: int | None = None, rekey: bool = False, ray: bool = False) -> float:
     """One job to its end in process: seconds from ``cs.run`` to its return (``table``: the
-    mode's input; ``topk_window``: run the ``--topk`` query with that window)."""
+    mode's input; ``topk_window``: run the ``--topk`` query with that window). ``ray``: on Ray
+    instead (one container a stage, each its own actor process, with output logs), the job's
+    processing time (``job.wait()``: from every container started to the last epoch; actor
+    start-up left out); its slices always run as groups there (``grouped`` must be True)."""
     if topk_window is not None:
         q = topk_query(table, window=topk_window, slices=slices, epoch_events=epoch)
     elif join:
         q = join_query(table, slices, epoch)
     else:
         q = word_count(table, slices, epoch, chained, per_event, vectorized, undeclared, rekey)
+    sink = "topk" if topk_window is not None else "counts"
+    if ray:
+        if not grouped:
+            raise ValueError("on Ray a stage's slices always run as groups")
+        job = cs.run(q, containers=1)
+        try:
+            elapsed = job.wait().elapsed_s
+            # (not ``results``: collecting millions of rows through the master takes longer than the run)
+            assert sum(s.events_out for s in job.statistics().values()) > 0
+        finally:
+            job.stop()
+        return elapsed
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
@@ -204,7 +227,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
         elapsed = time.perf_counter() - t0
     finally:
         ContainerCore.GROUP_SLICES = True
-    assert job.results("topk" if topk_window is not None else "counts").num_rows > 0
+    assert job.results(sink).num_rows > 0
     return elapsed
 
 
@@ -226,6 +249,8 @@ def main() -> None:
                      help="a keyed join of --words orders with customer updates instead of the word count")
     how.add_argument("--topk", action="store_true",
                      help="the paper's Fig. 21 application: Top-K frequent words per category (examples.topk)")
+    p.add_argument("--ray", action="store_true",
+                   help="run each job on Ray (one container a stage) and time its processing; no alone_* runs")
     p.add_argument("--undeclared", action="store_true",
                    help="with --per-event: the operator declares no output schema (Arrow infers it per slice)")
     p.add_argument("--categories", type=int, default=1000, help="with --topk: categories of the text (default 1000)")
@@ -249,23 +274,28 @@ def main() -> None:
         table = zipf_text(words // 10, seed=1)  # 10 words per line
         n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
     times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
-    configs = [(n, g) for n in counts for g in (True, False) if g or n > 1]  # 1 slice: no group to turn off
+    # 1 slice: no group to turn off; on Ray, groups cannot be turned off.
+    configs = [(n, g) for n in counts for g in (True, False) if g or (n > 1 and not args.ray)]
+    if args.ray:
+        cs.ensure_ray()
     for r in range(1 if args.quick else args.repeat):
         for n, g in (configs if r % 2 == 0 else configs[::-1]):
             times[(n, g)].append(one_run(table, n, args.epoch, grouped=g, chained=args.chained,
                                             per_event=args.per_event, vectorized=args.vectorized,
                                             join=args.join, undeclared=args.undeclared,
-                                            topk_window=args.window if args.topk else None, rekey=args.rekey))
+                                            topk_window=args.window if args.topk else None, rekey=args.rekey,
+                                            ray=args.ray))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
              "overhead_pct": round((median(times[(n, True)]) / base - 1) * 100, 1),
-             "alone_events_per_s": round(n_words / median(times[(n, False)])),
-             "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1),
+             "alone_events_per_s": round(n_words / median(times[(n, False)])) if times[(n, False)] else None,
+             "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1)
+             if times[(n, False)] else None,
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
-          "chained": args.chained, "rekey": args.rekey, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
+          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
           "undeclared": args.undeclared, "topk": args.topk,
           "categories": args.categories if args.topk else None, "window": args.window if args.topk else None,
           "rows": rows}, args.json)
