@@ -43,7 +43,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.placement import Placement, initial_placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
-                             floors_of_sources, gc_marks_and_source_floors, one_host_stages, plan_recovery,
+                             floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
@@ -168,7 +168,7 @@ class JobMaster:
         await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
         await self._retarget_backups({t.stage_id for t in transfers}
-                                     | (one_host_stages(self.placement, self.host_of) if released else set()))
+                                     | (self._off_stage_backup_stages() if released else set()))
         self._save_layout()
         summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
                    "released_hosts": released, "seconds": 0.0, "reason": "settled by a restarted master"}
@@ -589,8 +589,8 @@ class JobMaster:
         replayed = await asyncio.gather(*[self._reroute_to(plan, infos) for (plan, _), infos in zip(runs, restored)])
         self._at_step("rerouted", lost, every)
         # 4. Backups over the stages' hosts as they are now (full checkpoints follow), also of
-        # one-host stages: a dead host may have held their backups.
-        await self._retarget_backups({a.stage_id for a in every} | one_host_stages(self.placement, self.host_of),
+        # stages backed up off their own hosts: a dead host may have held their backups.
+        await self._retarget_backups({a.stage_id for a in every} | self._off_stage_backup_stages(),
                                      tolerate_dead=False)
         return [(plan, epochs) for (plan, _), epochs in zip(runs, replayed)]
 
@@ -714,8 +714,13 @@ class JobMaster:
         return host_backup_peers(self.placement, self.host_of, stage_id, self.opts.backup_factor,
                                  self._chain_hosts(), self.nodes)
 
+    def _off_stage_backup_stages(self) -> set[int]:
+        """Stages whose chains go on over other stages' hosts (``off_stage_backup_stages``)."""
+        return off_stage_backup_stages(self.placement, self.host_of, self.opts.backup_factor)
+
     def _chain_hosts(self, transfers: list[Transfer] = ()) -> list[int]:
-        """The hosts a one-host stage may back up to: every live one (and migrations' new hosts)."""
+        """The hosts a stage on too few hosts of its own may back up to: every live one (and
+        migrations' new hosts)."""
         return sorted(self.alive | {t.host for t in transfers if t.host is not None})
 
     async def _retarget_backups(self, stages: set[int], tolerate_dead: bool = True) -> None:
@@ -885,7 +890,7 @@ class JobMaster:
             self._event("migration_interrupted", error=str(exc))
             await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
-        await self._retarget_backups({sid} | (one_host_stages(self.placement, self.host_of) if released else set()))
+        await self._retarget_backups({sid} | (self._off_stage_backup_stages() if released else set()))
         self._save_layout()
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,

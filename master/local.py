@@ -37,7 +37,7 @@ from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
 from master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
-                             lost_containers, one_host_stages, plan_recovery, raised, rebuildable_stages,
+                             lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
                              recovery_slack, restore_floor, restore_order)
 from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 
@@ -526,8 +526,8 @@ class LocalCluster:
 
     def _finish_migrations(self) -> None:
         stages = sorted({t.stage_id for t in self.migrations})
-        if self.fault_tolerant:
-            self._retarget(set(stages))
+        if self.fault_tolerant:  # (a released host may have held backups of stages on few hosts)
+            self._retarget(set(stages) | off_stage_backup_stages(self.placement, self.hosts, self.backup_factor))
         self._event("migration_end", transfers=[(t.source, t.new_id, t.slices, t.phase.value, t.pause_ms)
                                                  for t in self.migrations])
         self.migrated += self.migrations
@@ -633,8 +633,8 @@ class LocalCluster:
                         self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
             self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
                         resume_epoch=core.next_epoch)
-        if self.fault_tolerant:  # one-host stages too: a dead host may have held their backups
-            self._retarget(set(stages) | one_host_stages(self.placement, self.hosts))
+        if self.fault_tolerant:  # stages backed up off their hosts too: a dead host may have held them
+            self._retarget(set(stages) | off_stage_backup_stages(self.placement, self.hosts, self.backup_factor))
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
         """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""

@@ -120,7 +120,6 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
         hosts = list(live.get(stage, []))
         for s in sorted(slices):
             copies = sorted(backups.get((stage, s), []), key=lambda he: (-he[1], he[0]))
-            copies = [(h, e) for h, e in copies if h in hosts or not hosts]
             if copies:
                 newest = copies[0][1]
                 oldest_ok = newest if floor is None or stage not in floor else max(newest - slack, floor[stage])
@@ -131,12 +130,14 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                         f"every usable backup of stage {names.get(stage, stage)!r} slice {s} is lost: the copies "
                         f"left ({', '.join(f'host {h} at epoch {e}' for h, e in copies)}) are older than epoch "
                         f"{oldest_ok}, where its producers' output logs now begin")
+                # Holders on the stage's live hosts first (the stage stays where it was); else any:
+                # a stage on fewer hosts than the backup factor + 1 keeps copies on other stages'
+                # hosts too, and one with no live host left (it lived on one) has only those.
+                best = [h for h in best if h in hosts] or best
                 # Among the holders of a recent enough backup, the least loaded so far
                 # (a dead container's slices spread over all its peers), then the newest.
                 order = (chain or {}).get((stage, s), [])
                 rank = {h: i for i, h in enumerate(order)}
-                # A stage with no live host left (it lived on one: its backups are on other
-                # stages' hosts) is adopted by a holder too: restored where its copy is.
                 host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h))
                 copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
             else:
@@ -167,10 +168,11 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     return adoptions
 
 
-def one_host_stages(placement, hosts: dict[int, int]) -> set[int]:
-    """Stages whose containers all sit on one host: their backups live on other stages' hosts
-    (``host_backup_peers``), so a host that dies or is released may hold them."""
-    return {st for st, ids in placement.containers.items() if len({hosts[c] for c in ids}) == 1}
+def off_stage_backup_stages(placement, hosts: dict[int, int], backup_factor: int) -> set[int]:
+    """Stages on too few hosts for ``backup_factor`` copies a slice among their own (at most
+    ``backup_factor`` hosts, one among them): their chains go on over other stages' hosts
+    (``host_backup_peers``), so a host that dies or is released may hold their backups."""
+    return {st for st, ids in placement.containers.items() if len({hosts[c] for c in ids}) <= max(backup_factor, 1)}
 
 
 def rebuildable_stages(plan) -> set[int]:
@@ -210,7 +212,12 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     A stage on one host has no peer of its own: its slices are chained over
     ``job_hosts`` (the job's live hosts; ``off_stage_backup_hosts`` orders
     them), so its host's death is a restore from a backup, not a rebuild from
-    epoch 0. Without ``job_hosts`` such a stage has no backups.
+    epoch 0. Without ``job_hosts`` such a stage has no backups. A stage on
+    fewer hosts than ``backup_factor`` + 1 chains each slice over its own
+    other hosts first and goes on over ``job_hosts`` to ``backup_factor``
+    copies (2 containers with the default factor 2: one copy on the other
+    host of the stage, one on another stage's), so its hosts dying together
+    leave a copy. (Until the thirty-fourth session it kept one copy.)
 
     >>> import numpy as np
     >>> from master.placement import Placement
@@ -223,12 +230,20 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     by_host: dict[int, list[int]] = {}
     for c in placement.containers[stage_id]:
         by_host.setdefault(hosts[c], []).extend(placement.slices_of(c))
-    if len(by_host) == 1 and any(h not in by_host for h in job_hosts):
+    others = [h for h in job_hosts if h not in by_host]
+    if len(by_host) == 1 and others:
         (home, slices), = by_host.items()
-        others = off_stage_backup_hosts(home, job_hosts, node_of)
-        chain = {s: chained_backup_peers(m - 1, others, backup_factor) for m, s in enumerate(sorted(slices))}
+        off = off_stage_backup_hosts(home, others, node_of)
+        chain = {s: chained_backup_peers(m - 1, off, backup_factor) for m, s in enumerate(sorted(slices))}
     else:
         chain = backup_plan(sorted(by_host), by_host, backup_factor)
+        if len(by_host) <= backup_factor and others:
+            # Too few hosts of its own for ``backup_factor`` copies: each slice's chain goes on
+            # over the job's other hosts (spread as a one-host stage's: position m of its host).
+            for home, slices in by_host.items():
+                off = off_stage_backup_hosts(home, others, node_of)
+                for m, s in enumerate(sorted(slices)):
+                    chain[s] = chain[s] + chained_backup_peers(m - 1, off, backup_factor - len(chain[s]))
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
 
 

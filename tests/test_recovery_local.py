@@ -276,6 +276,22 @@ def test_a_checkpoint_that_reached_only_one_of_its_peers_when_its_container_died
     assert_equals_serial("running_sum", cl)
 
 
+def test_both_hosts_of_a_two_host_stage_dying_together_are_restored_from_copies_on_other_stages_hosts():
+    """With the default backup factor 2, a stage on two hosts keeps a second copy of each slice on
+    another stage's host (``host_backup_peers``): both its hosts dying at once is a restore from
+    those copies and a replay, not a loss nor a rebuild from epoch 0."""
+    cl = cluster("running_sum", containers={"payments": 1, "running_sum": 2, "stats": 2})
+    stage = cl.stage_id("running_sum")
+    victims = sorted(cl.hosts[c] for c in cl.placement.containers[stage])
+    cl.run(kills={12: victims})
+    starts = [info for _, k, info in cl.timeline if k == "recovery_start"]
+    ends = [info for _, k, info in cl.timeline if k == "recovery_end"]
+    assert {info["host"] for info in starts} <= cl.alive - set(victims)
+    assert sorted(s for info in starts for s in info["slices"]) == list(range(cl.plan.stages[stage].num_slices))
+    assert all(info["resume_epoch"] > 2 for info in ends), "resumed after a checkpoint, not from epoch 0"
+    assert_equals_serial("running_sum", cl)
+
+
 @pytest.mark.parametrize("kind", ["operator", "source"])
 def test_a_stage_on_one_host_is_restored_from_a_backup_on_another_stages_host(kind):
     """A stage with one container has no peer of its own: its slices are backed up to the job's

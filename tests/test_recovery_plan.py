@@ -83,6 +83,23 @@ def test_a_stage_with_no_live_host_is_adopted_by_the_holders_of_its_backups():
     assert all(a.epochs[s] == 8 and a.holders[s][0] == a.host for a in plan for s in a.slices)
 
 
+def test_holders_on_the_stages_live_hosts_adopt_before_holders_on_other_stages_hosts():
+    """A stage on fewer hosts than its backup factor + 1 keeps copies on other stages' hosts too
+    (``host_backup_peers``): its own live host restores what it holds, the stage stays there."""
+    backups = {(1, s): [(5, 8), (1, 8)] for s in range(4)}
+    plan = plan_recovery(LOST, backups, {1: [1]}, 10)
+    assert set(hosts_by_slice(plan).values()) == {1}
+
+
+def test_a_slice_whose_stage_hosts_hold_no_copy_is_adopted_by_a_holder_on_another_stages_host():
+    """The stage still has a live host, but the only copies left are on other stages' hosts (the
+    other of its two hosts died with it): a holder restores it, no loss."""
+    backups = {(1, s): [(5, 8)] for s in range(4)}
+    plan = plan_recovery(LOST, backups, LIVE, 10, checkpointed={(1, s) for s in range(4)})
+    assert set(hosts_by_slice(plan).values()) == {5}
+    assert all(a.epochs[s] == 8 for a in plan for s in a.slices)
+
+
 def test_a_stage_with_no_live_host_and_no_backup_gets_a_new_host():
     plan = plan_recovery(LOST, {}, {1: []}, 10)
     assert set(hosts_by_slice(plan).values()) == {None}
