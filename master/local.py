@@ -438,8 +438,9 @@ class LocalCluster:
             for c in self.placement.containers[d]:
                 if c in self.cores:
                     self.cores[c].add_senders({t0.new_id: cov})
+        job_hosts = sorted(self.alive | {t.host for t in self.migrations if t.host is not None})
         return backup_peers_after(self.placement, self.hosts, self.migrations, t0.stage_id,
-                                  self.backup_factor).get(t0.new_id) if self.fault_tolerant else None
+                                  self.backup_factor, job_hosts).get(t0.new_id) if self.fault_tolerant else None
 
     def _advance_handover(self, group: list[Transfer], phase: MigrationPhase) -> None:
         """A compaction's transfers to one new container on their own host, one phase on: nothing

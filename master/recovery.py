@@ -239,11 +239,14 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
         chain = backup_plan(sorted(by_host), by_host, backup_factor)
         if len(by_host) <= backup_factor and others:
             # Too few hosts of its own for ``backup_factor`` copies: each slice's chain goes on
-            # over the job's other hosts (spread as a one-host stage's: position m of its host).
+            # over the job's other hosts, spread by slice id (s // hosts: a slice's place on its
+            # host under the initial round-robin placement), not by its place on its host now:
+            # a slice moving in or out would shift its siblings' copies, and each shift costs a
+            # full checkpoint.
             for home, slices in by_host.items():
                 off = off_stage_backup_hosts(home, others, node_of)
-                for m, s in enumerate(sorted(slices)):
-                    chain[s] = chain[s] + chained_backup_peers(m - 1, off, backup_factor - len(chain[s]))
+                for s in slices:
+                    chain[s] = chain[s] + chained_backup_peers(s // len(by_host) - 1, off, backup_factor - len(chain[s]))
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
 
 
