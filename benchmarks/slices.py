@@ -295,7 +295,8 @@ def main() -> None:
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
-          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "per_event": args.per_event, "vectorized": args.vectorized, "join": args.join,
+          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "per_event": args.per_event,
+          "vectorized": args.vectorized, "join": args.join,
           "undeclared": args.undeclared, "topk": args.topk,
           "categories": args.categories if args.topk else None, "window": args.window if args.topk else None,
           "rows": rows}, args.json)

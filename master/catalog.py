@@ -186,7 +186,8 @@ class MasterCatalog:
             self.sink_keys = self._count_sink_keys()
         items = []
         for sink_id, table, index in packed.groups:
-            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), stream_buffer(table).to_pybytes()])))
+            ipc = stream_buffer(table).to_pybytes()  # (msgpack takes bytes)
+            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), ipc])))
             self.sink_keys += 1
         put_all(self.env, items)
 

@@ -246,7 +246,8 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
             for home, slices in by_host.items():
                 off = off_stage_backup_hosts(home, others, node_of)
                 for s in slices:
-                    chain[s] = chain[s] + chained_backup_peers(s // len(by_host) - 1, off, backup_factor - len(chain[s]))
+                    more = backup_factor - len(chain[s])
+                    chain[s] = chain[s] + chained_backup_peers(s // len(by_host) - 1, off, more)
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
 
 
