@@ -11,6 +11,11 @@ computes the same thing: one running-count update per word.
 - serial: the serial executor (one event at a time; run on a smaller input);
 - handwritten: one process, Arrow/numpy, no framework.
 
+``--checkpoint-every K`` checkpoints the runtime runs every K epochs, to
+``--backup-factor`` copies a slice (default 2: with 2 containers a stage,
+one on the stage's other host and, since the thirty-fourth session, one on
+another stage's host).
+
 Runtime rates are taken over the job's processing time (from the moment all
 containers are started to the last epoch; actor start-up excluded and
 reported separately as ``deploy_s``). Medians of --repeat runs.
@@ -73,10 +78,12 @@ def handwritten(lines: pa.Table) -> int:
     return out.num_rows
 
 
-def run_runtime(lines: pa.Table, per_event: bool, words: int) -> tuple[float, float]:
+def run_runtime(lines: pa.Table, per_event: bool, words: int, checkpoint_every: int = 0,
+                backup_factor: int = 2) -> tuple[float, float]:
     """(words/s over processing time, deploy seconds) of one runtime run."""
     t0 = time.perf_counter()
-    job = cs.run(build(lines, per_event), containers=2)
+    job = cs.run(build(lines, per_event), containers=2, checkpoint_every=checkpoint_every,
+                 backup_factor=backup_factor)
     deploy = time.perf_counter() - t0
     try:
         st = job.wait()
@@ -88,7 +95,12 @@ def run_runtime(lines: pa.Table, per_event: bool, words: int) -> tuple[float, fl
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="runtime runs checkpoint every K epochs (default 0: no checkpoints)")
+    p.add_argument("--backup-factor", type=int, default=2, help="copies a slice with checkpoints (default 2)")
+    args = p.parse_args()
+    ckpt = {"checkpoint_every": args.checkpoint_every, "backup_factor": args.backup_factor}
     n_lines = 20_000 if args.quick else 200_000
     lines = zipf_text(n_lines)
     words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(lines["line"]))).as_py())
@@ -98,10 +110,10 @@ def main() -> None:
         t = time.perf_counter()
         handwritten(lines)
         hand.append(words / (time.perf_counter() - t))
-        r, d = run_runtime(lines, False, words)
+        r, d = run_runtime(lines, False, words, **ckpt)
         vec.append(r)
         deploys.append(d)
-        r, d = run_runtime(lines, True, words)
+        r, d = run_runtime(lines, True, words, **ckpt)
         per.append(r)
     small = lines.slice(0, min(5_000, n_lines))
     small_words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(small["line"]))).as_py())
@@ -118,6 +130,8 @@ def main() -> None:
         "runtime_vs_handwritten": round(median(vec) / median(hand), 3),
         "deploy_s": round(median(deploys), 2),
         "containers_per_stage": 2,
+        "checkpoint_every": args.checkpoint_every,
+        "backup_factor": args.backup_factor,
         "repeat": args.repeat,
         "rows": [
             {"config": "runtime_vectorized", "words_per_s": round(median(vec)), "runs": [round(x) for x in vec]},
