@@ -1,7 +1,7 @@
 """Owns how every layer writes and reads a table as one Arrow IPC stream.
 
-Output logs, checkpoint frames, the master's catalog and the Spark feeder
-store tables as IPC streams. They write them the same way: with write
+Output logs, checkpoint frames and the master's catalog store tables as
+IPC streams. They write them the same way: with write
 options given once (a writer made without them reads two environment
 variables, about 15 us each: paid per slice and epoch by an output log of 64
 slices) and, where the bytes go on to lmdb or into a frame, without a copy

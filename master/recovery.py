@@ -172,7 +172,18 @@ def off_stage_backup_stages(placement, hosts: dict[int, int], backup_factor: int
     """Stages on too few hosts for ``backup_factor`` copies a slice among their own (at most
     ``backup_factor`` hosts, one among them): their chains go on over other stages' hosts
     (``host_backup_peers``), so a host that dies or is released may hold their backups."""
-    return {st for st, ids in placement.containers.items() if len({hosts[c] for c in ids}) <= max(backup_factor, 1)}
+    return {st for st, ids in placement.containers.items()
+            if backs_up_off_stage(len({hosts[c] for c in ids}), backup_factor)}
+
+
+def backs_up_off_stage(stage_hosts: int, backup_factor: int) -> bool:
+    """Whether a stage on ``stage_hosts`` hosts has too few of its own for ``backup_factor``
+    copies a slice (one host always: it has no peer), so its chains go on over other hosts.
+
+    >>> backs_up_off_stage(1, 2), backs_up_off_stage(2, 2), backs_up_off_stage(3, 2), backs_up_off_stage(2, 1)
+    (True, True, False, False)
+    """
+    return stage_hosts <= max(backup_factor, 1)
 
 
 def rebuildable_stages(plan) -> set[int]:
@@ -230,24 +241,19 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     by_host: dict[int, list[int]] = {}
     for c in placement.containers[stage_id]:
         by_host.setdefault(hosts[c], []).extend(placement.slices_of(c))
+    chain = backup_plan(sorted(by_host), by_host, backup_factor)
     others = [h for h in job_hosts if h not in by_host]
-    if len(by_host) == 1 and others:
-        (home, slices), = by_host.items()
-        off = off_stage_backup_hosts(home, others, node_of)
-        chain = {s: chained_backup_peers(m - 1, off, backup_factor) for m, s in enumerate(sorted(slices))}
-    else:
-        chain = backup_plan(sorted(by_host), by_host, backup_factor)
-        if len(by_host) <= backup_factor and others:
-            # Too few hosts of its own for ``backup_factor`` copies: each slice's chain goes on
-            # over the job's other hosts, spread by slice id (s // hosts: a slice's place on its
-            # host under the initial round-robin placement), not by its place on its host now:
-            # a slice moving in or out would shift its siblings' copies, and each shift costs a
-            # full checkpoint.
-            for home, slices in by_host.items():
-                off = off_stage_backup_hosts(home, others, node_of)
-                for s in slices:
-                    more = backup_factor - len(chain[s])
-                    chain[s] = chain[s] + chained_backup_peers(s // len(by_host) - 1, off, more)
+    if backs_up_off_stage(len(by_host), backup_factor) and others:
+        # Too few hosts of its own for ``backup_factor`` copies (one host: none): each slice's
+        # chain goes on over the job's other hosts, spread by slice id (s // hosts: a slice's
+        # place on its host under the initial round-robin placement; on one host, its place),
+        # not by its place on its host now: a slice moving in or out would shift its siblings'
+        # copies, and each shift costs a full checkpoint.
+        for home, slices in by_host.items():
+            off = off_stage_backup_hosts(home, others, node_of)
+            for s in slices:
+                more = backup_factor - len(chain[s])
+                chain[s] = chain[s] + chained_backup_peers(s // len(by_host) - 1, off, more)
     return {c: {s: chain[s] for s in placement.slices_of(c)} for c in placement.containers[stage_id]}
 
 
