@@ -243,7 +243,9 @@ class Job:
 
     def placement(self) -> dict[str, Any]:
         """Stage name -> container id -> slices (``stages``), container -> host (``hosts``), host ->
-        node id (``nodes``) and the master's node id (``master_node``)."""
+        node id (``nodes``), the master's node id (``master_node``) and, for a job that takes
+        checkpoints, stage name -> the fewest backup copies a slice of it has now
+        (``backup_copies``: fewer than ``backup_factor`` when the job has too few hosts)."""
         import ray
 
         return ray.get(self.master.placement_view.remote())

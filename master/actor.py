@@ -33,7 +33,7 @@ from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
-from master.backups import chains_by_slice, stale_backups
+from master.backups import chains_by_slice, fewest_backup_copies, stale_backups
 from master.catalog import MasterCatalog
 from master.host_pool import take_spare
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
@@ -299,6 +299,7 @@ class JobMaster:
             for c in ids:
                 added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
         await asyncio.gather(*added)
+        self._warn_short_backups()
         self.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
         self.state = "running"
@@ -713,6 +714,24 @@ class JobMaster:
         one host, over the job's other live hosts (other nodes first)."""
         return host_backup_peers(self.placement, self.host_of, stage_id, self.opts.backup_factor,
                                  self._chain_hosts(), self.nodes)
+
+    def backup_copies(self) -> dict[str, int]:
+        """Stage name -> the fewest backup copies a slice of it has as placed now
+        (``fewest_backup_copies``); empty when the job takes no checkpoints."""
+        if not (self.opts.checkpointing and self.opts.backup_factor):
+            return {}
+        return {self.plan.stages[st].name: fewest_backup_copies(self._backup_chain(st))
+                for st in sorted(self.placement.containers)}
+
+    def _warn_short_backups(self) -> None:
+        """Event ``backups_short`` (and a warning) per stage whose slices get fewer copies than
+        ``backup_factor``: the job has too few hosts for them."""
+        for name, copies in self.backup_copies().items():
+            if copies < self.opts.backup_factor:
+                log.warning("stage %s: %d backup copies a slice, not backup_factor=%d: the job has %d hosts",
+                            name, copies, self.opts.backup_factor, len(self.alive))
+                self._event("backups_short", stage=name, copies=copies, backup_factor=self.opts.backup_factor,
+                            hosts=len(self.alive))
 
     def _off_stage_backup_stages(self) -> set[int]:
         """Stages whose chains go on over other stages' hosts (``off_stage_backup_stages``)."""
@@ -1423,10 +1442,12 @@ class JobMaster:
         return self.plan
 
     async def placement_view(self) -> dict[str, Any]:
-        """Stage name -> container id -> slices, each container's host, each host's node, and the
-        master's own node (``master_node``)."""
+        """Stage name -> container id -> slices, each container's host, each host's node, the
+        master's own node (``master_node``) and the fewest backup copies a slice of each stage has
+        (``backup_copies``, empty without checkpoints)."""
         return {"stages": self.placement.as_dict(self.plan), "nodes": dict(self.nodes),
-                "hosts": dict(self.host_of), "master_node": ray.get_runtime_context().get_node_id()}
+                "hosts": dict(self.host_of), "master_node": ray.get_runtime_context().get_node_id(),
+                "backup_copies": self.backup_copies()}
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Latest statistics of every live container (fresh from the hosts)."""

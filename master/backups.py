@@ -54,6 +54,22 @@ def chains_by_slice(per_stage: dict[int, dict[int, dict[int, list[int]]]]) -> di
             for peers in by_container.values() for s, hosts in peers.items()}
 
 
+def fewest_backup_copies(chains: dict[int, dict[int, list[int]]]) -> int:
+    """The fewest backup copies any slice of a stage gets (``chains``: the stage's
+    ``host_backup_peers``, container -> slice -> its backup hosts); 0 for no slices.
+
+    Why: a stage on too few hosts keeps fewer than ``backup_factor`` copies a slice
+    (a job of two hosts: one), and a user who asked for two must be told, not find out
+    when a second death loses a slice.
+
+    >>> fewest_backup_copies({10: {0: [2, 3], 2: [3, 1]}, 11: {1: [1]}})
+    1
+    >>> fewest_backup_copies({})
+    0
+    """
+    return min((len(hosts) for peers in chains.values() for hosts in peers.values()), default=0)
+
+
 def stale_backups(chains: dict[SliceKey, list[int]], held: dict[int, dict[SliceKey, int]],
                   slack: int) -> dict[int, list[SliceKey]]:
     """Host -> the backup copies it holds that no recovery can take any more.

@@ -39,6 +39,9 @@ def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by
         for sink in ("sums", "stats"):
             assert job.results(sink).to_pylist() == expected.results(sink).to_pylist()
         assert _check_backups_match_live_slices(job) == 2 * 2 * 7
+        # Two hosts a stage and more on the others: every slice gets its two copies, and no warning.
+        assert job.placement()["backup_copies"] == {"payments": 2, "running_sum": 2, "stats": 2}
+        assert not [e for e in job.timeline() if e[1] == "backups_short"]
         chain = ray.get(job.master.backup_plan.remote())
         handles = ray.get(job.master.container_handles.remote())
         last_epoch = job.plan.num_epochs - 1
@@ -127,3 +130,20 @@ def _state_of(part: dict):
         keys, values, _ = _kv_items(part)
         return dict(zip(keys, values))
     return read_table_part(part).sort_by("slot").to_pylist()
+
+
+def test_a_job_with_too_few_hosts_for_its_backup_factor_says_how_many_copies_its_slices_get(ray_session):
+    """Three stages of one host each cannot give a slice 3 copies on other hosts: the job runs (and
+    recovers) with 2, and says so at deploy (event ``backups_short`` per stage, a warning) and in
+    ``placement()["backup_copies"]``, instead of a user finding out when a third host dies."""
+    job = cs.run(running_sum(5), containers=1, checkpoint_every=2, backup_factor=3)
+    try:
+        job.wait(timeout_s=120)
+        assert job.placement()["backup_copies"] == {"payments": 2, "running_sum": 2, "stats": 2}
+        short = sorted((i["stage"], i["copies"], i["backup_factor"], i["hosts"])
+                       for _, kind, i in job.timeline() if kind == "backups_short")
+        assert short == [("payments", 2, 3, 3), ("running_sum", 2, 3, 3), ("stats", 2, 3, 3)]
+        expected = cs.run(running_sum(5), executor="serial")
+        assert job.results("sums").to_pylist() == expected.results("sums").to_pylist()
+    finally:
+        job.stop()
