@@ -34,7 +34,11 @@ session).
 process of its own; the source's and the first count's outputs go to output
 logs for replay, as in any Ray job) and times its processing (``job.wait()``:
 from every container started to the last epoch, actor start-up left out).
-A stage's slices always run as a group there: no ``alone_*`` figures.
+A stage's slices always run as a group there: no ``alone_*`` figures. Rows
+then carry ``busy_s_by_stage`` (each stage's containers' busy seconds, the
+median over the runs): the busiest stage's process bounds the run, and with
+more slices the producer's routing (hashing the key, ordering rows by
+consumer slice) grows while the consumer's work shrinks.
 
     python -m benchmarks.slices --json --ray --counts 1,64 --repeat 3 --words 10000000 --rekey
 
@@ -196,12 +200,15 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
             per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False,
-            topk_window: int | None = None, rekey: bool = False, ray: bool = False) -> float:
+            topk_window: int | None = None, rekey: bool = False, ray: bool = False,
+            busy: list[dict[str, float]] | None = None) -> float:
     """One job to its end in process: seconds from ``cs.run`` to its return (``table``: the
     mode's input; ``topk_window``: run the ``--topk`` query with that window). ``ray``: on Ray
     instead (one container a stage, each its own actor process, with output logs), the job's
     processing time (``job.wait()``: from every container started to the last epoch; actor
-    start-up left out); its slices always run as groups there (``grouped`` must be True)."""
+    start-up left out); its slices always run as groups there (``grouped`` must be True), and
+    ``busy`` (when given) gets each stage's busy seconds (its containers' ``busy_s``): which stage's
+    process bounds the run."""
     if topk_window is not None:
         q = topk_query(table, window=topk_window, slices=slices, epoch_events=epoch)
     elif join:
@@ -216,7 +223,13 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
         try:
             elapsed = job.wait().elapsed_s
             # (not ``results``: collecting millions of rows through the master takes longer than the run)
-            assert sum(s.events_out for s in job.statistics().values()) > 0
+            stats = job.statistics().values()
+            assert sum(s.events_out for s in stats) > 0
+            if busy is not None:
+                by_stage: dict[str, float] = {}
+                for st in stats:
+                    by_stage[st.stage] = by_stage.get(st.stage, 0.0) + st.busy_s
+                busy.append(by_stage)
         finally:
             job.stop()
         return elapsed
@@ -274,6 +287,7 @@ def main() -> None:
         table = zipf_text(words // 10, seed=1)  # 10 words per line
         n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
     times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
+    busy: dict[int, list[dict[str, float]]] = {n: [] for n in counts}  # (--ray) per run, stage -> busy s
     # 1 slice: no group to turn off; on Ray, groups cannot be turned off.
     configs = [(n, g) for n in counts for g in (True, False) if g or (n > 1 and not args.ray)]
     if args.ray:
@@ -284,7 +298,7 @@ def main() -> None:
                                             per_event=args.per_event, vectorized=args.vectorized,
                                             join=args.join, undeclared=args.undeclared,
                                             topk_window=args.window if args.topk else None, rekey=args.rekey,
-                                            ray=args.ray))
+                                            ray=args.ray, busy=busy[n] if args.ray else None))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -293,7 +307,10 @@ def main() -> None:
              "alone_overhead_pct": round((median(times[(n, False)]) / base - 1) * 100, 1)
              if times[(n, False)] else None,
              "runs_s": [round(t, 3) for t in times[(n, True)]],
-             "alone_runs_s": [round(t, 3) for t in times[(n, False)]]} for n in counts]
+             "alone_runs_s": [round(t, 3) for t in times[(n, False)]],
+             # (--ray) each stage's busy seconds, median over the runs: the busiest bounds the job
+             "busy_s_by_stage": {st: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]}
+             if busy[n] else None} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
           "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "per_event": args.per_event,
           "vectorized": args.vectorized, "join": args.join,
