@@ -73,6 +73,7 @@ class JobMaster:
         self.host_of: dict[int, int] = {}  # container id -> host id
         self.handles: dict[int, Any] = {}  # host id -> actor
         self.alive: set[int] = set()  # live host ids
+        self._copies_said: dict[str, int] = {}  # stage -> the fewest backup copies last reported
         self.nodes: dict[int, str] = {}  # host id -> node id
         self.last_seen: dict[int, float] = {}
         self.stats: dict[int, ContainerStatistics] = {}
@@ -167,8 +168,7 @@ class JobMaster:
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
         await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
-        await self._retarget_backups({t.stage_id for t in transfers}
-                                     | (self._off_stage_backup_stages() if released else set()))
+        await self._retarget_backups({t.stage_id for t in transfers} | self._off_stage_backup_stages())
         self._save_layout()
         summary = {"transfers": [{**t.to_plain(), "pause_ms": {}, "released_at": {}} for t in transfers],
                    "released_hosts": released, "seconds": 0.0, "reason": "settled by a restarted master"}
@@ -299,7 +299,7 @@ class JobMaster:
             for c in ids:
                 added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
         await asyncio.gather(*added)
-        self._warn_short_backups()
+        self._note_backup_copies()
         self.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
         self.state = "running"
@@ -723,15 +723,21 @@ class JobMaster:
         return {self.plan.stages[st].name: fewest_backup_copies(self._backup_chain(st))
                 for st in sorted(self.placement.containers)}
 
-    def _warn_short_backups(self) -> None:
-        """Event ``backups_short`` (and a warning) per stage whose slices get fewer copies than
-        ``backup_factor``: the job has too few hosts for them."""
+    def _note_backup_copies(self) -> None:
+        """Say when a stage's slices get fewer copies than ``backup_factor`` (event
+        ``backups_short``, a warning: the job has too few hosts for them), at deploy and whenever
+        that number changes, and when they have their copies again (``backups_restored``)."""
+        factor = self.opts.backup_factor
         for name, copies in self.backup_copies().items():
-            if copies < self.opts.backup_factor:
+            before = self._copies_said.get(name, factor)
+            if copies < factor and copies != before:
                 log.warning("stage %s: %d backup copies a slice, not backup_factor=%d: the job has %d hosts",
-                            name, copies, self.opts.backup_factor, len(self.alive))
-                self._event("backups_short", stage=name, copies=copies, backup_factor=self.opts.backup_factor,
+                            name, copies, factor, len(self.alive))
+                self._event("backups_short", stage=name, copies=copies, backup_factor=factor, hosts=len(self.alive))
+            elif copies >= factor > before:
+                self._event("backups_restored", stage=name, copies=copies, backup_factor=factor,
                             hosts=len(self.alive))
+            self._copies_said[name] = copies
 
     def _off_stage_backup_stages(self) -> set[int]:
         """Stages whose chains go on over other stages' hosts (``off_stage_backup_stages``)."""
@@ -751,6 +757,7 @@ class JobMaster:
                 hosts = {**self._stage_hosts(st), **{h: self.handles[h] for ps in peers.values() for h in ps}}
                 calls.append(self.handles[self.host_of[c]].retarget_backups.remote(c, peers, hosts))
         await asyncio.gather(*calls, return_exceptions=tolerate_dead)
+        self._note_backup_copies()
 
     def _check_can_migrate(self) -> None:
         if self.state != "running":
@@ -909,7 +916,10 @@ class JobMaster:
             self._event("migration_interrupted", error=str(exc))
             await self._settle_migration(transfers)
         released = await self._release_idle_hosts()
-        await self._retarget_backups({sid} | (self._off_stage_backup_stages() if released else set()))
+        # Stages backed up off their own hosts too, hosts added or released: their chains run over
+        # the job's hosts, and the master's view of every chain (GC of stale copies, ``placement()``)
+        # must be the one their containers ship to.
+        await self._retarget_backups({sid} | self._off_stage_backup_stages())
         self._save_layout()
         self.catalog.save_migration(None, [])
         summary = {"transfers": [{"from": t.source, "to": t.new_id, "host": t.host, "slices": t.slices,

@@ -18,6 +18,7 @@ import pytest
 import ray
 
 import chronostream as cs
+from chronostream.chaos import Fault, apply_schedule
 from containers.actor import from_wire
 from queries import running_sum
 from slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
@@ -93,12 +94,13 @@ def test_a_peer_that_misses_a_shipment_asks_for_a_full_checkpoint_and_its_backup
         job.stop()
 
 
-def _check_backups_match_live_slices(job: cs.Job) -> int:
-    """Every slice's backups sit on the peers its chain names, at the last epoch, and hold the live
-    slice's state, progress and sequence numbers. Returns how many backups were compared."""
+def _check_backups_match_live_slices(job: cs.Job, copies: int = 2) -> int:
+    """Every slice's backups sit on the ``copies`` peers its chain names, at the last epoch, and hold
+    the live slice's state, progress and sequence numbers. Returns how many backups were compared."""
     catalog = ray.get(job.master.backup_catalog.remote())
     chain = ray.get(job.master.backup_plan.remote())
     handles = ray.get(job.master.container_handles.remote())
+    hosts = ray.get(job.master.host_handles.remote())  # (chains name hosts; after a scale-out not the containers' ids)
     placement = job.placement()["stages"]
     last_epoch = job.plan.num_epochs - 1
     checked = 0
@@ -107,10 +109,10 @@ def _check_backups_match_live_slices(job: cs.Job) -> int:
         owner = {s: int(c) for c, slices in placement[stage].items() for s in slices}
         for s, peers in chain[sid].items():
             holders = sorted(c for c, held in catalog.items() if (sid, s, last_epoch) in held)
-            assert holders == sorted(peers) and len(peers) == 2
-            live = decode(from_wire(ray.get(handles[owner[s]].slice_snapshot.remote(s))))
+            assert holders == sorted(peers) and len(peers) == copies, (stage, s, holders, peers)
+            live = decode(from_wire(ray.get(handles[owner[s]].slice_snapshot.remote(s, owner[s]))))
             for p in peers:
-                data, outs = ray.get(handles[p].backup_bytes.remote(sid, s, with_outputs=True))
+                data, outs = ray.get(hosts[p].backup_bytes.remote(sid, s, with_outputs=True))
                 backup = decode(from_wire(data))
                 assert all(decode_outputs(from_wire(b)).slice_id == s for b in outs)
                 assert backup.epoch == live.epoch == last_epoch
@@ -130,6 +132,41 @@ def _state_of(part: dict):
         keys, values, _ = _kv_items(part)
         return dict(zip(keys, values))
     return read_table_part(part).sort_by("slot").to_pylist()
+
+
+def test_a_scale_out_gives_a_short_job_its_copies_and_every_stage_backs_up_where_the_master_says(ray_session):
+    """Three one-host stages and factor 3 start with 2 copies a slice; a scale-out of one stage adds
+    a host, and every stage's chains (not only the moved stage's) are re-planned over it: all get
+    their 3 copies (``backups_restored``), on exactly the hosts ``backup_plan`` names, each holding
+    the live slice's state at the end, and the output equals the serial run's."""
+
+    q = running_sum(7)
+    q.epoch_events = 25  # 100 epochs
+    job = cs.run(q, containers=1, checkpoint_every=2, backup_factor=3)
+    try:
+        apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.05)])
+        _wait_for_epoch(job, 20)
+        job.scale_out("running_sum", 1)
+        job.wait(timeout_s=120)
+        assert job.placement()["backup_copies"] == {"payments": 3, "running_sum": 3, "stats": 3}
+        said = [(k, i["stage"], i["copies"]) for _, k, i in job.timeline() if k.startswith("backups_")]
+        assert sorted(said[:3]) == [("backups_short", st, 2) for st in ("payments", "running_sum", "stats")]
+        assert sorted(said[3:]) == [("backups_restored", st, 3) for st in ("payments", "running_sum", "stats")]
+        assert _check_backups_match_live_slices(job, copies=3) == 2 * 3 * 7
+        expected = cs.run(running_sum(7), executor="serial")
+        for sink in ("sums", "stats"):
+            assert job.results(sink).to_pylist() == expected.results(sink).to_pylist()
+    finally:
+        job.stop()
+
+
+def _wait_for_epoch(job: cs.Job, epoch: int, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while min(s.next_epoch for s in job.statistics().values()) < epoch:
+        assert time.time() < deadline, "the job did not reach epoch %d" % epoch
+        time.sleep(0.05)
 
 
 def test_a_job_with_too_few_hosts_for_its_backup_factor_says_how_many_copies_its_slices_get(ray_session):
