@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 import chronostream as cs
-from chronostream.chaos import KINDS, Fault, random_faults, run_with_faults
+from campaigns import seeded_campaign
+from chronostream.chaos import KINDS
 from chronostream.datasets import payments
 from queries import orders_and_customers
 from test_hot_limits import WINDOWS
@@ -48,11 +49,8 @@ def window_query(kind: str, hot_entries: int | None) -> cs.Query:
 def shape_campaign(query: cs.Query, containers: dict[str, int], stage: str, seed: int, n: int = 5) -> None:
     """``n`` seeded faults on ``stage`` (4 hosts in ``containers``) over ``query``, its first source
     paced; every sink equals the serial run."""
-    faults = random_faults(seed, n, [stage], 50, containers=containers[stage], kinds=EVERY_FAULT)
-    slow = Fault("delay", at_epoch=0, stage=next(iter(containers)), seconds=SOURCE_DELAY_S)
-    report = run_with_faults(query, [slow] + faults, settle_pace_s=SETTLE_PACE_S, containers=containers,
-                             checkpoint_every=2)
-    assert report.ok, (faults, report.mismatches)
+    seeded_campaign(query, containers, [stage], seed, n, 50, EVERY_FAULT, source_delay_s=SOURCE_DELAY_S,
+                    settle_pace_s=SETTLE_PACE_S, all_land=False)
 
 
 #: One host a source, 4 for the stateful stage.

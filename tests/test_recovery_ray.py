@@ -15,8 +15,9 @@ import time
 import pytest
 
 import chronostream as cs
-from chronostream.chaos import Fault, apply_schedule, compare_with_serial, inject, random_faults, run_with_faults
+from chronostream.chaos import Fault, apply_schedule, compare_with_serial, inject, run_with_faults
 from master.recovery import RECOVERY_STEPS
+from campaigns import seeded_campaign
 from queries import rekey_pipeline, running_sum
 
 EPOCH = 40
@@ -96,19 +97,17 @@ CAMPAIGN_SETTLE_PACE_S = 0.5
 
 def campaign(seed: int, n: int, kinds: tuple[str, ...] = CAMPAIGN_KINDS, source_delay_s: float = 0.1,
              all_land: bool = True):
-    """``source_delay_s``: the source's pace; each fault waits for the previous one's recovery or
+    """``n`` seeded faults on the running sum's two stateful stages, 4 hosts each, before epoch 48.
+
+    ``source_delay_s``: the source's pace; each fault waits for the previous one's recovery or
     master restart (a rescaling blocks the schedule about a second), so the source must leave
     time for every fault to land before the end (at 0.06 s an epoch a clean-clone run once saw
     the last kill of seed 1 overtaken by the job's end; rescalings need 0.15). Without
     ``all_land`` the job may end first: a fault that kills the source's host (a producer killed in
     a recovery) ends its slowdown, and its new host replays the input at full speed."""
-    faults = random_faults(seed, n, ["running_sum", "stats"], 48, containers=4, kinds=kinds)
-    slow = Fault("delay", at_epoch=0, stage="payments", seconds=source_delay_s)
-    report = run_with_faults(query(), [slow] + faults, settle_pace_s=CAMPAIGN_SETTLE_PACE_S,
-                             containers={"payments": 1, "running_sum": 4, "stats": 4}, checkpoint_every=2)
-    assert report.ok, (faults, report.mismatches)
-    assert len(report.applied) == n + 1 or not all_land, "every fault landed mid-stream"
-    return report
+    return seeded_campaign(query(), {"payments": 1, "running_sum": 4, "stats": 4}, ["running_sum", "stats"], seed,
+                           n, 48, kinds, source_delay_s=source_delay_s, settle_pace_s=CAMPAIGN_SETTLE_PACE_S,
+                           all_land=all_land)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -192,12 +191,9 @@ REKEY_SETTLE_PACE_S = 1.5
 def rekey_campaign(seed: int, kinds: tuple[str, ...], all_land: bool = True):
     """4 seeded faults over the re-key pipeline (20 epochs, a 0.4 s source), 4 containers a
     stateful stage; every sink must equal the serial run (``all_land``: as in ``campaign``)."""
-    faults = random_faults(seed, 4, ["count", "buckets"], 17, containers=4, kinds=kinds, min_gap=3)
-    report = run_with_faults(rekey_query(60), [Fault("delay", at_epoch=0, stage="lines", seconds=0.4)] + faults,
-                             settle_pace_s=REKEY_SETTLE_PACE_S, containers={"lines": 1, "count": 4, "buckets": 4}, checkpoint_every=2)
-    assert report.ok, (faults, report.mismatches)
-    assert len(report.applied) == len(faults) + 1 or not all_land, "every fault landed mid-stream"
-    return report
+    return seeded_campaign(rekey_query(60), {"lines": 1, "count": 4, "buckets": 4}, ["count", "buckets"], seed, 4,
+                           17, kinds, source_delay_s=0.4, settle_pace_s=REKEY_SETTLE_PACE_S, min_gap=3,
+                           all_land=all_land)
 
 
 @pytest.mark.campaign
