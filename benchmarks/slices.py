@@ -38,7 +38,10 @@ A stage's slices always run as a group there: no ``alone_*`` figures. Rows
 then carry ``busy_s_by_stage`` (each stage's containers' busy seconds, the
 median over the runs): the busiest stage's process bounds the run, and with
 more slices the producer's routing (hashing the key, ordering rows by
-consumer slice) grows while the consumer's work shrinks.
+consumer slice) grows while the consumer's work shrinks; and
+``send_s_by_stage`` (seconds each stage's containers spent handing their
+epoch messages to the transport, outside their busy time). ``--no-shm``
+sends every message through Ray's object store (``shm_transport=False``).
 
     python -m benchmarks.slices --json --ray --counts 1,64 --repeat 3 --words 10000000 --rekey
 
@@ -154,6 +157,10 @@ class BatchWordCount(cs.Operator):
             "count", pa.array(before[codes] + nth + 1)))
 
 
+#: (--ray) Prefix of a stage's send seconds among the busy figures of one run.
+SEND = "send:"
+
+
 def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False,
                vectorized: bool = False, undeclared: bool = False, rekey: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
@@ -201,14 +208,15 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
             per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False,
             topk_window: int | None = None, rekey: bool = False, ray: bool = False,
-            busy: list[dict[str, float]] | None = None) -> float:
+            busy: list[dict[str, float]] | None = None, shm: bool = True) -> float:
     """One job to its end in process: seconds from ``cs.run`` to its return (``table``: the
     mode's input; ``topk_window``: run the ``--topk`` query with that window). ``ray``: on Ray
     instead (one container a stage, each its own actor process, with output logs), the job's
     processing time (``job.wait()``: from every container started to the last epoch; actor
     start-up left out); its slices always run as groups there (``grouped`` must be True), and
-    ``busy`` (when given) gets each stage's busy seconds (its containers' ``busy_s``): which stage's
-    process bounds the run."""
+    ``busy`` (when given) gets each stage's busy seconds (its containers' ``busy_s``) and, under
+    ``SEND`` + the stage, their seconds handing messages to Ray (``send_s``): which stage's
+    process bounds the run; ``shm``: the shared-memory transport on (``JobOptions.shm_transport``)."""
     if topk_window is not None:
         q = topk_query(table, window=topk_window, slices=slices, epoch_events=epoch)
     elif join:
@@ -219,7 +227,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
     if ray:
         if not grouped:
             raise ValueError("on Ray a stage's slices always run as groups")
-        job = cs.run(q, containers=1)
+        job = cs.run(q, containers=1, shm_transport=shm)
         try:
             elapsed = job.wait().elapsed_s
             # (not ``results``: collecting millions of rows through the master takes longer than the run)
@@ -229,6 +237,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
                 by_stage: dict[str, float] = {}
                 for st in stats:
                     by_stage[st.stage] = by_stage.get(st.stage, 0.0) + st.busy_s
+                    by_stage[SEND + st.stage] = by_stage.get(SEND + st.stage, 0.0) + st.send_s
                 busy.append(by_stage)
         finally:
             job.stop()
@@ -262,6 +271,8 @@ def main() -> None:
                      help="a keyed join of --words orders with customer updates instead of the word count")
     how.add_argument("--topk", action="store_true",
                      help="the paper's Fig. 21 application: Top-K frequent words per category (examples.topk)")
+    p.add_argument("--no-shm", action="store_true",
+                   help="with --ray: epoch messages through Ray's object store only (no shared-memory files)")
     p.add_argument("--ray", action="store_true",
                    help="run each job on Ray (one container a stage) and time its processing; no alone_* runs")
     p.add_argument("--undeclared", action="store_true",
@@ -298,7 +309,8 @@ def main() -> None:
                                             per_event=args.per_event, vectorized=args.vectorized,
                                             join=args.join, undeclared=args.undeclared,
                                             topk_window=args.window if args.topk else None, rekey=args.rekey,
-                                            ray=args.ray, busy=busy[n] if args.ray else None))
+                                            ray=args.ray, busy=busy[n] if args.ray else None,
+                                            shm=not args.no_shm))
     times[(1, False)] = times[(1, True)]
     base = median(times[(1, True)])
     rows = [{"slices": n, "events_per_s": round(n_words / median(times[(n, True)])),
@@ -308,11 +320,14 @@ def main() -> None:
              if times[(n, False)] else None,
              "runs_s": [round(t, 3) for t in times[(n, True)]],
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]],
-             # (--ray) each stage's busy seconds, median over the runs: the busiest bounds the job
-             "busy_s_by_stage": {st: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]}
-             if busy[n] else None} for n in counts]
+             # (--ray) each stage's busy seconds (processing epochs), and its seconds handing their
+             # messages to Ray (``send_s``), medians over the runs: the busiest process bounds the job
+             "busy_s_by_stage": {st: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]
+                                 if not st.startswith(SEND)} if busy[n] else None,
+             "send_s_by_stage": {st[len(SEND):]: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]
+                                 if st.startswith(SEND)} if busy[n] else None} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
-          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "per_event": args.per_event,
+          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "shm": args.ray and not args.no_shm, "per_event": args.per_event,
           "vectorized": args.vectorized, "join": args.join,
           "undeclared": args.undeclared, "topk": args.topk,
           "categories": args.categories if args.topk else None, "window": args.window if args.topk else None,

@@ -16,6 +16,11 @@ computes the same thing: one running-count update per word.
 one on the stage's other host and, since the thirty-fourth session, one on
 another stage's host).
 
+``--no-shm`` sends every epoch message through Ray's object store
+(``shm_transport=False``), as before the thirty-sixth session; by default
+large parts between hosts of one node go as files in shared memory
+(``containers/shm_transport.py``).
+
 Runtime rates are taken over the job's processing time (from the moment all
 containers are started to the last epoch; actor start-up excluded and
 reported separately as ``deploy_s``). Medians of --repeat runs.
@@ -79,11 +84,11 @@ def handwritten(lines: pa.Table) -> int:
 
 
 def run_runtime(lines: pa.Table, per_event: bool, words: int, checkpoint_every: int = 0,
-                backup_factor: int = 2) -> tuple[float, float]:
+                backup_factor: int = 2, shm_transport: bool = True) -> tuple[float, float]:
     """(words/s over processing time, deploy seconds) of one runtime run."""
     t0 = time.perf_counter()
     job = cs.run(build(lines, per_event), containers=2, checkpoint_every=checkpoint_every,
-                 backup_factor=backup_factor)
+                 backup_factor=backup_factor, shm_transport=shm_transport)
     deploy = time.perf_counter() - t0
     try:
         st = job.wait()
@@ -99,8 +104,11 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="runtime runs checkpoint every K epochs (default 0: no checkpoints)")
     p.add_argument("--backup-factor", type=int, default=2, help="copies a slice with checkpoints (default 2)")
+    p.add_argument("--no-shm", action="store_true",
+                   help="epoch messages through Ray's object store only (no shared-memory files)")
     args = p.parse_args()
-    ckpt = {"checkpoint_every": args.checkpoint_every, "backup_factor": args.backup_factor}
+    ckpt = {"checkpoint_every": args.checkpoint_every, "backup_factor": args.backup_factor,
+            "shm_transport": not args.no_shm}
     n_lines = 20_000 if args.quick else 200_000
     lines = zipf_text(n_lines)
     words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(lines["line"]))).as_py())
@@ -132,6 +140,7 @@ def main() -> None:
         "containers_per_stage": 2,
         "checkpoint_every": args.checkpoint_every,
         "backup_factor": args.backup_factor,
+        "shm_transport": not args.no_shm,
         "repeat": args.repeat,
         "rows": [
             {"config": "runtime_vectorized", "words_per_s": round(median(vec)), "runs": [round(x) for x in vec]},

@@ -427,7 +427,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         spill_state: bool = True, source_poll_s: float = 0.01,
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
-        source_pace_s: float = 0.0, background_niceness: int = 0) -> Job | CompletedJob:
+        source_pace_s: float = 0.0, background_niceness: int = 0,
+        shm_transport: bool = True) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -490,6 +491,12 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     shipments) run N nice levels below its epoch loops (Linux), so bulk work
     on a busy machine takes the CPU the epoch loops leave
     (``containers/thread_priority.py``; off by default: no gain shown yet).
+    ``shm_transport`` (on by default): a part of an epoch message of 100 KB
+    or more, between two hosts on one node, travels as a file in
+    ``/dev/shm`` (an Arrow IPC stream the receiver maps without a copy)
+    instead of through Ray's object store, which cost the sender 2-4 ms a
+    push here (``containers/shm_transport.py``); hosts on different nodes,
+    and machines without a writable ``/dev/shm``, always use Ray.
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -506,7 +513,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          spill_state=spill_state, source_poll_s=source_poll_s,
                          full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
                          ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
-                         source_pace_s=source_pace_s, background_niceness=background_niceness)
+                         source_pace_s=source_pace_s, background_niceness=background_niceness,
+                         shm_transport=shm_transport)
     if executor not in ("serial", "local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:

@@ -43,6 +43,9 @@ class JobOptions:
     # run this many nice levels below its epoch loops (Linux; 0: the same priority). Off by default:
     # 4 showed no gain on the 1 GB migration delay (docs/design.md section 7c).
     background_niceness: int = 0
+    # Epoch messages' parts of 100 KB or more between hosts of one node travel as files in
+    # /dev/shm instead of through Ray's object store (containers/shm_transport.py).
+    shm_transport: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):

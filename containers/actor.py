@@ -52,6 +52,7 @@ from containers.core import (END_KEY, ContainerCore, ContainerStatistics, Messag
                              hand_over)
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
+from containers.shm_transport import ShmSender, discard, shm_available, unpack
 from containers.sink_parts import PackedSinkParts, pack_sink_parts
 from slices.checkpoint import RestorePoint
 
@@ -95,6 +96,12 @@ class _Fetched(NamedTuple):
     point: RestorePoint
     rejected: list[str]  # holders whose copy was refused, with why
     nbytes: int  # bytes read (checkpoint and carried outputs)
+
+
+def shm_job_tag(master: Any) -> str:
+    """The tag in a job's shared-memory file names (``containers.shm_transport``): its master
+    actor's id, which a restarted master keeps."""
+    return master._actor_id.hex()
 
 
 def _warm_up() -> None:
@@ -172,6 +179,13 @@ class ResourceContainer:
         # and the handover epoch, and source -> new container.
         self._handovers: dict[int, _Handover] = {}
         self._handover_of: dict[int, int] = {}
+        # Shared-memory transport (JobOptions.shm_transport): the node of each peer host by actor
+        # id (asked once, lazily: until it answers, pushes to it go through Ray), and the files
+        # of each push in flight (unlinked when it is acknowledged or failed).
+        self._shm: ShmSender | None = None
+        self._node_id = ""
+        self._peer_node: dict[str, str] = {}
+        self._shm_files: dict[Any, list[str]] = {}
 
     def _take_job(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
         self.host_id = host_id
@@ -245,7 +259,35 @@ class ResourceContainer:
         self.gc_pacing = CollectorPacing(options.full_gc_interval_s)
         self.gc_pacing.install()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
+        self._node_id = ray.get_runtime_context().get_node_id()
+        if options.shm_transport and shm_available():
+            self._shm = ShmSender(shm_job_tag(self.master), self.host_id or 0)
+        return self._node_id
+
+    async def node(self) -> str:
+        """The node this host runs on (a peer asks once before sending it parts in shared memory)."""
         return ray.get_runtime_context().get_node_id()
+
+    def _wire(self, handle: Any, message: Message) -> tuple[Message, list[str]]:
+        """``message`` as it travels to the host ``handle``: its large parts as files in shared
+        memory when that host is on this node and says so (``containers.shm_transport``)."""
+        if self._shm is None:
+            return message, []
+        aid = handle._actor_id.hex()
+        node = self._peer_node.get(aid)
+        if node is None:
+            self._peer_node[aid] = ""  # asked: Ray carries its pushes until the answer
+            asyncio.get_running_loop().create_task(self._ask_node(aid, handle))
+            return message, []
+        if node != self._node_id:
+            return message, []
+        return self._shm.pack(message)
+
+    async def _ask_node(self, aid: str, handle: Any) -> None:
+        try:
+            self._peer_node[aid] = await handle.node.remote()
+        except Exception:  # noqa: BLE001 - a dead peer: its pushes fail and recovery takes over
+            pass
 
     async def add_container(self, container_id: int, stage_id: int, slices: list[int],
                             routes: dict[int, OutputRoute], senders: dict[int, frozenset], peers: dict[int, Any],
@@ -365,6 +407,7 @@ class ResourceContainer:
 
     async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
         """Receive one epoch message for a hosted container (waits while its inbox is full)."""
+        message = unpack(message)  # first: a refused message's files are unlinked too
         core, cond = self.cores.get(container_id), self.conds.get(container_id)
         if core is None or cond is None or core.retired:
             return False  # removed, or every slice migrated away: nothing needs it
@@ -428,9 +471,17 @@ class ResourceContainer:
                 pause = self.delay_s or (self.opts.source_pace_s if core.reader is not None else 0.0)
                 if pause:
                     await asyncio.sleep(pause)
-                for dst, msg in messages.items():
-                    if dst not in self.unreachable:
-                        inflight[dst].append((dst, self.peers[dst].push.remote(dst, epoch, cid, msg)))
+                if messages:
+                    t0 = time.perf_counter()
+                    for dst, msg in messages.items():
+                        if dst not in self.unreachable:
+                            wire, files = self._wire(self.peers[dst], msg)
+                            ref = self.peers[dst].push.remote(dst, epoch, cid, wire)
+                            if files:
+                                self._shm_files[ref] = files
+                                core.shm_parts += len(files)
+                            inflight[dst].append((dst, ref))
+                    core.send_s += time.perf_counter() - t0
                 parts, backups = core.take_sink_parts(), core.take_backups()
                 if parts or backups:
                     refs = [r for dq in inflight.values() for r in dq]
@@ -486,6 +537,9 @@ class ResourceContainer:
                 log.warning("host %s: container %s is unreachable; stop sending to it", self.host_id, dst)
                 self.master.container_unreachable.remote(dst, self.host_id)
             return False
+        finally:
+            # The receiver unlinked them when the push ran; one that never ran left them.
+            discard(self._shm_files.pop(ref, []))
 
     async def _ship_checkpoint(self, cid: int, previous: asyncio.Task | None, pushes: list, parts: dict,
                                backups: dict[int, list[bytes]]) -> None:
@@ -1023,3 +1077,5 @@ class ResourceContainer:
                 store = self.backup_store
                 await self._in_store_thread(lambda: store.close(flush=False))
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._shm is not None:  # (pushes of this host that never ran: transport, not a store)
+            self._shm.remove_own_files()

@@ -26,7 +26,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
 from chronostream.stall_probe import start_from_env as start_stall_probe
-from containers.actor import ResourceContainer
+from containers.actor import ResourceContainer, shm_job_tag
+from containers.shm_transport import remove_job_files
 from containers.core import ContainerStatistics
 from containers.sink_parts import PackedSinkParts, add_sink_parts
 from chronostream.autoscale import Decision, ScalingAction
@@ -1580,6 +1581,8 @@ class JobMaster:
         self.catalog.close()
         if cleanup:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        # Files of pushes that never ran (a host that died with parts in flight to it).
+        remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
         for h in self.handles.values():
             try:
                 ray.kill(h)  # detached: nothing else would release them

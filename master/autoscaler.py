@@ -22,7 +22,7 @@ class Counters:
     """Cumulative counters seen at one call (the base of the next call's rates)."""
 
     t: float = 0.0
-    container: dict[int, tuple[int, float]] = field(default_factory=dict)  # container -> (events in, busy s)
+    container: dict[int, tuple[int, float]] = field(default_factory=dict)  # container -> (events in, busy + send s)
     slice_in: dict[tuple[int, int], int] = field(default_factory=dict)  # (container, slice) -> events in
     host_cpu: dict[int, float] = field(default_factory=dict)  # host -> process CPU seconds
     latency: dict[int, np.ndarray] = field(default_factory=dict)  # container -> histogram counts
@@ -46,7 +46,7 @@ def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int],
     host_cpu: dict[int, float] = {}
     host_rss: dict[int, float] = {}
     for c, s in stats.items():
-        now.container[c] = (s.events_in, s.busy_s)
+        now.container[c] = (s.events_in, s.busy_s + s.send_s)  # busy: processing and sending
         h = host_of.get(c)
         if h is not None:
             now.host_cpu[h] = s.cpu_s

@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Every routed part between hosts of this one node goes through shared-memory files
+# (containers/shm_transport.py), however small: the suite's kills, migrations and recoveries then
+# exercise that path, where the default (100 KB and more) would leave most of its small epochs on Ray.
+os.environ.setdefault("CHRONOSTREAM_SHM_MIN_BYTES", "0")
 
 #: Spare hosts the test session keeps warm (a job here runs 3-9 hosts).
 WARM_HOSTS = 6
