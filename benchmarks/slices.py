@@ -157,10 +157,6 @@ class BatchWordCount(cs.Operator):
             "count", pa.array(before[codes] + nth + 1)))
 
 
-#: (--ray) Prefix of a stage's send seconds among the busy figures of one run.
-SEND = "send:"
-
-
 def word_count(table, slices: int, epoch: int, chained: bool = False, per_event: bool = False,
                vectorized: bool = False, undeclared: bool = False, rekey: bool = False) -> cs.Query:
     """The benchmark's query: ``table``'s lines split into words (one source slice), counted by
@@ -208,15 +204,15 @@ def join_query(inputs: tuple[pa.Table, pa.Table], slices: int, epoch: int) -> cs
 def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool = False,
             per_event: bool = False, vectorized: bool = False, join: bool = False, undeclared: bool = False,
             topk_window: int | None = None, rekey: bool = False, ray: bool = False,
-            busy: list[dict[str, float]] | None = None, shm: bool = True) -> float:
+            busy: list[dict[str, tuple[float, float]]] | None = None, shm: bool = True) -> float:
     """One job to its end in process: seconds from ``cs.run`` to its return (``table``: the
     mode's input; ``topk_window``: run the ``--topk`` query with that window). ``ray``: on Ray
     instead (one container a stage, each its own actor process, with output logs), the job's
     processing time (``job.wait()``: from every container started to the last epoch; actor
     start-up left out); its slices always run as groups there (``grouped`` must be True), and
-    ``busy`` (when given) gets each stage's busy seconds (its containers' ``busy_s``) and, under
-    ``SEND`` + the stage, their seconds handing messages to Ray (``send_s``): which stage's
-    process bounds the run; ``shm``: the shared-memory transport on (``JobOptions.shm_transport``)."""
+    ``busy`` (when given) gets each stage's (busy seconds, seconds handing messages to the
+    transport), its containers' ``busy_s`` and ``send_s``: which stage's process bounds the run;
+    ``shm``: the shared-memory transport on (``JobOptions.shm_transport``)."""
     if topk_window is not None:
         q = topk_query(table, window=topk_window, slices=slices, epoch_events=epoch)
     elif join:
@@ -234,10 +230,10 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
             stats = job.statistics().values()
             assert sum(s.events_out for s in stats) > 0
             if busy is not None:
-                by_stage: dict[str, float] = {}
+                by_stage: dict[str, tuple[float, float]] = {}
                 for st in stats:
-                    by_stage[st.stage] = by_stage.get(st.stage, 0.0) + st.busy_s
-                    by_stage[SEND + st.stage] = by_stage.get(SEND + st.stage, 0.0) + st.send_s
+                    b, s = by_stage.get(st.stage, (0.0, 0.0))
+                    by_stage[st.stage] = (b + st.busy_s, s + st.send_s)
                 busy.append(by_stage)
         finally:
             job.stop()
@@ -298,7 +294,7 @@ def main() -> None:
         table = zipf_text(words // 10, seed=1)  # 10 words per line
         n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
     times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
-    busy: dict[int, list[dict[str, float]]] = {n: [] for n in counts}  # (--ray) per run, stage -> busy s
+    busy: dict[int, list[dict[str, tuple[float, float]]]] = {n: [] for n in counts}  # (--ray) stage -> busy, send s
     # 1 slice: no group to turn off; on Ray, groups cannot be turned off.
     configs = [(n, g) for n in counts for g in (True, False) if g or (n > 1 and not args.ray)]
     if args.ray:
@@ -322,12 +318,13 @@ def main() -> None:
              "alone_runs_s": [round(t, 3) for t in times[(n, False)]],
              # (--ray) each stage's busy seconds (processing epochs), and its seconds handing their
              # messages to Ray (``send_s``), medians over the runs: the busiest process bounds the job
-             "busy_s_by_stage": {st: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]
-                                 if not st.startswith(SEND)} if busy[n] else None,
-             "send_s_by_stage": {st[len(SEND):]: round(median([b[st] for b in busy[n]]), 3) for st in busy[n][0]
-                                 if st.startswith(SEND)} if busy[n] else None} for n in counts]
+             "busy_s_by_stage": {st: round(median([b[st][0] for b in busy[n]]), 3) for st in busy[n][0]}
+             if busy[n] else None,
+             "send_s_by_stage": {st: round(median([b[st][1] for b in busy[n]]), 3) for st in busy[n][0]}
+             if busy[n] else None} for n in counts]
     emit({"words": n_words, "lines": None if args.join else table.num_rows, "epoch_lines": args.epoch,
-          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "shm": args.ray and not args.no_shm, "per_event": args.per_event,
+          "chained": args.chained, "rekey": args.rekey, "ray": args.ray, "shm": args.ray and not args.no_shm,
+          "per_event": args.per_event,
           "vectorized": args.vectorized, "join": args.join,
           "undeclared": args.undeclared, "topk": args.topk,
           "categories": args.categories if args.topk else None, "window": args.window if args.topk else None,

@@ -19,10 +19,10 @@ Definitions (docs/design.md section 7g):
   wall second per host. A container is busy while it processes an epoch
   and while it hands the epoch's messages to the transport (on Ray each
   push serializes its message into the object store: a few ms an epoch,
-  up to 40% of a source's CPU, ``ContainerStatistics.send_s``); **backlog**: events received but not processed;
-  **upstream lag**: events readable in the stage's sources and not read yet
-  (backpressure keeps a slow stage's own backlog small: the excess waits
-  there).
+  up to 40% of a source's CPU, ``ContainerStatistics.send_s``);
+  **backlog**: events received but not processed; **upstream lag**:
+  events readable in the stage's sources and not read yet (backpressure
+  keeps a slow stage's own backlog small: the excess waits there).
 """
 
 from __future__ import annotations

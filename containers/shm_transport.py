@@ -80,7 +80,6 @@ class ShmSender:
         self.min_bytes = int(os.environ.get("CHRONOSTREAM_SHM_MIN_BYTES", SHM_MIN_BYTES)) if min_bytes is None \
             else min_bytes
         self._numbers = itertools.count()
-        self.parts_sent = 0
 
     def pack(self, message: dict[int, Any]) -> tuple[dict[int, Any], list[str]]:
         """``message`` with each routed part of ``min_bytes`` or more replaced by a ``ShmPart``,
@@ -98,21 +97,17 @@ class ShmSender:
                         paths.append(path)
                         continue
             out[key] = value
-        self.parts_sent += len(paths)
         return out, paths
 
     def remove_own_files(self) -> int:
         """Unlink this host's files still on disk (pushes that never ran); returns how many."""
-        paths = glob.glob(glob.escape(self.prefix) + "*")
-        discard(paths)
-        return len(paths)
+        return _remove_prefixed(self.prefix)
 
     def _write(self, table: pa.Table, dst: np.ndarray) -> str | None:
         path = f"{self.prefix}{next(self._numbers)}"
-        narrow = dst.astype(np.int32) if len(dst) and int(dst.max()) < 2**31 else dst
         try:
-            with pa.OSFile(path, "wb") as f:
-                write_stream(f, table.append_column(_DST, pa.array(narrow)))
+            with pa.OSFile(path, "wb") as f:  # (slice ids: int32 is half the bytes of int64)
+                write_stream(f, table.append_column(_DST, pa.array(dst.astype(np.int32))))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
             discard([path])
             return None
@@ -130,10 +125,9 @@ def unpack(message: dict[int, Any]) -> dict[int, Any]:
             if isinstance(value, ShmPart):
                 with pa.memory_map(value.path) as source:
                     table = pa.ipc.open_stream(source).read_all()
-                os.unlink(value.path)
                 dst = np.asarray(table.column(_DST)).astype(np.int64)
                 out[key] = (table.drop_columns([_DST]), dst)
-    finally:
+    finally:  # mapped or not, unlinked: the tables keep their mapping
         discard([v.path for v in message.values() if isinstance(v, ShmPart)])
     return out
 
@@ -149,6 +143,10 @@ def discard(paths: list[str]) -> None:
 
 def remove_job_files(job_tag: str, directory: str = SHM_DIR) -> int:
     """Unlink every file the job tagged ``job_tag`` left on this node; returns how many."""
-    paths = glob.glob(glob.escape(job_prefix(job_tag, directory)) + "*")
+    return _remove_prefixed(job_prefix(job_tag, directory))
+
+
+def _remove_prefixed(prefix: str) -> int:
+    paths = glob.glob(glob.escape(prefix) + "*")
     discard(paths)
     return len(paths)
