@@ -48,6 +48,7 @@ migration in steady state.
     python -m benchmarks.migration --json --sizes 10,100,500,1000
     python -m benchmarks.migration --json --sizes 1000 --steady-s 40
     python -m benchmarks.migration --json --sizes 1000 --rate 100000 --no-stop-copy   # more CPU headroom
+    python -m benchmarks.migration --json --sizes 100 --no-stop-copy --no-shm   # messages through Ray only
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main() -> None:
                    help=f"updates a second after the load (default {RATE:,}; the source waits EPOCH / rate per epoch)")
     p.add_argument("--no-stop-copy", action="store_true",
                    help="skip the stop-copy baseline (its fields are null): the reconstruction and the control only")
+    p.add_argument("--no-shm", action="store_true",
+                   help="every epoch message through Ray's object store, none as shared-memory files "
+                        "(cs.run(shm_transport=False))")
     p.add_argument("--alone", action="store_true",
                    help="run the aggregate's slices each alone, not as one slice group "
                         "(CHRONOSTREAM_GROUP_SLICES=0 in the containers' environment)")
@@ -176,10 +180,11 @@ def main() -> None:
     for mb in sizes:
         repeat = 1 if args.quick else args.repeat
         modes = ("reconstruct",) if args.no_stop_copy else ("reconstruct", "stop_copy")
-        runs = {m: [one_run(mb, m, args.steady_s, rate=args.rate) for _ in range(repeat)] for m in modes}
+        shm = {"shm_transport": not args.no_shm}
+        runs = {m: [one_run(mb, m, args.steady_s, rate=args.rate, **shm) for _ in range(repeat)] for m in modes}
         # The control: as long a window at the same point of the same job, with no migration.
         window_s = median([r["migrate_s"] for r in runs["reconstruct"]])
-        runs["none"] = [one_run(mb, "none", args.steady_s, window_s, rate=args.rate) for _ in range(repeat)]
+        runs["none"] = [one_run(mb, "none", args.steady_s, window_s, rate=args.rate, **shm) for _ in range(repeat)]
         stop_copy = runs.get("stop_copy")
 
         def of_stop_copy(figure):  # the baseline's figures, null when it was skipped (--no-stop-copy)
@@ -213,7 +218,7 @@ def main() -> None:
             "stop_copy_migrate_s": of_stop_copy(lambda rs: round(median([r["migrate_s"] for r in rs]), 3)),
         })
     emit({"slices": SLICES, "epoch_events": EPOCH, "steady_s": args.steady_s, "rate": args.rate,
-          "grouped": not args.alone, "rows": rows},
+          "grouped": not args.alone, "shm_transport": not args.no_shm, "rows": rows},
          args.json)
 
 

@@ -362,10 +362,15 @@ class Job:
         """
         import ray
 
+        from containers.actor import shm_job_tag
+        from containers.shm_transport import remove_job_files
+
         try:
             ray.get(self.master.stop.remote(cleanup))
         finally:
             ray.kill(self.master)
+            # The master's stop removes them; a master that died first cannot (this node's only).
+            remove_job_files(shm_job_tag(self.master))
 
     def __enter__(self) -> "Job":
         return self

@@ -52,7 +52,7 @@ from containers.core import (END_KEY, ContainerCore, ContainerStatistics, Messag
                              hand_over)
 from containers.output_log import OutputLog
 from containers.routing import OutputRoute
-from containers.shm_transport import ShmSender, discard, shm_available, unpack
+from containers.shm_transport import ShmSender, discard, shm_available, shm_paths, unpack
 from containers.sink_parts import PackedSinkParts, pack_sink_parts
 from slices.checkpoint import RestorePoint
 
@@ -407,6 +407,9 @@ class ResourceContainer:
 
     async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
         """Receive one epoch message for a hosted container (waits while its inbox is full)."""
+        if self.stopped:  # (its files unlinked unread: a stopped host takes no message)
+            discard(shm_paths(message))
+            return False
         message = unpack(message)  # first: a refused message's files are unlinked too
         core, cond = self.cores.get(container_id), self.conds.get(container_id)
         if core is None or cond is None or core.retired:
@@ -432,11 +435,24 @@ class ResourceContainer:
         return accepted
 
     async def _push_replay(self, target: int, target_host: Any, sender: int, replay: dict[int, Message]) -> None:
-        """Push a replay in epoch order, ``REPLAY_BATCH`` epochs per call."""
+        """Push a replay in epoch order, ``REPLAY_BATCH`` epochs per call (large parts through
+        shared memory as live pushes: ``_wire``)."""
         epochs = sorted(replay)
         for i in range(0, len(epochs), self.REPLAY_BATCH):
-            run = epochs[i:i + self.REPLAY_BATCH]
-            await target_host.push_many.remote(target, sender, [(e, replay[e]) for e in run])
+            run, files = [], []
+            for e in epochs[i:i + self.REPLAY_BATCH]:
+                wire, written = self._wire(target_host, replay[e])
+                run.append((e, wire))
+                files += written
+            if files and sender in self.cores:
+                self.cores[sender].shm_parts += len(files)
+            try:
+                await target_host.push_many.remote(target, sender, run)
+            except asyncio.CancelledError:
+                files = []  # (the call may still run: its receiver unlinks them, as in _acknowledged)
+                raise
+            finally:
+                discard(files)  # (each push unlinked its own; what is left never ran)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -519,6 +535,9 @@ class ResourceContainer:
                 await self.master.container_done.remote(cid, core.statistics())
         except Exception as exc:  # noqa: BLE001 - report every failure to the master
             self.failed = exc
+            for dq in inflight.values():  # (never acknowledged now: their receivers unlink the files)
+                for _dst, ref in dq:
+                    self._shm_files.pop(ref, None)
             # With the traceback: the master only gets the exception's message.
             log.error("container %s failed: %s", cid, exc, exc_info=exc)
             try:
@@ -537,6 +556,11 @@ class ResourceContainer:
                 log.warning("host %s: container %s is unreachable; stop sending to it", self.host_id, dst)
                 self.master.container_unreachable.remote(dst, self.host_id)
             return False
+        except asyncio.CancelledError:
+            # This host is stopping; the push may still run, and its receiver unlinks the files
+            # (unlinked here, a live receiver would find them gone). The job's stop removes the rest.
+            self._shm_files.pop(ref, None)
+            raise
         finally:
             # The receiver unlinked them when the push ran; one that never ran left them.
             discard(self._shm_files.pop(ref, []))
@@ -1077,5 +1101,3 @@ class ResourceContainer:
                 store = self.backup_store
                 await self._in_store_thread(lambda: store.close(flush=False))
             shutil.rmtree(self.workdir, ignore_errors=True)
-        if self._shm is not None:  # (pushes of this host that never ran: transport, not a store)
-            self._shm.remove_own_files()

@@ -14,7 +14,10 @@ Lifetime: the receiver maps and unlinks each file first thing in ``push``,
 whatever it then does with the message (a refused or late message too); the
 mapping lives as long as the tables that use it. A file whose push never ran
 (the receiver died) is unlinked by the sender when that push fails
-(``discard``), and every file of a job by ``remove_job_files`` when it stops.
+(``discard``); a stopped receiver unlinks what it is sent unread; every file
+of a job left after all its hosts stopped goes with ``remove_job_files``. A
+host's own stop unlinks none of its files: one may be queued at a receiver
+still running (the master stops hosts one by one), which would find it gone.
 
 Knows no Ray: the caller decides which destinations share its node.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +36,18 @@ import pyarrow as pa
 
 from chronostream.arrow_ipc import write_stream
 
+log = logging.getLogger("chronostream.container")
+
 #: Where the files go (tmpfs on Linux). Without it (or not writable) every part goes through Ray.
 SHM_DIR = "/dev/shm"
 #: Parts smaller than this travel inside the call (Ray inlines arguments up to 100 KB: cheaper).
 #: ``$CHRONOSTREAM_SHM_MIN_BYTES`` overrides it for a host (the test suite sets 0: every part of
 #: its small epochs then goes through the files, kills and migrations included).
 SHM_MIN_BYTES = 100 * 1024
+#: The share of the directory's size a sender leaves free: a part that would eat into it goes
+#: through Ray. Ray's object store lives in ``/dev/shm`` too, and a tmpfs that fills up fails
+#: its writers (a process writing through a mapping gets SIGBUS, not ENOSPC).
+SHM_RESERVE_FRACTION = 0.25
 #: The hidden column that carries a part's consumer slice per row inside its file.
 _DST = "_shm_dst"
 
@@ -75,10 +85,14 @@ class ShmSender:
     """
 
     def __init__(self, job_tag: str, host_id: int, directory: str = SHM_DIR,
-                 min_bytes: int | None = None) -> None:
+                 min_bytes: int | None = None, reserve_fraction: float = SHM_RESERVE_FRACTION) -> None:
+        self.directory = directory
         self.prefix = f"{job_prefix(job_tag, directory)}{host_id}-"
         self.min_bytes = int(os.environ.get("CHRONOSTREAM_SHM_MIN_BYTES", SHM_MIN_BYTES)) if min_bytes is None \
             else min_bytes
+        self.reserve_fraction = reserve_fraction
+        #: Parts that went through Ray because the directory was too full (``room_for``).
+        self.refused_for_room = 0
         self._numbers = itertools.count()
 
     def pack(self, message: dict[int, Any]) -> tuple[dict[int, Any], list[str]]:
@@ -99,11 +113,22 @@ class ShmSender:
             out[key] = value
         return out, paths
 
-    def remove_own_files(self) -> int:
-        """Unlink this host's files still on disk (pushes that never ran); returns how many."""
-        return _remove_prefixed(self.prefix)
+    def room_for(self, nbytes: int) -> bool:
+        """Whether writing ``nbytes`` leaves the directory's reserve free (one ``statvfs``;
+        False when the directory cannot be read)."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return False
+        return (st.f_bavail - st.f_blocks * self.reserve_fraction) * st.f_frsize >= nbytes
 
     def _write(self, table: pa.Table, dst: np.ndarray) -> str | None:
+        if not self.room_for(table.nbytes + 4 * len(dst)):
+            if not self.refused_for_room and os.path.isdir(self.directory):
+                log.warning("%s is more than %.0f%% full: parts go through Ray until it has room",
+                            self.directory, 100 * (1 - self.reserve_fraction))
+            self.refused_for_room += 1
+            return None
         path = f"{self.prefix}{next(self._numbers)}"
         try:
             with pa.OSFile(path, "wb") as f:  # (slice ids: int32 is half the bytes of int64)
@@ -128,7 +153,7 @@ def unpack(message: dict[int, Any]) -> dict[int, Any]:
                 dst = np.asarray(table.column(_DST)).astype(np.int64)
                 out[key] = (table.drop_columns([_DST]), dst)
     finally:  # mapped or not, unlinked: the tables keep their mapping
-        discard([v.path for v in message.values() if isinstance(v, ShmPart)])
+        discard(shm_paths(message))
     return out
 
 
@@ -141,12 +166,15 @@ def discard(paths: list[str]) -> None:
             pass
 
 
+def shm_paths(message: dict[int, Any]) -> list[str]:
+    """The files of ``message``'s ``ShmPart``s (a message its receiver refuses unread)."""
+    return [v.path for v in message.values() if isinstance(v, ShmPart)]
+
+
 def remove_job_files(job_tag: str, directory: str = SHM_DIR) -> int:
-    """Unlink every file the job tagged ``job_tag`` left on this node; returns how many."""
-    return _remove_prefixed(job_prefix(job_tag, directory))
-
-
-def _remove_prefixed(prefix: str) -> int:
-    paths = glob.glob(glob.escape(prefix) + "*")
+    """Unlink every file the job tagged ``job_tag`` left on this node; returns how many. Only
+    once every host of the job has stopped: a file still queued at a live receiver is its
+    message (a host's own stop leaves its files to their receivers for that reason)."""
+    paths = glob.glob(glob.escape(job_prefix(job_tag, directory)) + "*")
     discard(paths)
     return len(paths)

@@ -90,6 +90,9 @@ class JobMaster:
         self.next_id = 0
         self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
         self._watching = False
+        # The master's own loops (watch, autoscaler, a resumed recovery or migration): cancelled
+        # first at the stop, so none is left waiting on a host the stop kills.
+        self._background: list[asyncio.Task] = []
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
         self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
@@ -147,10 +150,13 @@ class JobMaster:
         if not self._watching and self.state == "running":
             self._watching = True
             if self._unfinished_recovery is not None:  # (first: it takes the lock before the watch loop looks)
-                asyncio.get_running_loop().create_task(self._resume_recovery())
-            asyncio.get_running_loop().create_task(self._watch())
+                self._in_background(self._resume_recovery())
+            self._in_background(self._watch())
             if self._unsettled:
-                asyncio.get_running_loop().create_task(self._settle_left_over())
+                self._in_background(self._settle_left_over())
+
+    def _in_background(self, coro: Any) -> None:
+        self._background.append(asyncio.get_running_loop().create_task(coro))
 
     async def _settle_left_over(self) -> None:
         async with self.recovery_lock:
@@ -309,7 +315,7 @@ class JobMaster:
         self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
         self._ensure_watching()
         if self.policy is not None:
-            asyncio.get_running_loop().create_task(self._autoscale())
+            self._in_background(self._autoscale())
         return self.placement.as_dict(self.plan)
 
     def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
@@ -1573,6 +1579,9 @@ class JobMaster:
             self.state = "stopped"
             self.finished_at = time.time()
         self._save_progress()
+        for task in self._background:
+            task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")
+        await asyncio.gather(*self._background, return_exceptions=True)
         for h in sorted(self.alive):
             try:
                 await self.handles[h].stop.remote(cleanup)
@@ -1581,7 +1590,7 @@ class JobMaster:
         self.catalog.close()
         if cleanup:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        # Files of pushes that never ran (a host that died with parts in flight to it).
+        # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
         remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
         for h in self.handles.values():
             try:

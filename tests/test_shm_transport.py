@@ -3,9 +3,12 @@
 Unit: a large routed part goes out as a file and comes back equal (schema,
 field metadata, dictionary codes, consumer slices); small parts and control
 entries stay in the message; the receiver unlinks the file and its tables
-outlive it; cleanup touches only one job's files. On Ray: a job on one node
+outlive it; cleanup touches only one job's files; a part that would eat into
+the directory's reserve stays in the message. On Ray: a job on one node
 sends its parts through the files and its output equals the serial run's,
-with the transport on and off, and leaves no file behind.
+with the transport on and off, and leaves no file behind; a stopped host
+refuses messages and unlinks their files; a host's stop leaves its files to
+their receivers, the job's stop removes them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
+
+import ray
 
 import chronostream as cs
 from chronostream.chaos import compare_with_serial
@@ -78,6 +83,16 @@ def test_cleanup_removes_one_jobs_files_and_no_other_jobs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(kept[0])]
 
 
+def test_a_part_that_would_eat_into_the_reserve_travels_in_the_message(tmp_path):
+    table, dst = routed_part()
+    full = ShmSender("job", 1, str(tmp_path), reserve_fraction=1.0)  # (no room is ever left)
+    wire, paths = full.pack({0: (table, dst)})
+    assert paths == [] and wire[0][0] is table and full.refused_for_room == 1
+    roomy = ShmSender("job", 2, str(tmp_path), reserve_fraction=0.0)
+    _, paths = roomy.pack({0: (table, dst)})
+    assert len(paths) == 1 and roomy.refused_for_room == 0
+
+
 def _job_files(job) -> list[str]:
     prefix = job_prefix(shm_job_tag(job.master))
     return [p for p in (os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm")) if p.startswith(prefix)]
@@ -99,3 +114,32 @@ def test_a_job_on_one_node_sends_its_parts_through_shared_memory_and_matches_the
     finally:
         job.stop()
     assert _job_files(job) == [], "every file was unlinked by its receiver or at the stop"
+
+
+def test_a_stopped_host_takes_no_message_and_unlinks_its_files_unread(ray_session):
+    job = cs.run(word_count(slices=2, n_lines=300), containers=1)
+    try:
+        job.wait(timeout_s=300)
+        host = ray.get(job.master.host_handles.remote())[0]
+        ray.get(host.stop.remote(False))
+        table, dst = routed_part()
+        wire, paths = ShmSender(shm_job_tag(job.master), 99).pack({0: (table, dst)})
+        assert ray.get(host.push.remote(0, 10**6, 0, wire)) is False
+        assert not os.path.exists(paths[0])
+    finally:
+        job.stop()
+
+
+def test_a_hosts_stop_leaves_its_files_to_their_receivers_and_the_jobs_stop_removes_them(ray_session):
+    """The master stops hosts one by one: a file a stopped host sent may still be queued at a
+    live receiver, which would fail on it gone. What is left goes with the job's stop."""
+    job = cs.run(word_count(slices=2, n_lines=300), containers=1)
+    job.wait(timeout_s=300)
+    hosts = ray.get(job.master.host_handles.remote())
+    host_id = min(hosts)
+    # A file as the host's own sender names them (``ShmSender(job tag, host id)``), in flight.
+    _, paths = ShmSender(shm_job_tag(job.master), host_id).pack({0: routed_part()})
+    ray.get(hosts[host_id].stop.remote(True))
+    assert os.path.exists(paths[0]), "a host's stop unlinks none of its files"
+    job.stop()
+    assert not os.path.exists(paths[0]) and _job_files(job) == []
