@@ -114,17 +114,17 @@ class ShmSender:
         return out, paths
 
     def room_for(self, nbytes: int) -> bool:
-        """Whether writing ``nbytes`` leaves the directory's reserve free (one ``statvfs``;
-        False when the directory cannot be read)."""
+        """Whether writing ``nbytes`` leaves the directory's reserve free (one ``statvfs``; a
+        directory it cannot read is the write's to fail: True)."""
         try:
             st = os.statvfs(self.directory)
         except OSError:
-            return False
+            return True
         return (st.f_bavail - st.f_blocks * self.reserve_fraction) * st.f_frsize >= nbytes
 
     def _write(self, table: pa.Table, dst: np.ndarray) -> str | None:
         if not self.room_for(table.nbytes + 4 * len(dst)):
-            if not self.refused_for_room and os.path.isdir(self.directory):
+            if not self.refused_for_room:
                 log.warning("%s is more than %.0f%% full: parts go through Ray until it has room",
                             self.directory, 100 * (1 - self.reserve_fraction))
             self.refused_for_room += 1

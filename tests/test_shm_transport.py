@@ -18,7 +18,6 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
-
 import ray
 
 import chronostream as cs
