@@ -155,8 +155,8 @@ class Job:
                  key: str = "", source_refs: Any = None) -> None:
         self.plan = plan
         # The input tables in Ray's object store, owned by this process: held for the job's life,
-        # because a restarted master borrows them again from its constructor arguments (a source's
-        # host recovered after a master restart once failed: the owner had let them go).
+        # because the hosts and a restarted master borrow them (master.launch; a source's host
+        # recovered after a master restart once failed: the owner had let them go).
         self._source_refs = source_refs
         self.workdir = workdir  # the hosts' local stores and the master's catalog live under it
         self.master = master
@@ -541,6 +541,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     import ray
 
     from master.actor import JobMaster
+    from master.launch import JobLaunch
 
     ensure_ray(address)
     _pickle_user_code_by_value(plan)
@@ -548,7 +549,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     key = os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8]
+    # The job goes to deploy, not the constructor: Ray restarts the master with its constructor's
+    # arguments, which must hold nothing from the object store (master.launch).
+    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs)).pack()
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE).remote(
-        plan, per_stage, workdir, options, refs, key, autoscale)
-    placement = ray.get(master.deploy.remote())
+        workdir, key)
+    placement = ray.get(master.deploy.remote(launch, refs))
     return Job(plan, master, placement, workdir, key, source_refs=refs)

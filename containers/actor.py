@@ -155,6 +155,9 @@ class ResourceContainer:
         self.window = 4
         self.extra_window: dict[int, int] = {}  # a catching-up migration destination buffers more epochs
         self.opts = JobOptions()
+        # Stage id -> [reference of its in-memory table] (``configure``): a restarted master asks
+        # for them (``source_refs``). Nested in a list, so Ray passes the reference, not the table.
+        self._source_refs: dict[int, list] = {}
         self.backup_store: BackupStore | None = None
         self.spill_store: SpillStore | None = None  # cold chunks of long queues (JobOptions.spill_state)
         self.stopped = False
@@ -234,11 +237,19 @@ class ResourceContainer:
             self._lease = None
         self._take_job(host_id, master, workdir, heartbeat_s)
 
-    async def configure(self, plan: JobPlan, options: JobOptions) -> str:
+    async def source_refs(self) -> dict[int, list]:
+        """The in-memory source tables' references ``configure`` gave (stage id -> [reference])."""
+        return dict(self._source_refs)
+
+    async def configure(self, plan: JobPlan, options: JobOptions, source_refs: dict[int, list] | None = None) -> str:
         """Set the job-wide parameters and open the backup store. Returns the node id.
+        ``source_refs``: stage id -> [reference of its in-memory table], kept for a restarted
+        master (``source_refs``); a later call adds the ones this host lacks.
 
         Once only: a second call (a restarted master runs a recovery's plan
-        again) returns the node id and changes nothing."""
+        again) returns the node id and changes nothing else."""
+        for stage_id, refs in (source_refs or {}).items():
+            self._source_refs.setdefault(stage_id, refs)
         if self.plan is not None:
             return ray.get_runtime_context().get_node_id()
         if self.host_id is None:

@@ -37,6 +37,7 @@ from master.autoscaler import Counters, build_snapshot
 from master.backups import chains_by_slice, fewest_backup_copies, stale_backups
 from master.catalog import MasterCatalog
 from master.host_pool import take_spare
+from master.launch import JobLaunch
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
@@ -60,17 +61,20 @@ class JobMaster:
     they made meanwhile are retried until the master answers again.
     """
 
-    def __init__(self, plan: JobPlan, containers_per_stage: dict[int, int], workdir: str,
-                 options: JobOptions | None = None, source_refs: dict[int, list] | None = None,
-                 job_key: str = "job", policy: Any = None) -> None:
+    def __init__(self, workdir: str, job_key: str = "job") -> None:
+        # Nothing large and no object reference among the arguments: Ray restarts the actor with
+        # them, and restarts fail when an argument held in the object store is gone
+        # (ray-project/ray#53727; Ray logs an error for every such actor). The job itself comes
+        # with ``deploy`` and is kept in the catalog (``JobLaunch``); the source tables'
+        # references are kept by the hosts too (``_source_ref``).
         configure_from_env()
         self._stall_probe = start_stall_probe("master")  # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
-        self.plan = plan
         self.job_key = job_key
         self.workdir = workdir
-        self.opts = options or JobOptions()
-        self.heartbeat_s = self.opts.heartbeat_s
-        self.placement: Placement = initial_placement(plan, containers_per_stage)
+        self.plan: JobPlan = None  # type: ignore[assignment]  # (set by deploy, or from the catalog)
+        self.opts = JobOptions()
+        self.placement: Placement = None  # type: ignore[assignment]
+        self.source_stages: set[int] = set()  # stages reading in-memory tables (their refs: source_refs)
         self.host_of: dict[int, int] = {}  # container id -> host id
         self.handles: dict[int, Any] = {}  # host id -> actor
         self.alive: set[int] = set()  # live host ids
@@ -79,7 +83,7 @@ class JobMaster:
         self.last_seen: dict[int, float] = {}
         self.stats: dict[int, ContainerStatistics] = {}
         self.done: set[int] = set()
-        self.source_refs: dict[int, list] = source_refs or {}
+        self.source_refs: dict[int, list] = {}
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
         self.state = "created"
         self.error: BaseException | None = None
@@ -93,10 +97,9 @@ class JobMaster:
         # The master's own loops (watch, autoscaler, a resumed recovery or migration): cancelled
         # first at the stop, so none is left waiting on a host the stop kills.
         self._background: list[asyncio.Task] = []
-        self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.gc_dropped = 0
         self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
-        self.policy = policy  # an autoscaling policy (chronostream.autoscale), or None
+        self.policy: Any = None  # an autoscaling policy (chronostream.autoscale), or None
         self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
         self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
         self._unsettled_request: str | None = None
@@ -117,8 +120,18 @@ class JobMaster:
         self.host_names: dict[int, str] = self.catalog.load_host_names()
         self.resumed = self.catalog.exists()
         if self.resumed:
+            self._launch(JobLaunch.unpack(self.catalog.load_launch()))
             self.gc_marks = self.catalog.load_gc_marks()
             self._resume()
+
+    def _launch(self, launch: "JobLaunch") -> None:
+        """Take the job's plan, options and policy (``deploy``'s, or a restarted master's from the catalog)."""
+        self.plan = launch.plan
+        self.opts = launch.options or JobOptions()
+        self.heartbeat_s = self.opts.heartbeat_s
+        self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
+        self.policy = launch.policy
+        self.source_stages = set(launch.source_stages)
 
     def _host_name(self, host_id: int) -> str:
         """The host's actor name: a warm spare's own (``master.host_pool``), else the job's naming."""
@@ -282,11 +295,21 @@ class JobMaster:
         return {c: self.handles[self.host_of[c]] for d in self.plan.downstream_stages(stage_id)
                 for c in self.placement.containers[d]}
 
-    async def deploy(self) -> dict[str, Any]:
-        """Create, configure and start every container. Returns the placement."""
+    async def deploy(self, launch: bytes, source_refs: dict[int, list]) -> dict[str, Any]:
+        """Create, configure and start every container of the job ``launch`` describes
+        (``JobLaunch.pack``); ``source_refs``: stage id -> [object reference of its in-memory
+        table]. Returns the placement.
+
+        The launch is saved in the catalog first, so a master restarted from here on knows
+        the job; a call Ray retries after a restart finds it deployed (or deploys it)."""
+        self.source_refs = dict(source_refs)
         if self.resumed or self.handles:  # a retried call after a restart: already deployed
             self._ensure_watching()
             return self.placement.as_dict(self.plan)
+        job = JobLaunch.unpack(launch)
+        self._launch(job)
+        self.placement = initial_placement(job.plan, job.containers_per_stage)
+        self.catalog.save_launch(launch)
         # Spread each stage's containers over the alive nodes round-robin. SPREAD
         # and soft node affinity are best-effort and were seen stacking a stage on
         # one node; hard affinity to a node alive now is exact (a node that dies
@@ -297,9 +320,7 @@ class JobMaster:
                 self.host_of[c] = c
                 await self._new_or_found_host(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
         self.next_id = max(self.host_of) + 1
-        configured = {h: a.configure.remote(self.plan, self.opts) for h, a in self.handles.items()}
-        for h, ref in configured.items():
-            self.nodes[h] = await ref
+        await asyncio.gather(*[self._configure(h) for h in self.handles])
         added = []
         for stage_id, ids in self.placement.containers.items():
             chain = self._backup_chain(stage_id)
@@ -318,15 +339,43 @@ class JobMaster:
             self._in_background(self._autoscale())
         return self.placement.as_dict(self.plan)
 
-    def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
-                       restore_from: dict[int, list[tuple[int, Any]]] | None = None,
-                       hand_over_from: list[int] | None = None):
-        src = self.source_refs.get(stage_id, [None])[0]
+    async def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
+                             restore_from: dict[int, list[tuple[int, Any]]] | None = None,
+                             hand_over_from: list[int] | None = None) -> Any:
+        src = await self._source_ref(stage_id)
         hosts = {**self._stage_hosts(stage_id), **{h: self.handles[h] for ps in backup_peers.values() for h in ps}}
-        return self.handles[self.host_of[c]].add_container.remote(
+        return await self.handles[self.host_of[c]].add_container.remote(
             c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
             self.placement.sender_coverage(self.plan, stage_id), self._peers_of(stage_id),
             hosts, src, self.opts.output_log, backup_peers, restore_from, hand_over_from)
+
+    async def _source_ref(self, stage_id: int) -> Any:
+        """The object reference of stage ``stage_id``'s in-memory table (None for other stages).
+
+        ``deploy`` brings them; a restarted master asks the hosts, which keep the ones
+        ``configure`` gave them (the references are the client's: the master only borrows)."""
+        if stage_id not in self.source_stages:
+            return None
+        if stage_id not in self.source_refs:
+            for h in sorted(self.alive):
+                handle = self.handles.get(h)
+                if handle is None:
+                    continue
+                try:
+                    self.source_refs.update(await asyncio.wait_for(handle.source_refs.remote(), timeout=30))
+                except (RayActorError, asyncio.TimeoutError):
+                    continue
+                if stage_id in self.source_refs:
+                    self._event("source_refs_from_host", host=h, stages=sorted(self.source_refs))
+                    break
+            else:
+                raise RuntimeError(f"the source table of stage {self.plan.stages[stage_id].name!r} is lost: "
+                                   f"no live host holds its reference (hosts {sorted(self.alive)})")
+        return self.source_refs[stage_id][0]
+
+    async def _configure(self, host_id: int) -> None:
+        """Give host ``host_id`` the job (plan, options and the source tables' references)."""
+        self.nodes[host_id] = await self.handles[host_id].configure.remote(self.plan, self.opts, self.source_refs)
 
     # -- watching ------------------------------------------------------------------
 
@@ -607,7 +656,7 @@ class JobMaster:
         share, in parallel; what each container restored (``add_container``)."""
         for h in new_hosts:
             await self._new_or_found_host(h)
-            self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
+            await self._configure(h)
         # 1. Consumers accept the new containers as senders (before any sends); ``not_made``
         #    containers get theirs from the placement when they are made.
         calls = []
@@ -953,7 +1002,7 @@ class JobMaster:
                     h = self.next_id
                     self.next_id += 1
                     await self._new_or_found_host(h, self._least_used_node())
-                    self.nodes[h] = await self.handles[h].configure.remote(self.plan, self.opts)
+                    await self._configure(h)
                     made[t.target] = h
                 t.host = made[t.target]
             t.advance(P.WARMING, host=t.host)

@@ -4,7 +4,8 @@ Stored in one lmdb environment under the job's work directory: the
 placement (containers per stage, slice -> container, stage of each
 container), which host runs each container, the live hosts and their
 nodes, the next free id, the containers that finished, the memory-sink rows
-handed over at checkpoints, the GC marks, the job's state and its timeline. Values are
+handed over at checkpoints, the GC marks, the job's state and its timeline, and the job's launch (plan,
+options, policy: ``master.launch``, checksummed). Values are
 msgpack (sink rows: one key per packed group, ``containers.sink_parts``, its
 rows as Arrow IPC). Each ``save_*`` call is one lmdb
 transaction. Knows no Ray.
@@ -22,6 +23,7 @@ transaction. Knows no Ray.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,10 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class CatalogError(RuntimeError):
+    """The catalog lacks, or holds a corrupt copy of, what a restarted master needs."""
 
 
 class MasterCatalog:
@@ -84,6 +90,20 @@ class MasterCatalog:
         if recovery is not ...:
             items.append((b"recovery", _pack(recovery)))
         put_all(self.env, items)
+
+    def save_launch(self, launch: bytes) -> None:
+        """The job's launch (``master.launch.JobLaunch.pack``), with its CRC-32: saved by
+        ``deploy`` before any host exists, read back by a restarted master."""
+        put_all(self.env, [(b"launch", _pack({"bytes": launch, "crc32": zlib.crc32(launch)}))])
+
+    def load_launch(self) -> bytes:
+        """The saved launch; ``CatalogError`` when it is missing or its checksum fails."""
+        d = self._get(b"launch")
+        if d is None:
+            raise CatalogError(f"{self.path}: no job launch saved; the master cannot resume the job")
+        if zlib.crc32(d["bytes"]) != d["crc32"]:
+            raise CatalogError(f"{self.path}: the saved job launch fails its CRC-32 check")
+        return d["bytes"]
 
     def load_recovery(self) -> dict[str, Any] | None:
         """The recovery a dead master left in progress (see ``save_layout``), or None."""

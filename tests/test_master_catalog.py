@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
+import pytest
 
-from master.catalog import MasterCatalog
+from master.catalog import CatalogError, MasterCatalog
+from master.launch import JobLaunch
 from master.placement import Placement
 
 
@@ -50,3 +53,26 @@ def test_adopted_spare_names_survive_a_reopen_and_a_dropped_name_stays_dropped(t
 
 def test_a_new_catalog_names_no_spare(tmp_path):
     assert MasterCatalog(tmp_path).load_host_names() == {}
+
+
+def test_a_launch_with_user_code_is_read_back_by_a_new_catalog_of_the_same_directory(tmp_path):
+    launch = JobLaunch(plan=None, containers_per_stage={0: 2, 1: 3}, policy=lambda snapshot: [], source_stages=[0])
+    MasterCatalog(tmp_path).save_launch(launch.pack())
+    back = JobLaunch.unpack(MasterCatalog(tmp_path).load_launch())
+    assert back.containers_per_stage == {0: 2, 1: 3} and back.source_stages == [0]
+    assert back.policy("any") == []
+
+
+def test_a_corrupt_launch_is_refused_rather_than_resumed(tmp_path):
+    cat = MasterCatalog(tmp_path)
+    cat.save_launch(b"job bytes")
+    with cat.env.begin(write=True) as txn:
+        saved = msgpack.unpackb(txn.get(b"launch"))
+        txn.put(b"launch", msgpack.packb({**saved, "bytes": b"job bytez"}))
+    with pytest.raises(CatalogError, match="CRC-32"):
+        cat.load_launch()
+
+
+def test_a_catalog_without_a_launch_says_the_master_cannot_resume(tmp_path):
+    with pytest.raises(CatalogError, match="no job launch"):
+        MasterCatalog(tmp_path).load_launch()

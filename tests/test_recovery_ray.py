@@ -314,14 +314,16 @@ def test_a_restarted_master_knows_the_gc_marks_its_predecessor_applied_and_still
 
 
 def test_a_sources_host_killed_after_a_master_restart_is_rebuilt_from_the_input(ray_session):
-    """The restarted master hands the new source container the input table it got as a
-    constructor argument: the driver must still own it (seed 509 of the campaign below found it
-    deleted once the first master process died)."""
+    """The restarted master hands the new source container the input table: its reference comes
+    from a live host (the master's constructor takes none), and the driver still owns the table
+    (seed 509 of the campaign below once found it deleted after the first master process died)."""
     faults = [SLOW_SOURCE, Fault("kill_master", at_epoch=10), Fault("kill", at_epoch=20, stage="payments")]
     report = run_with_faults(query(), faults, containers={"payments": 1, "running_sum": 2, "stats": 2},
                              checkpoint_every=2)
     assert report.ok, report.mismatches
-    assert kinds(report).count("recovery_end") == 1, report.format_timeline()
+    kinds_ = kinds(report)
+    assert kinds_.count("recovery_end") == 1, report.format_timeline()
+    assert kinds_.index("master_restarted") < kinds_.index("source_refs_from_host") < kinds_.index("recovery_end")
 
 
 def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
