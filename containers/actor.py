@@ -32,6 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -72,6 +73,9 @@ def from_wire(frame: bytes | np.ndarray) -> bytes | memoryview:
 
 #: Piece size of a shipment above ``JobOptions.ship_piece_bytes`` (see ``_send_in_pieces``).
 PIECE_BYTES = 64 << 20
+#: How long making a peer known waits for its node (``_learn_nodes``): its parts can then go
+#: through shared memory from the first one.
+LEARN_NODE_WAIT_S = 1.0
 #: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default).
 HOST_WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
@@ -279,20 +283,45 @@ class ResourceContainer:
         """The node this host runs on (a peer asks once before sending it parts in shared memory)."""
         return ray.get_runtime_context().get_node_id()
 
-    def _wire(self, handle: Any, message: Message) -> tuple[Message, list[str]]:
+    def _wire(self, handle: Any, message: Message, core: ContainerCore | None) -> tuple[Message, list[str]]:
         """``message`` as it travels to the host ``handle``: its large parts as files in shared
-        memory when that host is on this node and says so (``containers.shm_transport``)."""
+        memory when that host is on this node and says so (``containers.shm_transport``).
+        ``core``: the sending container, which counts the files (``shm_parts``) and the parts
+        sent before the receiver's node was known (``parts_node_unknown``)."""
         if self._shm is None:
             return message, []
-        aid = handle._actor_id.hex()
-        node = self._peer_node.get(aid)
-        if node is None:
-            self._peer_node[aid] = ""  # asked: Ray carries its pushes until the answer
-            asyncio.get_running_loop().create_task(self._ask_node(aid, handle))
+        node = self._peer_node.get(handle._actor_id.hex())
+        if not node:  # (not asked yet, or no answer yet: Ray carries its pushes until the answer)
+            self._ask_nodes([handle])
+            if core is not None:
+                core.parts_node_unknown += sum(1 for k, v in message.items() if k >= 0 and isinstance(v, tuple))
             return message, []
         if node != self._node_id:
             return message, []
-        return self._shm.pack(message)
+        wire, files = self._shm.pack(message)
+        if core is not None:
+            core.shm_parts += len(files)
+        return wire, files
+
+    async def _learn_nodes(self, handles: Iterable[Any], wait_s: float = LEARN_NODE_WAIT_S) -> None:
+        """Ask the hosts ``handles`` which node they run on (once each) and wait up to ``wait_s``
+        for the answers: done when a peer is made known (``add_container``, ``reroute``), so the
+        first part sent to it can go through shared memory. A slow or dead peer's answer is
+        left to come in the background."""
+        asks = self._ask_nodes(handles)
+        if asks:
+            await asyncio.wait(asks, timeout=wait_s)
+
+    def _ask_nodes(self, handles: Iterable[Any]) -> list[asyncio.Task]:
+        if self._shm is None:
+            return []
+        asks = []
+        for handle in handles:
+            aid = handle._actor_id.hex()
+            if aid not in self._peer_node:
+                self._peer_node[aid] = ""  # asked
+                asks.append(asyncio.get_running_loop().create_task(self._ask_node(aid, handle)))
+        return asks
 
     async def _ask_node(self, aid: str, handle: Any) -> None:
         try:
@@ -354,6 +383,7 @@ class ResourceContainer:
         # (None: a host the master found dead and is about to recover; pushes to it stop, as for
         # any unreachable container, until a reroute names its replacement.)
         self.peers.update({c: a for c, a in peers.items() if a is not None})
+        await self._learn_nodes(a for a in peers.values() if a is not None)
         self.unreachable.update(c for c, a in peers.items() if a is None)
         self.hosts.update({h: a for h, a in hosts.items() if a is not None})
         info: dict[str, Any] = {"container": container_id, "host": self.host_id}
@@ -452,11 +482,9 @@ class ResourceContainer:
         for i in range(0, len(epochs), self.REPLAY_BATCH):
             run, files = [], []
             for e in epochs[i:i + self.REPLAY_BATCH]:
-                wire, written = self._wire(target_host, replay[e])
+                wire, written = self._wire(target_host, replay[e], self.cores.get(sender))
                 run.append((e, wire))
                 files += written
-            if files and sender in self.cores:
-                self.cores[sender].shm_parts += len(files)
             try:
                 await target_host.push_many.remote(target, sender, run)
             except asyncio.CancelledError:
@@ -502,11 +530,10 @@ class ResourceContainer:
                     t0 = time.perf_counter()
                     for dst, msg in messages.items():
                         if dst not in self.unreachable:
-                            wire, files = self._wire(self.peers[dst], msg)
+                            wire, files = self._wire(self.peers[dst], msg, core)
                             ref = self.peers[dst].push.remote(dst, epoch, cid, wire)
                             if files:
                                 self._shm_files[ref] = files
-                                core.shm_parts += len(files)
                             inflight[dst].append((dst, ref))
                     core.send_s += time.perf_counter() - t0
                 parts, backups = core.take_sink_parts(), core.take_backups()
@@ -712,6 +739,7 @@ class ResourceContainer:
         it is never blocked while the replay is read.
         """
         core, cond = self.cores[container_id], self.conds[container_id]
+        await self._learn_nodes([target_host])  # (before the lock: the container steps on meanwhile)
         async with cond:
             self.peers[target] = target_host
             self.unreachable.discard(target)
@@ -786,6 +814,7 @@ class ResourceContainer:
         epoch on, with no replay (a compaction: ``target`` takes the slices' state in process at
         an epoch at or after this one). Returns that epoch."""
         core, cond = self.cores[container_id], self.conds[container_id]
+        await self._learn_nodes([target_host])  # (before the lock: the container steps on meanwhile)
         async with cond:  # between two steps: an epoch boundary
             self.peers[target] = target_host
             self.unreachable.discard(target)

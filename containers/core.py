@@ -118,6 +118,9 @@ class ContainerStatistics:
     checkpoints_seeded: int = 0  # first checkpoints of restored slices sent as seed + delta, not full
     send_s: float = 0.0  # seconds handing epoch messages to the transport (Ray: serializing them into its object store)
     shm_parts: int = 0  # routed parts sent as files in shared memory (containers/shm_transport.py)
+    # Routed parts sent through Ray's object store because the receiving host's node was not known
+    # yet (it is asked when the peer is made known: containers.actor ``_learn_nodes``).
+    parts_node_unknown: int = 0
 
 
 def _stream_parts(messages: dict[int, Message]) -> list[tuple[int, RoutedPart]]:
@@ -190,6 +193,7 @@ class ContainerCore:
         # store: a few ms an epoch, up to 40% of a source's CPU; the metrics count it as busy).
         self.send_s = 0.0
         self.shm_parts = 0  # parts of its messages sent through shared memory (containers/shm_transport.py)
+        self.parts_node_unknown = 0  # parts sent through Ray before the receiver's node was known
         self.dead_letter_rows = 0
         self.reader: SourceReader | None = None
         self.threads = SliceThreads(list(self.slices), threads)  # vertical scaling (set_threads)
@@ -965,7 +969,8 @@ class ContainerCore:
             self.backup_store.total_bytes() if self.backup_store is not None else 0,
             tuple(sorted(self.released)), self.threads.threads, self.latency.to_plain(), self.backlog_events(),
             self.source_lag(), *self.host_gc_figures(),
-            self.checkpointer.seeded if self.checkpointer is not None else 0, self.send_s, self.shm_parts)
+            self.checkpointer.seeded if self.checkpointer is not None else 0, self.send_s, self.shm_parts,
+            self.parts_node_unknown)
 
     def host_gc_figures(self) -> tuple[int, float]:
         """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""

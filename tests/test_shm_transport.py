@@ -100,13 +100,15 @@ def _job_files(job) -> list[str]:
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_job_on_one_node_sends_its_parts_through_shared_memory_and_matches_the_serial_run(ray_session, shm):
     """The suite sets ``$CHRONOSTREAM_SHM_MIN_BYTES`` to 0 (conftest): every part goes through a
-    file when the transport is on, none when it is off; the sinks equal the serial run either way."""
+    file when the transport is on, from the first one (a host learns its peers' nodes when they
+    are made known), none when it is off; the sinks equal the serial run either way."""
     job = cs.run(word_count(slices=4, n_lines=3000), containers=2, shm_transport=shm)
     try:
         job.wait(timeout_s=300)
         stats = job.statistics().values()
         sent = sum(s.shm_parts for s in stats)
         assert (sent > 0) == shm, sent
+        assert sum(s.parts_node_unknown for s in stats) == 0, "no part waited for its receiver's node"
         assert all(s.send_s > 0 for s in stats if s.stage == "lines"), "a producer times its sends"
         mismatches, rows = compare_with_serial(job, word_count(slices=4, n_lines=3000))
         assert mismatches == {} and rows["counts"] > 0
