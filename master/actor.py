@@ -356,25 +356,33 @@ class JobMaster:
         ``configure`` gave them (the references are the client's: the master only borrows)."""
         if stage_id not in self.source_stages:
             return None
+        await self._find_source_refs()
         if stage_id not in self.source_refs:
-            for h in sorted(self.alive):
-                handle = self.handles.get(h)
-                if handle is None:
-                    continue
-                try:
-                    self.source_refs.update(await asyncio.wait_for(handle.source_refs.remote(), timeout=30))
-                except (RayActorError, asyncio.TimeoutError):
-                    continue
-                if stage_id in self.source_refs:
-                    self._event("source_refs_from_host", host=h, stages=sorted(self.source_refs))
-                    break
-            else:
-                raise RuntimeError(f"the source table of stage {self.plan.stages[stage_id].name!r} is lost: "
-                                   f"no live host holds its reference (hosts {sorted(self.alive)})")
+            raise RuntimeError(f"the source table of stage {self.plan.stages[stage_id].name!r} is lost: "
+                               f"no live host holds its reference (hosts {sorted(self.alive)})")
         return self.source_refs[stage_id][0]
 
+    async def _find_source_refs(self) -> None:
+        """A restarted master: the source tables' references it lacks, from the first live host
+        that has them (``configure`` gave every host all of them)."""
+        for h in sorted(self.alive):
+            if self.source_stages <= self.source_refs.keys():
+                return
+            handle = self.handles.get(h)
+            if handle is None:
+                continue
+            try:
+                found = await asyncio.wait_for(handle.source_refs.remote(), timeout=30)
+            except (RayActorError, asyncio.TimeoutError):
+                continue
+            if found.keys() - self.source_refs.keys():
+                self.source_refs.update(found)
+                self._event("source_refs_from_host", host=h, stages=sorted(found))
+
     async def _configure(self, host_id: int) -> None:
-        """Give host ``host_id`` the job (plan, options and the source tables' references)."""
+        """Give host ``host_id`` the job (plan, options and the source tables' references: a
+        restarted master finds them first, so a host it adds can hand them on too)."""
+        await self._find_source_refs()
         self.nodes[host_id] = await self.handles[host_id].configure.remote(self.plan, self.opts, self.source_refs)
 
     # -- watching ------------------------------------------------------------------
