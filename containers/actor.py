@@ -31,8 +31,8 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np

@@ -124,7 +124,7 @@ class JobMaster:
             self.gc_marks = self.catalog.load_gc_marks()
             self._resume()
 
-    def _launch(self, launch: "JobLaunch") -> None:
+    def _launch(self, launch: JobLaunch) -> None:
         """Take the job's plan, options and policy (``deploy``'s, or a restarted master's from the catalog)."""
         self.plan = launch.plan
         self.opts = launch.options or JobOptions()
