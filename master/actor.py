@@ -363,19 +363,16 @@ class JobMaster:
         return self.source_refs[stage_id][0]
 
     async def _find_source_refs(self) -> None:
-        """A restarted master: the source tables' references it lacks, from the first live host
-        that has them (``configure`` gave every host all of them)."""
-        for h in sorted(self.alive):
-            if self.source_stages <= self.source_refs.keys():
-                return
-            handle = self.handles.get(h)
-            if handle is None:
-                continue
-            try:
-                found = await asyncio.wait_for(handle.source_refs.remote(), timeout=30)
-            except (RayActorError, asyncio.TimeoutError):
-                continue
-            if found.keys() - self.source_refs.keys():
+        """A restarted master: the source tables' references it lacks, from the live hosts
+        (``configure`` gave every host all of them), asked at once: a dead or hung host that
+        still counts as live costs one wait, not one per host."""
+        if self.source_stages <= self.source_refs.keys():
+            return
+        hosts = [h for h in sorted(self.alive) if self.handles.get(h) is not None]
+        answers = await asyncio.gather(*[asyncio.wait_for(self.handles[h].source_refs.remote(), timeout=10)
+                                         for h in hosts], return_exceptions=True)
+        for h, found in zip(hosts, answers):
+            if isinstance(found, dict) and found.keys() - self.source_refs.keys():
                 self.source_refs.update(found)
                 self._event("source_refs_from_host", host=h, stages=sorted(found))
 
