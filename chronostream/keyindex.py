@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import nullcontext
-from typing import Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -385,12 +385,28 @@ class KeyIndex:
         self._materialize()
         return self._keys.take(slots) if self._size else []
 
+    @contextmanager
+    def _group_locked(self) -> Iterator["KeyIndexGroup | None"]:
+        """Hold the lock of this index's group (None: no group, no lock) and yield the group.
+
+        Another thread may hand this index its arrays meanwhile (``KeyIndexGroup._hand_back``,
+        from a member of the same group settling: two threads of a container whose slices
+        shared a group before a thread-table change). The group is read again once the lock
+        is held, and the lock taken anew when it changed while this thread waited."""
+        while True:
+            group = self._group
+            with group._lock if group is not None else nullcontext():
+                if self._group is group:
+                    yield group
+                    return
+
     def _materialize(self) -> None:
         """Store the keys a group added to this index (``_deferred``), one append for all."""
         if not self._deferred:
             return
-        group = self._group
-        with group._lock if group is not None else nullcontext():
+        with self._group_locked():
+            if not self._deferred:  # (stored by a hand-back while this thread waited)
+                return
             pieces, self._deferred = self._deferred, []
             cols = [_concat([added.keys[c].slice(lo, hi - lo) for added, lo, hi in pieces])
                     for c in range(len(pieces[0][0].keys))]
@@ -399,21 +415,30 @@ class KeyIndex:
                                   np.concatenate([added.slots[lo:hi] for added, lo, hi in pieces])))
 
     def _settle(self) -> None:
-        self._materialize()
-        if self._pending:
-            self._runs.finish_merge()  # the keys a group added join the main run whole
-        if self._pending and self._group is not None:
-            # The group's sorted arrays hold this index's keys: filtered out, they are
-            # in hash order already (O(keys)), where a sort of millions of keys would
-            # stall the slice for a second when its group breaks up (a migration).
-            self._group.hand_back()
-        if self._pending:
-            hashes, slots = self._runs.merged()
-            hs = np.concatenate([hashes] + [h for h, _ in self._pending])
-            sl = np.concatenate([slots] + [s for _, s in self._pending])
-            order = np.argsort(hs, kind="stable")  # timsort: the stored hashes are one sorted run
-            self._runs = _SortedRuns(hs[order], [sl[order]])
-            self._pending = []
+        """Merge the keys a group added into this index's own sorted arrays, and leave the group.
+
+        Under the group's lock from the first check to the last write: a hand-back from
+        another thread replaces ``_runs`` and clears ``_pending``, and one landing between
+        them and this merge doubled every pending key (a thread reschedule's lost counts)."""
+        with self._group_locked() as group:
+            self._materialize()
+            if self._pending:
+                self._runs.finish_merge()  # the keys a group added join the main run whole
+            if self._pending and group is not None:
+                # The group's sorted arrays hold this index's keys: filtered out, they are
+                # in hash order already (O(keys)), where a sort of millions of keys would
+                # stall the slice for a second when its group breaks up (a migration).
+                group._hand_back()
+            if self._pending:
+                hashes, slots = self._runs.merged()
+                hs = np.concatenate([hashes] + [h for h, _ in self._pending])
+                sl = np.concatenate([slots] + [s for _, s in self._pending])
+                order = np.argsort(hs, kind="stable")  # timsort: the stored hashes are one sorted run
+                self._runs = _SortedRuns(hs[order], [sl[order]])
+                self._pending = []
+            # Settled, it holds nothing of the group's: no hand-back from another thread may
+            # touch it any more (nor undo the ``_group`` a new group is about to set).
+            self._group = None
 
     def sorted_hashes(self) -> tuple[np.ndarray, np.ndarray]:
         """(hashes in increasing order, the slot of each)."""
@@ -528,20 +553,17 @@ class KeyIndexGroup:
             # Two members hold keys of one hash: a key in two slices, or a collision.
             raise KeyCollision("two slices of the group hold keys sharing a 64-bit hash")
         self._sizes = sizes.tolist()
+        # Threads of one container (scale-up) can meet in one group: one keeps using it for
+        # the slices it kept (covering) while another's slices hand their keys back. (Made
+        # before any member points here: another thread may take it as soon as one does.)
+        self._lock = threading.RLock()
         for m in members:
             m._group = self
-        # Threads of one container (scale-up) can meet in one group: one keeps using it for
-        # the slices it kept (covering) while another's slices hand their keys back.
-        self._lock = threading.RLock()
-
-    def hand_back(self) -> None:
-        """See ``_hand_back`` (under the group's lock)."""
-        with self._lock:
-            self._hand_back()
 
     def _hand_back(self) -> None:
         """Give every member that holds keys this group added its sorted arrays, cut out of the
         group's (one stable radix sort by member keeps each member's entries in hash order).
+        The caller holds the group's lock (``KeyIndex._settle``).
 
         Only members the group left at their size get them (the group's entries are then
         exactly their keys); the others merge their pending keys by sorting, as before.

@@ -313,6 +313,53 @@ def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not
         assert m._group is None and not m._pending and not m._deferred
 
 
+def test_members_of_one_group_settled_by_two_threads_at_once_each_keep_every_key_once():
+    """After a thread-table change two threads build new groups from the members of one old
+    group, each settling its own members while the other's settling hands every member of the
+    old group its arrays. Each member must end with each of its keys once, at its own slot (a
+    hand-back landing in the middle of a member's own merge doubled its pending keys: the
+    next group refused them as a collision, or a count restarted at 1). A race: repeated, with
+    a thread switch every microsecond; before the fix about 3 rounds in 100 went wrong."""
+    import sys
+    import threading
+
+    def settle_in_two_threads(seed: int) -> list[str]:
+        rng = np.random.default_rng(seed)
+        members = [KeyIndex() for _ in range(8)]
+        group = KeyIndexGroup(members)
+        for _ in range(3):
+            keys = pa.array(sorted({f"k{int(i)}" for i in rng.integers(0, 4000, 800)}))
+            group.slots(slice_of([keys], 8), [keys], hash_columns([keys]))
+        sizes = [len(m) for m in members]
+        start, errors = threading.Barrier(2), []
+
+        def settle(own: list[KeyIndex]) -> None:
+            start.wait()
+            try:
+                for m in own:
+                    m.sorted_hashes()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=settle, args=(members[i::2],)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, (m, n) in enumerate(zip(members, sizes)):
+            hashes, slots = m.sorted_hashes()
+            if len(np.unique(hashes)) != n or sorted(slots.tolist()) != list(range(n)):
+                errors.append(f"member {i}: {len(hashes)} entries for {n} keys")
+        return errors
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        failed = {seed: e for seed in range(150) if (e := settle_in_two_threads(seed))}
+    finally:
+        sys.setswitchinterval(interval)
+    assert failed == {}
+
+
 def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys():
     """The group finds a hit's member and slot by the key's place in its key copy (arrays grown
     as keys come): after thousands of keys in many batches, hits give every key its member's slot,
