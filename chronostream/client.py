@@ -179,17 +179,24 @@ class Job:
 
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
-        import ray
-
-        s = ray.get(self.master.status.remote())
+        s = self._master_status()
         return JobStatus(s["state"], s["containers"], s["done"], s["elapsed_s"], s["error"])
 
     def progress(self) -> dict[str, Any]:
         """State, epochs of the input, the lowest epoch every container has passed, recoveries so far."""
+        s = self._master_status()
+        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s", "recoveries")}
+
+    def _master_status(self) -> dict[str, Any]:
+        """The master's ``status``. A restarted master that found a source table's reference on
+        no live host (every host died with it) asks for them there: this handle owns the
+        tables, and hands the references back."""
         import ray
 
         s = ray.get(self.master.status.remote())
-        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s", "recoveries")}
+        if s.get("wants_source_refs") and self._source_refs:
+            ray.get(self.master.give_source_refs.remote(self._source_refs))
+        return s
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
         """Block until the job finishes; raise ``JobFailed`` (with the cause) if it failed."""

@@ -50,6 +50,10 @@ from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_back
 
 log = logging.getLogger("chronostream.master")
 
+#: How long a restarted master that found a source table's reference on no live host waits for
+#: the client's ``Job`` handle to hand it back before the recovery fails naming the stage.
+SOURCE_REFS_CLIENT_WAIT_S = 30.0
+
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class JobMaster:
@@ -84,6 +88,9 @@ class JobMaster:
         self.stats: dict[int, ContainerStatistics] = {}
         self.done: set[int] = set()
         self.source_refs: dict[int, list] = {}
+        # Stages whose table reference a restarted master found on no live host (every host
+        # died with it): ``status`` asks the client's ``Job`` handle for them (``give_source_refs``).
+        self.source_refs_wanted: set[int] = set()
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
         self.state = "created"
         self.error: BaseException | None = None
@@ -358,9 +365,40 @@ class JobMaster:
             return None
         await self._find_source_refs()
         if stage_id not in self.source_refs:
-            raise RuntimeError(f"the source table of stage {self.plan.stages[stage_id].name!r} is lost: "
-                               f"no live host holds its reference (hosts {sorted(self.alive)})")
+            await self._source_ref_from_client(stage_id)
         return self.source_refs[stage_id][0]
+
+    async def _source_ref_from_client(self, stage_id: int) -> None:
+        """No live host holds stage ``stage_id``'s table reference (a restarted master whose
+        hosts all died): wait for the client's ``Job`` handle, which owns the tables, to hand
+        them back (its ``status``, ``wait`` and ``progress`` do when ``status`` asks); fail
+        naming the stage after ``SOURCE_REFS_CLIENT_WAIT_S``."""
+        name = self.plan.stages[stage_id].name
+        self.source_refs_wanted.add(stage_id)
+        self._event("source_refs_wanted", stage=name, hosts=sorted(self.alive))
+        deadline = time.monotonic() + SOURCE_REFS_CLIENT_WAIT_S
+        while stage_id not in self.source_refs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if stage_id not in self.source_refs:
+            raise RuntimeError(
+                f"the source table of stage {name!r} is lost: no live host holds its reference (hosts "
+                f"{sorted(self.alive)}), and the client's Job handle did not hand it back within "
+                f"{SOURCE_REFS_CLIENT_WAIT_S:.0f} s (the process that started the job does so while it "
+                f"waits on the job or asks its status)")
+
+    async def give_source_refs(self, source_refs: dict[int, list]) -> list[int]:
+        """The client's ``Job`` handle hands back the source tables' references (stage id ->
+        [reference]) after ``status`` said ``wants_source_refs``. Returns the stages the master
+        lacked; the live hosts keep them too, for the next restart (``configure`` adds them)."""
+        new = sorted(set(source_refs) - self.source_refs.keys())
+        self.source_refs.update({s: source_refs[s] for s in new})
+        self.source_refs_wanted -= set(source_refs)
+        if new:
+            self._event("source_refs_from_client", stages=[self.plan.stages[s].name for s in new])
+            hosts = [self.handles[h] for h in sorted(self.alive) if self.handles.get(h) is not None]
+            await asyncio.gather(*[asyncio.wait_for(h.configure.remote(self.plan, self.opts, self.source_refs),
+                                                    timeout=10) for h in hosts], return_exceptions=True)
+        return new
 
     async def _find_source_refs(self) -> None:
         """A restarted master: the source tables' references it lacks, from the live hosts
@@ -1499,6 +1537,8 @@ class JobMaster:
             "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
             "gc_dropped": self.gc_dropped,
             "stale_backups_dropped": self.stale_backups_dropped,
+            # (the client's Job handle answers with give_source_refs)
+            "wants_source_refs": bool(self.source_refs_wanted - self.source_refs.keys()),
         }
 
     async def source_log_floors(self) -> dict[str, int]:
