@@ -420,6 +420,10 @@ class KeyIndex:
         Under the group's lock from the first check to the last write: a hand-back from
         another thread replaces ``_runs`` and clears ``_pending``, and one landing between
         them and this merge doubled every pending key (a thread reschedule's lost counts)."""
+        if self._group is None and not self._pending and not self._deferred:
+            # Nothing of a group's here, and no other thread touches an index outside a
+            # group: no lock to take on the single-slice path (one call per batch).
+            return
         with self._group_locked() as group:
             self._materialize()
             if self._pending:
