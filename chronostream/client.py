@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from chronostream.errors import JobFailed
 from chronostream.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.sinks import ParquetSink, dead_letter_table, read_parquet_sink
+from chronostream.source_ref_keeper import ray_keeper
 
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
@@ -158,6 +160,11 @@ class Job:
         # because the hosts and a restarted master borrow them (master.launch; a source's host
         # recovered after a master restart once failed: the owner had let them go).
         self._source_refs = source_refs
+        # A restarted master whose hosts all died asks for them: answered while this process
+        # does anything else (``status``, ``wait`` and ``progress`` answer too).
+        self._ref_keeper = ray_keeper(master, source_refs) if source_refs else None
+        if self._ref_keeper is not None:
+            weakref.finalize(self, self._ref_keeper.stop)
         self.workdir = workdir  # the hosts' local stores and the master's catalog live under it
         self.master = master
         self.key = key  # the job's name on the Ray cluster (``Job.attach(key)``, ``chronostream jobs``)
@@ -372,6 +379,8 @@ class Job:
         from containers.actor import shm_job_tag
         from containers.shm_transport import remove_job_files
 
+        if self._ref_keeper is not None:
+            self._ref_keeper.stop()
         try:
             ray.get(self.master.stop.remote(cleanup))
         finally:

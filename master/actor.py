@@ -371,8 +371,9 @@ class JobMaster:
     async def _source_ref_from_client(self, stage_id: int) -> None:
         """No live host holds stage ``stage_id``'s table reference (a restarted master whose
         hosts all died): wait for the client's ``Job`` handle, which owns the tables, to hand
-        them back (its ``status``, ``wait`` and ``progress`` do when ``status`` asks); fail
-        naming the stage after ``SOURCE_REFS_CLIENT_WAIT_S``."""
+        them back (its keeper thread asks ``wants_source_refs`` every second; ``status``,
+        ``wait`` and ``progress`` answer too); fail naming the stage after
+        ``SOURCE_REFS_CLIENT_WAIT_S``."""
         name = self.plan.stages[stage_id].name
         self.source_refs_wanted.add(stage_id)
         self._event("source_refs_wanted", stage=name, hosts=sorted(self.alive))
@@ -383,8 +384,13 @@ class JobMaster:
             raise RuntimeError(
                 f"the source table of stage {name!r} is lost: no live host holds its reference (hosts "
                 f"{sorted(self.alive)}), and the client's Job handle did not hand it back within "
-                f"{SOURCE_REFS_CLIENT_WAIT_S:.0f} s (the process that started the job does so while it "
-                f"waits on the job or asks its status)")
+                f"{SOURCE_REFS_CLIENT_WAIT_S:.0f} s (the process that started the job owns the table and "
+                f"answers while it runs: it has exited, or its Job handle was dropped)")
+
+    async def wants_source_refs(self) -> tuple[bool, str]:
+        """(Whether this master waits for the source tables' references from the client, the
+        job's state): the client's ``SourceRefKeeper`` asks every second."""
+        return bool(self.source_refs_wanted - self.source_refs.keys()), self.state
 
     async def give_source_refs(self, source_refs: dict[int, list]) -> list[int]:
         """The client's ``Job`` handle hands back the source tables' references (stage id ->
@@ -1538,7 +1544,7 @@ class JobMaster:
             "gc_dropped": self.gc_dropped,
             "stale_backups_dropped": self.stale_backups_dropped,
             # (the client's Job handle answers with give_source_refs)
-            "wants_source_refs": bool(self.source_refs_wanted - self.source_refs.keys()),
+            "wants_source_refs": (await self.wants_source_refs())[0],
         }
 
     async def source_log_floors(self) -> dict[str, int]:

@@ -336,20 +336,63 @@ def slowly_doubled(batch):
     return batch.append_column("twice", pc.multiply(batch.column("amount"), 2))
 
 
+def slow_one_stage_query() -> cs.Query:
+    """One stage (2 slices): the input doubled by ``slowly_doubled``, into sink ``out``."""
+    q = cs.Query(epoch_events=EPOCH)
+    q.source("payments", [{"card": i % 7, "amount": i} for i in range(2400)], slices=2).map_batches(
+        slowly_doubled).sink(name="out")
+    return q
+
+
 def test_a_master_restarted_with_every_host_dead_gets_the_input_table_back_from_the_client(ray_session):
     """A one-stage job: its master restarts, then the stage's only host dies, so no live host
     holds the input table's reference. The restarted master asks for it in its status, the
     client's Job handle (which owns the table) hands it back, and the source is rebuilt from
     the input: the sink equals the serial run."""
-    q = cs.Query(epoch_events=EPOCH)
-    q.source("payments", [{"card": i % 7, "amount": i} for i in range(2400)], slices=2).map_batches(
-        slowly_doubled).sink(name="out")
     faults = [Fault("kill_master", at_epoch=3), Fault("kill", at_epoch=5, stage="payments")]
-    report = run_with_faults(q, faults, containers={"payments": 1})
+    report = run_with_faults(slow_one_stage_query(), faults, containers={"payments": 1})
     assert report.ok, report.mismatches
     kinds_ = kinds(report)
     assert (kinds_.index("master_restarted") < kinds_.index("source_refs_wanted")
             < kinds_.index("source_refs_from_client") < kinds_.index("recovery_end")), report.format_timeline()
+
+
+def test_a_master_restarted_with_every_host_dead_gets_the_input_table_back_while_the_client_looks_away(ray_session):
+    """As above, but the process that started the job never asks for its status while the faults
+    land (the test reads the master's own status): the Job handle's keeper thread answers the
+    restarted master, well before its 30 s wait would fail the job."""
+    import ray
+
+    job = cs.run(slow_one_stage_query(), containers={"payments": 1})
+    try:
+        def until(done, what: str, within_s: float = 60.0) -> None:
+            deadline = time.monotonic() + within_s
+            while True:
+                try:
+                    if done():
+                        return
+                except ray.exceptions.RayActorError:
+                    pass  # the master restarting
+                assert time.monotonic() < deadline, what
+                time.sleep(0.05)
+
+        def happened(kind: str) -> bool:
+            return any(k == kind for _, k, _ in ray.get(job.master.recovery_timeline.remote()))
+
+        until(lambda: ray.get(job.master.status.remote())["min_epoch"] >= 3, "epoch 3")
+        inject(job, Fault("kill_master", at_epoch=3))
+        until(lambda: happened("master_restarted"), "the master's restart")
+        inject(job, Fault("kill", at_epoch=5, stage="payments"))
+        until(lambda: happened("source_refs_from_client"), "the references handed back", within_s=25.0)
+        assert job._ref_keeper.answers == 1
+        serial = cs.run(slow_one_stage_query(), executor="serial")
+        assert job.results("out").to_pylist() == serial.results("out").to_pylist()
+    finally:
+        job.stop()
+    deadline = time.monotonic() + 3
+    while job._ref_keeper.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not job._ref_keeper.running, "the keeper stops with the job"
 
 
 def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):

@@ -1,0 +1,98 @@
+"""Owns the client's side of a restarted master's question for the source tables' references.
+
+A job's in-memory source tables are the client's: ``run`` puts them in Ray's
+object store, the ``Job`` handle holds the references, the master and the
+hosts borrow them. A master that restarts while every host is dead finds
+them nowhere and asks the client (``JobMaster.wants_source_refs``; it waits
+``SOURCE_REFS_CLIENT_WAIT_S``, 30 s, then fails the job). ``Job.status``,
+``wait`` and ``progress`` answer when they happen to be called; this keeper
+answers when the process that started the job is doing something else: a
+daemon thread asks the master every ``ASK_EVERY_S`` and hands the references
+back when it wants them.
+
+It stops when the job ends (finished, failed or stopped), when ``stop`` is
+called (``Job.stop``, or the ``Job`` handle collected: the thread holds no
+reference to it), and after ``GIVE_UP_AFTER`` failed asks in a row (a master
+gone for good, or Ray shut down). ``ray_keeper`` binds it to a master's two
+calls; the thread itself knows no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger("chronostream.client")
+
+#: Seconds between two asks: a restarted master waits 30 s for an answer.
+ASK_EVERY_S = 1.0
+#: Failed asks in a row (a master restarting takes a few) after which the keeper stops.
+GIVE_UP_AFTER = 60
+#: States of a job that has ended: nothing will ask again.
+ENDED = ("finished", "failed", "stopped")
+
+
+class SourceRefKeeper:
+    """A daemon thread that calls ``ask()`` (-> whether the master wants the references, the
+    job's state) every ``ask_every_s`` and ``give()`` when it does, for the job's life;
+    ``connected()`` false (Ray shut down) ends it at the next failed ask.
+
+    >>> import time
+    >>> states = iter([(False, "running"), (True, "running"), (False, "finished")])
+    >>> given = []
+    >>> k = SourceRefKeeper(lambda: next(states), lambda: given.append(1), ask_every_s=0.01)
+    >>> while k.running: time.sleep(0.01)
+    >>> given, k.answers
+    ([1], 1)
+    """
+
+    def __init__(self, ask: Callable[[], tuple[bool, str]], give: Callable[[], object],
+                 ask_every_s: float = ASK_EVERY_S, connected: Callable[[], bool] = lambda: True) -> None:
+        self._stopped = threading.Event()
+        self.answers = 0  # times the references were handed back
+        self._thread = threading.Thread(target=self._keep, args=(ask, give, ask_every_s, connected),
+                                        name="chronostream-source-refs", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask no more (the thread ends at its next wake-up, at once when it is waiting)."""
+        self._stopped.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    def _keep(self, ask: Callable[[], tuple[bool, str]], give: Callable[[], object], ask_every_s: float,
+              connected: Callable[[], bool]) -> None:
+        failures = 0
+        while not self._stopped.wait(ask_every_s):
+            try:
+                wanted, state = ask()
+                if wanted:
+                    give()
+                    self.answers += 1
+                    log.info("gave the source tables' references back to the restarted master")
+                failures = 0
+            except Exception:  # a master restarting or gone, Ray shut down: asked again, or given up
+                failures += 1
+                if failures >= GIVE_UP_AFTER or not connected():
+                    return
+                continue
+            if state in ENDED:
+                return
+
+
+def ray_keeper(master: Any, source_refs: dict[int, list]) -> SourceRefKeeper:
+    """The keeper of a job on Ray: asks ``master`` (a ``JobMaster`` handle), gives ``source_refs``
+    (stage id -> [reference]). Holds the handle and the references, nothing of the ``Job``."""
+    import ray
+
+    def ask() -> tuple[bool, str]:
+        return ray.get(master.wants_source_refs.remote(), timeout=10)
+
+    def give() -> object:
+        return ray.get(master.give_source_refs.remote(source_refs), timeout=30)
+
+    return SourceRefKeeper(ask, give, connected=ray.is_initialized)
