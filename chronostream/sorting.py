@@ -8,7 +8,8 @@ range (slice numbers) go to Arrow's counting sort instead. The result is
 the same permutation. Also the argsort of 64-bit hashes (uniform bits), which
 the key index sorts on every lookup batch and on every restore, and the
 merge key packed into one integer (slice, source order, sub-order) that a
-slice group's merge and routing sort rows of many producers by. Knows
+slice group's merge and routing sort rows of many producers by; and
+applying such a permutation to a table (``take_permuted``). Knows
 nothing else.
 """
 
@@ -24,6 +25,18 @@ import pyarrow.compute as pc
 #: than numpy. Below 65,536 rows numpy's radix sort is as fast.)
 COUNTING_TOP = 1024
 COUNTING_MIN_ROWS = 1 << 16
+
+
+def take_permuted(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table.take(rows)`` for ``rows`` this process computed in range (an argsort of the
+    table's rows, or of some of them): Arrow's bounds check skipped, about a quarter of the
+    take of a routed epoch (475 against 629 us for 41,000 words and five int columns). Rows out
+    of range would read outside the table: never hand it indexes from outside.
+
+    >>> take_permuted(pa.table({"w": ["a", "b", "c"]}), np.array([2, 0, 1]))["w"].to_pylist()
+    ['c', 'a', 'b']
+    """
+    return pc.take(table, pa.array(rows), boundscheck=False)
 
 
 def stable_argsort(keys: np.ndarray) -> np.ndarray:

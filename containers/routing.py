@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.hashing import binary_fingerprint, slices_codes_and_hashes
-from chronostream.sorting import packed_merge_key, stable_argsort, tie_free_argsort
+from chronostream.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
 from chronostream.types import KEY_HASHES_META, ORDER, SUB, key_codes_column
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
@@ -97,7 +97,7 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
             return {int(targets[0]): (table, dst)}
         # dst[order], without a gather: each slice's number as often as it has rows.
         dst_sorted = np.repeat(np.arange(out.num_slices, dtype=np.int64), np.bincount(dst, minlength=out.num_slices))
-        return {int(targets[0]): (table.take(pa.array(order)), dst_sorted)}
+        return {int(targets[0]): (take_permuted(table, order), dst_sorted)}
     cont = targets[dst]
     rows = None  # row index per routed row (None: every row once, in order)
     if out.dual:
@@ -116,7 +116,7 @@ def route(table: pa.Table, key: tuple[str, ...] | None, out: OutputRoute,
     else:
         cont_sorted, dst_sorted = cont[order], dst[order]
         take = order if rows is None else rows[order]
-        taken = table.take(pa.array(take))
+        taken = take_permuted(table, take)
     bounds = np.flatnonzero(np.diff(cont_sorted)) + 1
     starts = np.concatenate(([0], bounds))
     ends = np.concatenate((bounds, [len(cont_sorted)]))

@@ -52,7 +52,7 @@ import pyarrow as pa
 
 from chronostream.dag import StagePlan
 from chronostream.operators import OperatorContext
-from chronostream.sorting import packed_merge_key, stable_argsort, tie_free_argsort
+from chronostream.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
 from chronostream.types import ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
 from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts, steps_back
@@ -191,7 +191,7 @@ def process_parts(runtimes: list[SliceRuntime], epoch: int, parts: list[Part]) -
         merged = combined
     else:
         perm = _reordered(owner, cols[ORDER], cols[SUB], cols[SLICE], np.asarray(combined.column(SEQ)))
-        merged, owner = combined.take(pa.array(perm)), owner[perm]
+        merged, owner = take_permuted(combined, perm), owner[perm]
     batch = merged.drop_columns([SLICE, SEQ])
     bounds = np.searchsorted(owner, np.arange(len(runtimes) + 1))
     name = stage.inputs[0].name
