@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from typing import Any, Callable
 
 log = logging.getLogger("chronostream.client")
@@ -31,6 +33,20 @@ ASK_EVERY_S = 1.0
 GIVE_UP_AFTER = 60
 #: States of a job that has ended: nothing will ask again.
 ENDED = ("finished", "failed", "stopped")
+
+#: The keepers whose threads may still run (``stop_all``).
+_LIVE: "weakref.WeakSet[SourceRefKeeper]" = weakref.WeakSet()
+
+
+def stop_all(within_s: float = 2.0) -> None:
+    """Stop every keeper of this process and wait up to ``within_s`` for their threads: call it
+    before ``ray.shutdown()`` so that no thread is inside a Ray call while Ray goes away."""
+    keepers = list(_LIVE)
+    for k in keepers:
+        k.stop()
+    deadline = time.monotonic() + within_s
+    for k in keepers:
+        k._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class SourceRefKeeper:
@@ -53,6 +69,7 @@ class SourceRefKeeper:
         self.answers = 0  # times the references were handed back
         self._thread = threading.Thread(target=self._keep, args=(ask, give, ask_every_s, connected),
                                         name="chronostream-source-refs", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
 
     def stop(self) -> None:

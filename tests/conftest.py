@@ -28,6 +28,9 @@ def ray_session():
     # before them ran. $CHRONOSTREAM_TEST_WARM_HOSTS=0 runs every test on hosts started for it.
     cs.keep_warm_hosts(int(os.environ.get("CHRONOSTREAM_TEST_WARM_HOSTS", WARM_HOSTS)))
     yield ray
+    from chronostream.source_ref_keeper import stop_all
+
+    stop_all()  # no Job's keeper thread inside a Ray call while Ray shuts down
     ray.shutdown()
 
 

@@ -75,3 +75,9 @@ def test_stop_ends_it_without_waiting_for_the_next_ask(ask_every_s):
     assert keeper.running
     keeper.stop()
     assert _ended(keeper, within_s=1.0)
+
+
+def test_stop_all_ends_every_keeper_of_the_process():
+    keepers = [SourceRefKeeper(lambda: (False, "running"), lambda: None, ask_every_s=30.0) for _ in range(3)]
+    source_ref_keeper.stop_all(within_s=2.0)
+    assert not any(k.running for k in keepers)
