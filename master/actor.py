@@ -1610,7 +1610,10 @@ class JobMaster:
                 raise got
             else:
                 add_sink_parts(parts, got.unpack())
-        return sink_table(parts, self.plan.source_dead_letters)
+        # One chunk, not one per (slice, epoch) part: Ray serializes a returned table chunk by
+        # chunk, and 4,736 parts (3 M rows from 64 slices) took 1.9 s on the way to the client,
+        # where the copy into one chunk takes 0.2 s and the one chunk 0.13 s (2026-12-05).
+        return sink_table(parts, self.plan.source_dead_letters).combine_chunks()
 
     def _lost_after_end(self, host: int, error: BaseException) -> None:
         """A dead host of a job that ended (while it runs: ``error``, and the watch loop

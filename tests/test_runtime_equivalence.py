@@ -31,7 +31,8 @@ def serial_rows(name: str, slices: int) -> dict:
 @pytest.mark.parametrize("slices,containers", CONFIGS, ids=[f"slices{s}-containers{c}" for s, c in CONFIGS])
 @pytest.mark.parametrize("query", sorted(QUERIES))
 def test_runtime_output_equals_serial_executor(ray_session, query, slices, containers):
-    """Same rows, same (slice, out_seq) identities, same lineage as the oracle."""
+    """Same rows, same (slice, out_seq) identities, same lineage as the oracle; each sink's
+    rows as one contiguous table, not one chunk per part the containers wrote."""
     build, sinks, _ = QUERIES[query]
     job = cs.run(build(slices), containers=containers)
     try:
@@ -41,6 +42,7 @@ def test_runtime_output_equals_serial_executor(ray_session, query, slices, conta
             got = job.results(sink)
             assert got.num_rows == expected[sink].num_rows > 0
             assert got.to_pylist() == expected[sink].to_pylist(), f"sink {sink} differs"
+            assert {c.num_chunks for c in got.columns} == {1}, f"sink {sink}: {got.column(0).num_chunks} chunks"
     finally:
         job.stop()
 
