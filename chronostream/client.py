@@ -221,15 +221,34 @@ class Job:
 
     def results(self, sink_name: str) -> pa.Table:
         """Rows of a sink, sorted by (producer slice, out_seq) (waits for the job)."""
-        import ray
-
         self.wait()
         spec = next((s.sink for s in self.plan.sinks if s.name == sink_name), None)
         if isinstance(spec, ParquetSink):
             return read_parquet_sink(spec.path)
         if sink_name not in self._result_cache:
-            self._result_cache[sink_name] = ray.get(self.master.collect.remote(sink_name))
+            self._result_cache[sink_name] = self._read_memory_sink(sink_name)
         return self._result_cache[sink_name]
+
+    def _read_memory_sink(self, sink_name: str, attempts: int = 3) -> pa.Table:
+        """A memory sink's rows, read straight from the object references the master points at
+        (``JobMaster.sink_part_refs``: its own parts and each live host's). A host that died
+        after pointing at its parts took them with it (Ray: the owner died): ask again, and the
+        master settles that host (it raises when rows died with it)."""
+        import ray
+        from ray.exceptions import ObjectLostError, OwnerDiedError
+
+        from master.results import packed_sink_table
+
+        for attempt in range(attempts):
+            where = ray.get(self.master.sink_part_refs.remote(sink_name))
+            try:
+                packs = ray.get(list(where.refs))
+            except (OwnerDiedError, ObjectLostError):
+                if attempt == attempts - 1:
+                    raise
+                continue
+            return packed_sink_table(where.ids, packs, where.source_dead_letters)
+        raise AssertionError("unreachable")  # (the last attempt returns or raises)
 
     def dead_letters(self) -> pa.Table:
         """Poison events routed to the dead-letter sink (waits for the job): the source rows that

@@ -1100,12 +1100,16 @@ class ResourceContainer:
         return {c: {"restored_at": dict(core.restored_at), "first_output_at": dict(core.first_output_at)}
                 for c, core in self.cores.items() if core.restored_at}
 
-    async def sink_parts(self, sink_ids: list[int]) -> PackedSinkParts:
-        """Sink id -> (slice, epoch) -> rows of memory sinks (or dead letters) over the hosted containers."""
+    async def sink_parts(self, sink_ids: list[int]) -> list[Any]:
+        """The (slice, epoch) parts of memory sinks (or dead letters) ``sink_ids`` the hosted
+        containers hold, packed (``PackedSinkParts``) and put in the object store by this host:
+        [its reference], [] when there are none. The master hands the reference to the reading
+        client, so the rows go from here to the client without passing through the master."""
         out: dict[int, dict[tuple[int, int], pa.Table]] = {i: {} for i in sink_ids}
         for core in self.cores.values():
             add_sink_parts(out, core.sink_parts(sink_ids))
-        return pack_sink_parts(out)
+        packed = pack_sink_parts(out)
+        return [ray.put(packed)] if len(packed) else []
 
     async def sink_write_times(self, sink_id: int) -> dict[tuple[int, int], float]:
         """(slice, epoch) -> when a memory sink of this host's containers first wrote it (wall time)."""

@@ -29,7 +29,7 @@ from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer, shm_job_tag
 from containers.shm_transport import remove_job_files
 from containers.core import ContainerStatistics
-from containers.sink_parts import PackedSinkParts, add_sink_parts
+from containers.sink_parts import PackedSinkParts, add_sink_parts, pack_sink_parts
 from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
@@ -43,7 +43,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
-from master.results import memory_sink_ids, sink_table
+from master.results import SinkPartRefs, memory_sink_ids
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
@@ -1597,10 +1597,16 @@ class JobMaster:
                     events.append((t, "first_output", {"container": c, "slice": s}))
         return sorted(events, key=lambda e: e[0])
 
-    async def collect(self, sink_name: str) -> pa.Table:
-        """All rows of a memory sink (or the dead letters), sorted by (producer slice, out_seq)."""
+    async def sink_part_refs(self, sink_name: str) -> SinkPartRefs:
+        """Where every part of a memory sink (or the dead letters) is: object references of
+        packed parts (``PackedSinkParts``), the master's own first (handed over at checkpoints
+        and by released hosts), then each live host's, which the host put in the object store
+        itself; the client reads them and builds the table (``chronostream.client``): the rows
+        never pass through the master's process. A host found dead here is settled as after
+        the job's end (``_lost_after_end``: raises when rows died with it)."""
         ids = memory_sink_ids(self.plan, sink_name)
-        parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
+        own = {i: dict(self.sink_parts[i]) for i in ids if self.sink_parts.get(i)}
+        refs = [ray.put(pack_sink_parts(own))] if own else []
         hosts = sorted(self.alive)
         held = await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in hosts], return_exceptions=True)
         for h, got in zip(hosts, held):
@@ -1609,11 +1615,8 @@ class JobMaster:
             elif isinstance(got, BaseException):
                 raise got
             else:
-                add_sink_parts(parts, got.unpack())
-        # One chunk, not one per (slice, epoch) part: Ray serializes a returned table chunk by
-        # chunk, and 4,736 parts (3 M rows from 64 slices) took 1.9 s on the way to the client,
-        # where the copy into one chunk takes 0.2 s and the one chunk 0.13 s (2026-12-05).
-        return sink_table(parts, self.plan.source_dead_letters).combine_chunks()
+                refs.extend(got)
+        return SinkPartRefs(ids, refs, list(self.plan.source_dead_letters))
 
     def _lost_after_end(self, host: int, error: BaseException) -> None:
         """A dead host of a job that ended (while it runs: ``error``, and the watch loop

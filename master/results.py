@@ -16,11 +16,46 @@ these. Knows no Ray and does not read Parquet sinks (``chronostream.sinks``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
 from chronostream.sinks import dead_letter_table, sort_output
 from containers.core import SinkParts, dead_letter_sink_id, is_dead_letter_sink_id
+from containers.sink_parts import PackedSinkParts, add_sink_parts
+
+
+@dataclass(frozen=True)
+class SinkPartRefs:
+    """Where a memory sink's parts are (``JobMaster.sink_part_refs``): the ids they travel under
+    (``memory_sink_ids``), object references of ``PackedSinkParts`` in the order a part held
+    twice keeps its later copy, and the source rows that broke the declared schema (the dead
+    letters' first rows)."""
+
+    ids: list[int]
+    refs: list[Any]
+    source_dead_letters: list[dict]
+
+
+def packed_sink_table(ids: list[int], packs: list[PackedSinkParts], source_dead_letters: list[dict]) -> pa.Table:
+    """``sink_table`` of packed parts (a part in two packs: the later one's), as one contiguous
+    table: one chunk, not one per part, and no buffer of the packs kept alive by it (they may
+    live in Ray's object store).
+
+    >>> from containers.sink_parts import pack_sink_parts
+    >>> a = pack_sink_parts({0: {(1, 0): pa.table({"_slice": [1], "_seq": [0]})}})
+    >>> b = pack_sink_parts({0: {(0, 0): pa.table({"_slice": [0], "_seq": [0]})}})
+    >>> t = packed_sink_table([0], [a, b], [])
+    >>> t.column("_slice").to_pylist(), t.column("_slice").num_chunks
+    ([0, 1], 1)
+    """
+    parts: dict[int, SinkParts] = {i: {} for i in ids}
+    for pack in packs:
+        add_sink_parts(parts, pack.unpack())
+    table = sink_table(parts, source_dead_letters)
+    return table.combine_chunks() if table.num_columns else table
 
 
 def memory_sink_ids(plan: JobPlan, sink_name: str) -> list[int]:
