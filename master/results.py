@@ -40,9 +40,8 @@ class SinkPartRefs:
 
 
 def packed_sink_table(ids: list[int], packs: list[PackedSinkParts], source_dead_letters: list[dict]) -> pa.Table:
-    """``sink_table`` of packed parts (a part in two packs: the later one's), as one contiguous
-    table: one chunk, not one per part, and no buffer of the packs kept alive by it (they may
-    live in Ray's object store).
+    """``sink_table`` of packed parts (a part in two packs: the later one's): one contiguous
+    table, no buffer of the packs kept alive by it (they may live in Ray's object store).
 
     >>> from containers.sink_parts import pack_sink_parts
     >>> a = pack_sink_parts({0: {(1, 0): pa.table({"_slice": [1], "_seq": [0]})}})
@@ -54,8 +53,7 @@ def packed_sink_table(ids: list[int], packs: list[PackedSinkParts], source_dead_
     parts: dict[int, SinkParts] = {i: {} for i in ids}
     for pack in packs:
         add_sink_parts(parts, pack.unpack())
-    table = sink_table(parts, source_dead_letters)
-    return table.combine_chunks() if table.num_columns else table
+    return sink_table(parts, source_dead_letters)
 
 
 def memory_sink_ids(plan: JobPlan, sink_name: str) -> list[int]:
@@ -76,10 +74,13 @@ def sink_table(parts: dict[int, SinkParts], source_dead_letters: list[dict]) -> 
     """One table of a sink's parts (by the ids ``memory_sink_ids`` gave): rows sorted by
     identity (producer slice, out_seq), or, for the dead letters, ``dead_letter_table``'s order
     (the source's first). A part held twice (a migrated slice's, by its source and its
-    destination) is the same rows: ``parts`` keys it once."""
+    destination) is the same rows: ``parts`` keys it once. One contiguous table (one chunk, not
+    one per part: a 64-slice job's sink has thousands of parts), whose buffers are its own."""
     tables = [t for sink_id in sorted(parts) for _, t in sorted(parts[sink_id].items()) if t.num_rows]
     if any(is_dead_letter_sink_id(i) for i in parts):
-        return dead_letter_table(tables, source_dead_letters)
-    if not tables:
+        table = dead_letter_table(tables, source_dead_letters)
+    elif not tables:
         return pa.table({})
-    return sort_output(pa.concat_tables(tables, promote_options="permissive"))
+    else:
+        table = sort_output(pa.concat_tables(tables, promote_options="permissive"))
+    return table.combine_chunks() if table.num_columns else table

@@ -161,10 +161,13 @@ def test_a_checkpointing_local_cluster_removes_its_temporary_directory_when_drop
 
 
 def test_cs_run_local_executor_equals_serial_executor():
-    """The public cs.run(executor="local") gives the serial executor's sinks."""
+    """The public cs.run(executor="local") gives the serial executor's sinks, each as one
+    contiguous table (as on Ray), not one chunk per (slice, epoch) part."""
     job = cs.run(build("running_sum"), executor="local", containers=2, seed=9)
     for sink, rows in serial_sinks("running_sum").items():
-        assert job.results(sink).to_pylist() == rows
+        got = job.results(sink)
+        assert got.to_pylist() == rows
+        assert {c.num_chunks for c in got.columns} == {1}, sink
 
 
 # -- keys the oracle and the runtime must route alike -------------------------------------
