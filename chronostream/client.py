@@ -239,16 +239,16 @@ class Job:
 
         from master.results import packed_sink_table
 
-        for attempt in range(attempts):
+        def read() -> pa.Table:
             where = ray.get(self.master.sink_part_refs.remote(sink_name))
+            return packed_sink_table(where.ids, ray.get(list(where.refs)), where.source_dead_letters)
+
+        for _ in range(attempts - 1):
             try:
-                packs = ray.get(list(where.refs))
+                return read()
             except (OwnerDiedError, ObjectLostError):
-                if attempt == attempts - 1:
-                    raise
-                continue
-            return packed_sink_table(where.ids, packs, where.source_dead_letters)
-        raise AssertionError("unreachable")  # (the last attempt returns or raises)
+                continue  # the master settles the dead host when asked again
+        return read()
 
     def dead_letters(self) -> pa.Table:
         """Poison events routed to the dead-letter sink (waits for the job): the source rows that

@@ -164,6 +164,83 @@ def test_a_dropped_slice_leaves_no_checkpoint_nor_carried_output_in_memory_or_af
     assert (again.holds(), again.carried_outputs(1, 4)) == ([], [])
 
 
+def output_keys(store: BackupStore) -> list[bytes]:
+    with store.env.begin() as txn:
+        return [k for k, _ in txn.cursor() if k.startswith(b"out:")]
+
+
+def test_carried_outputs_are_persisted_a_frame_at_a_time_and_a_trim_deletes_only_the_trimmed(tmp_path, monkeypatch):
+    """A flush writes the carried-outputs frames that arrived since the last one, each under its own
+    key and never again (rewriting a slice's outputs whole copied them at every flush); a trim
+    deletes the trimmed frames' keys; a reopened store holds what is left, in order."""
+    import containers.backup_store as backup_store
+
+    store = BackupStore(tmp_path)
+    store.put(ckpt(3, "full", -1, 30))
+    store.put(outputs(0, 3, True))
+    store.flush()
+    written: list[bytes] = []
+
+    def put_all(env, items, *args):
+        items = list(items)
+        written.extend(k for k, _ in items)
+        return backup_store.put_all.__wrapped__(env, items, *args)
+    put_all.__wrapped__ = backup_store.put_all
+    monkeypatch.setattr(backup_store, "put_all", put_all)
+    for e in (5, 7, 9):
+        store.put(ckpt(e, "delta", e - 2, e * 10))
+        store.put(outputs(e - 1, e, False))
+    store.flush()
+    assert [k for k in written if k.startswith(b"out:")] == output_keys(store)[1:], "only the new frames are written"
+    assert store.trim_outputs(1, 5) == 2
+    store.flush()
+    assert [k.split(b":")[-2:] for k in output_keys(store)] == [[b"6", b"7"], [b"8", b"9"]]
+    store.close()
+    again = BackupStore(tmp_path)
+    assert [(o.from_epoch, o.epoch) for o in map(decode_outputs, again.carried_outputs(1, 4))] == [(6, 7), (8, 9)]
+    again.put(outputs(10, 11, False))
+    again.flush()
+    assert [k.split(b":")[-2:] for k in output_keys(again)] == [[b"6", b"7"], [b"8", b"9"], [b"10", b"11"]]
+
+
+def test_replaced_carried_outputs_leave_no_old_frame_in_lmdb(tmp_path):
+    """Outputs that start afresh (``replace``, or a new full checkpoint) delete the persisted ones."""
+    store = BackupStore(tmp_path)
+    store.put(ckpt(3, "full", -1, 30))
+    store.put(outputs(0, 3, True))
+    store.put(ckpt(5, "delta", 3, 50))
+    store.put(outputs(4, 5, False))
+    store.flush()
+    assert len(output_keys(store)) == 2
+    store.put(outputs(0, 7, True))
+    store.flush()
+    assert [k.split(b":")[-2:] for k in output_keys(store)] == [[b"0", b"7"]]
+    store.put(ckpt(9, "full", -1, 90))
+    store.put(outputs(8, 9, False))
+    store.flush()
+    assert [k.split(b":")[-2:] for k in output_keys(store)] == [[b"8", b"9"]]
+    store.close()
+    assert [decode_outputs(b).epoch for b in BackupStore(tmp_path).carried_outputs(1, 4)] == [9]
+
+
+def test_carried_outputs_written_whole_per_slice_still_open_and_are_rewritten_a_frame_per_key(tmp_path):
+    import lmdb
+    import msgpack
+
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"1:4:00000000", ckpt(3, "full", -1, 30))
+        txn.put(b"out:1:4", msgpack.packb([[0, 3, outputs(0, 3, True)]], use_bin_type=True))
+    env.close()
+    store = BackupStore(tmp_path)
+    assert [decode_outputs(b).epoch for b in store.carried_outputs(1, 4)] == [3]
+    store.put(outputs(4, 5, False))
+    store.flush()
+    assert [k.split(b":")[-2:] for k in output_keys(store)] == [[b"0", b"3"], [b"4", b"5"]]
+    store.close()
+    assert [decode_outputs(b).epoch for b in BackupStore(tmp_path).carried_outputs(1, 4)] == [3, 5]
+
+
 def test_store_persists_lazily_and_survives_a_reopen(tmp_path):
     """Backups live in memory until flush(); after it, a new store on the same path has them."""
     store = BackupStore(tmp_path / "a")
