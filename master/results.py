@@ -41,7 +41,8 @@ class SinkPartRefs:
 
 def packed_sink_table(ids: list[int], packs: list[PackedSinkParts], source_dead_letters: list[dict]) -> pa.Table:
     """``sink_table`` of packed parts (a part in two packs: the later one's): one contiguous
-    table, no buffer of the packs kept alive by it (they may live in Ray's object store).
+    table. Its buffers are a copy of the packs' (which may live in Ray's object store), except
+    for a sink of one part, whose rows need neither joining nor sorting and are kept as they are.
 
     >>> from containers.sink_parts import pack_sink_parts
     >>> a = pack_sink_parts({0: {(1, 0): pa.table({"_slice": [1], "_seq": [0]})}})
@@ -75,7 +76,8 @@ def sink_table(parts: dict[int, SinkParts], source_dead_letters: list[dict]) -> 
     identity (producer slice, out_seq), or, for the dead letters, ``dead_letter_table``'s order
     (the source's first). A part held twice (a migrated slice's, by its source and its
     destination) is the same rows: ``parts`` keys it once. One contiguous table (one chunk, not
-    one per part: a 64-slice job's sink has thousands of parts), whose buffers are its own."""
+    one per part: a 64-slice job's sink has thousands of parts); a single part already in order
+    is returned without a copy."""
     tables = [t for sink_id in sorted(parts) for _, t in sorted(parts[sink_id].items()) if t.num_rows]
     if any(is_dead_letter_sink_id(i) for i in parts):
         table = dead_letter_table(tables, source_dead_letters)

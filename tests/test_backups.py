@@ -180,12 +180,12 @@ def test_carried_outputs_are_persisted_a_frame_at_a_time_and_a_trim_deletes_only
     store.put(outputs(0, 3, True))
     store.flush()
     written: list[bytes] = []
+    real_put_all = backup_store.put_all
 
     def put_all(env, items, *args):
         items = list(items)
         written.extend(k for k, _ in items)
-        return backup_store.put_all.__wrapped__(env, items, *args)
-    put_all.__wrapped__ = backup_store.put_all
+        return real_put_all(env, items, *args)
     monkeypatch.setattr(backup_store, "put_all", put_all)
     for e in (5, 7, 9):
         store.put(ckpt(e, "delta", e - 2, e * 10))
