@@ -14,7 +14,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +109,12 @@ class SinkWriter:
     def take_in(self, given: Any) -> None:
         """Hold what another writer's ``give_parts`` handed over."""
 
+    def drop_handed(self, keys: Iterable[tuple[int, int]]) -> int:
+        """Memory sinks: let go of the rows of these (slice, epoch) parts, taken before
+        (``take_parts``) and now held by the master for good (it stored them in its catalog).
+        Returns how many were dropped. Other sinks: nothing to drop."""
+        return 0
+
     def close(self) -> None:
         """Flush and release resources."""
 
@@ -150,29 +156,45 @@ class _MemoryWriter(SinkWriter):
         # (that scan grew with the run, twice an epoch).
         self.untaken: dict[tuple[int, int], None] = {}
         self.written_at: dict[tuple[int, int], float] = {}  # (slice, epoch) -> first write (wall time)
+        # Parts the master confirmed it holds (``drop_handed``): their rows are not kept here.
+        self.handed: set[tuple[int, int]] = set()
 
     def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
         key = (slice_id, epoch)
+        self.written_at.setdefault(key, time.time())
+        if key in self.handed:
+            return  # a rewrite (replay) of rows the master holds: the same rows (section 4)
         if key not in self.parts:  # a rewrite (replay) keeps the part's taken-or-not
             self.untaken[key] = None
         self.parts[key] = table  # idempotent on replay
-        self.written_at.setdefault(key, time.time())
 
-    def give_parts(self, slices: set[int]) -> tuple[dict, set, dict]:
+    def drop_handed(self, keys: Iterable[tuple[int, int]]) -> int:
+        dropped = 0
+        for key in keys:  # (per part, not per row)
+            if key in self.parts and key not in self.untaken:
+                del self.parts[key]
+                self.handed.add(key)
+                dropped += 1
+        return dropped
+
+    def give_parts(self, slices: set[int]) -> tuple[dict, set, dict, set]:
         keys = [k for k in self.parts if k[0] in slices]
+        handed = {k for k in self.handed if k[0] in slices}
         given = ({k: self.parts.pop(k) for k in keys}, {k for k in keys if k in self.untaken},
-                 {k: self.written_at.pop(k) for k in keys if k in self.written_at})
+                 {k: self.written_at.pop(k) for k in [*keys, *handed] if k in self.written_at}, handed)
         for k in given[1]:
             del self.untaken[k]
+        self.handed -= handed
         return given
 
-    def take_in(self, given: tuple[dict, set, dict] | None) -> None:
+    def take_in(self, given: tuple[dict, set, dict, set] | None) -> None:
         if given is None:
             return
-        parts, untaken, written_at = given
+        parts, untaken, written_at, handed = given
         self.parts.update(parts)
         self.untaken.update(dict.fromkeys(k for k in parts if k in untaken))
         self.written_at.update(written_at)
+        self.handed |= handed
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
         due = [k for k in self.untaken if k[1] <= upto_epoch]

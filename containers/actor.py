@@ -623,6 +623,7 @@ class ResourceContainer:
             await self._acknowledged(dst, ref)
         if parts:
             await self.master.store_sink_parts.remote(pack_sink_parts(parts))
+            self._drop_handed_sink_parts(parts)
         for peer, blobs in backups.items():
             actor = self.hosts.get(peer)
             if actor is None:
@@ -949,6 +950,14 @@ class ResourceContainer:
             async with cond:
                 cond.notify_all()
         core.close()
+
+    def _drop_handed_sink_parts(self, parts: dict[int, dict[tuple[int, int], pa.Table]]) -> None:
+        """The master stored these parts in its catalog: no container here needs their rows any
+        more (reads take the master's copy), so they are not held twice. Every container of the
+        host is asked: a compaction since the take may have moved the parts to another one."""
+        keys = {k: list(ps) for k, ps in parts.items()}
+        dropped = sum(core.drop_handed_sink_parts(keys) for core in self.cores.values())
+        log.debug("host %s: dropped %d memory-sink parts the master holds", self.host_id, dropped)
 
     async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -408,8 +408,17 @@ class ContainerCore:
         out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}
         return out
 
+    def drop_handed_sink_parts(self, keys: dict[int, Iterable[tuple[int, int]]]) -> int:
+        """Let go of the rows of memory-sink parts (by sink id) the master now holds for good: it
+        stored them in its catalog, which a restarted master reads back. Parts taken for the
+        master and not confirmed (the master died while storing them) stay, and ``sink_parts``
+        keeps offering them. Returns how many parts were dropped."""
+        writers = self._all_writers()
+        return sum(writers[k].drop_handed(ks) for k, ks in keys.items() if k in writers)
+
     def sink_parts(self, sink_ids: list[int]) -> dict[int, SinkParts]:
-        """Every (slice, epoch) part the memory sinks ``sink_ids`` of this container hold, by sink id."""
+        """Every (slice, epoch) part the memory sinks ``sink_ids`` of this container hold, by sink
+        id: on Ray, the parts not yet confirmed held by the master (``drop_handed_sink_parts``)."""
         writers = self._all_writers()
         return {i: dict(getattr(writers.get(i), "parts", {})) for i in sink_ids}
 

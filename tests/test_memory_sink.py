@@ -55,6 +55,38 @@ def test_parts_handed_to_another_writer_keep_whether_a_checkpoint_took_them():
     assert sorted(a.take_parts(9)) == [(5, 2)]
 
 
+def test_parts_the_master_confirmed_holding_are_let_go_and_the_rest_kept():
+    """Once the master stored a checkpoint's parts, a host need not hold their rows too; parts
+    not taken yet, and keys it never held, are left alone."""
+    w = MemorySink("s").writer("c0")
+    w.write(1, 0, rows(1))
+    w.write(2, 0, rows(2))
+    w.take_parts(1)
+    assert w.drop_handed([(0, 1), (0, 2), (4, 4)]) == 1
+    assert sorted(w.parts) == [(0, 2)]
+    assert list(w.take_parts(9)) == [(0, 2)]
+    assert sorted(w.written_at) == [(0, 1), (0, 2)]  # (write times stay: diagnostics)
+
+
+def test_a_replayed_part_the_master_holds_is_neither_kept_nor_handed_over_again():
+    w = MemorySink("s").writer("c0")
+    w.write(1, 0, rows(1))
+    w.drop_handed(w.take_parts(1))
+    w.write(1, 0, rows(1))
+    assert w.parts == {} and w.take_parts(9) == {}
+
+
+def test_a_compaction_moves_which_parts_the_master_holds_with_the_slices():
+    a, b = MemorySink("s").writer("c0"), MemorySink("s").writer("c1")
+    a.write(1, 0, rows(1))
+    a.write(1, 5, rows(5))
+    a.drop_handed(a.take_parts(1))
+    b.take_in(a.give_parts({0}))
+    assert a.handed == {(5, 1)} and b.handed == {(0, 1)}
+    b.write(1, 0, rows(1))  # a replay in the new container
+    assert b.parts == {} and b.take_parts(9) == {}
+
+
 def test_results_sort_rows_by_slice_then_sequence_only_when_they_are_out_of_order():
     from chronostream.sinks import sort_output
 
