@@ -64,3 +64,39 @@ def test_one_peers_failure_does_not_stop_the_same_rounds_other_peers():
     h, core = host(fail_peer_once=2)
     ship_rounds(h, core, [{2: [b"a"], 3: [b"a"]}])
     assert h.sent == [(3, [b"a"])]
+
+
+def host_with_sink(master_stores: bool):
+    """A stand-in host holding one container with a memory sink (id 7) whose parts up to epoch 1
+    were taken for the master; the master stand-in stores them or dies while storing them."""
+    import pyarrow as pa
+
+    from chronostream.sinks import MemorySink
+    from containers.core import ContainerCore
+
+    writer = MemorySink("s").writer("c0")
+    for epoch in (1, 2):
+        writer.write(epoch, 0, pa.table({"x": [epoch]}))
+    core = types.SimpleNamespace(checkpointer=None, _all_writers=lambda: {7: writer})
+    core.drop_handed_sink_parts = types.MethodType(ContainerCore.drop_handed_sink_parts, core)
+
+    async def store(packed):
+        if not master_stores:
+            raise ConnectionError("the master died while storing the parts")
+
+    master = types.SimpleNamespace(store_sink_parts=types.SimpleNamespace(remote=store))
+    h = types.SimpleNamespace(host_id=1, cores={0: core}, hosts={}, master=master)
+    for name in ("_ship_in_order", "_ship_checkpoint", "_drop_handed_sink_parts"):
+        setattr(h, name, types.MethodType(getattr(Plain, name), h))
+    asyncio.run(h._ship_checkpoint(0, None, [], {7: writer.take_parts(1)}, {}))
+    return writer
+
+
+def test_sink_parts_the_master_stored_are_let_go_by_their_host():
+    writer = host_with_sink(master_stores=True)
+    assert sorted(writer.parts) == [(0, 2)]  # epoch 2 was not handed over yet
+
+
+def test_sink_parts_the_master_failed_to_store_stay_with_their_host():
+    writer = host_with_sink(master_stores=False)
+    assert sorted(writer.parts) == [(0, 1), (0, 2)]
