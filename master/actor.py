@@ -18,6 +18,7 @@ import shutil
 import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError
@@ -29,7 +30,7 @@ from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer, shm_job_tag
 from containers.shm_transport import remove_job_files
 from containers.core import ContainerStatistics
-from containers.sink_parts import PackedSinkParts, add_sink_parts, pack_sink_parts
+from containers.sink_parts import PackedSinkParts
 from chronostream.autoscale import Decision, ScalingAction
 from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
@@ -91,7 +92,9 @@ class JobMaster:
         # Stages whose table reference a restarted master found on no live host (every host
         # died with it): ``status`` asks the client's ``Job`` handle for them (``give_source_refs``).
         self.source_refs_wanted: set[int] = set()
-        self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}
+        # Memory-sink rows handed over (``store_sink_parts``), as they were packed, in the order
+        # they came: a read hands them on as they are (``sink_part_refs``), no copy joins them.
+        self.sink_groups: list[tuple[int, pa.Table, np.ndarray]] = []
         self.state = "created"
         self.error: BaseException | None = None
         self.started_at = 0.0
@@ -150,7 +153,7 @@ class JobMaster:
         prog = self.catalog.load_progress()
         self.state, self.done = prog["state"], set(prog["done"])
         self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
-        self.sink_parts = self.catalog.load_sink_parts()
+        self.sink_groups = self.catalog.load_sink_groups()
         self.timeline = self.catalog.load_events()
         now = time.monotonic()
         for h in sorted(self.alive):
@@ -1523,7 +1526,7 @@ class JobMaster:
     async def store_sink_parts(self, packed: PackedSinkParts) -> None:
         """Memory-sink rows up to a checkpoint (they outlive the container that made them)."""
         self.catalog.add_sink_parts(packed)
-        add_sink_parts(self.sink_parts, packed.unpack())
+        self.sink_groups.extend(packed.groups)
 
     # -- reading ---------------------------------------------------------------
 
@@ -1605,8 +1608,10 @@ class JobMaster:
         never pass through the master's process. A host found dead here is settled as after
         the job's end (``_lost_after_end``: raises when rows died with it)."""
         ids = memory_sink_ids(self.plan, sink_name)
-        own = {i: dict(self.sink_parts[i]) for i in ids if self.sink_parts.get(i)}
-        refs = [ray.put(pack_sink_parts(own))] if own else []
+        # The groups as they came (a part in two of them: the later one's, as the client reads
+        # them in order); each group's table is whole, so the put writes its rows once.
+        own = [g for g in self.sink_groups if g[0] in ids]
+        refs = [ray.put(PackedSinkParts(own))] if own else []
         hosts = sorted(self.alive)
         held = await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in hosts], return_exceptions=True)
         for h, got in zip(hosts, held):

@@ -30,6 +30,7 @@ from typing import Any
 import lmdb
 import msgpack
 import numpy as np
+import pyarrow as pa
 
 from chronostream.arrow_ipc import read_stream, stream_buffer
 from containers.lmdb_store import put_all
@@ -224,6 +225,14 @@ class MasterCatalog:
 
     def load_sink_parts(self) -> dict[int, SinkParts]:
         """Every saved memory-sink part."""
+        out: dict[int, SinkParts] = {}
+        for group in self.load_sink_groups():  # a later copy of a part replaces an earlier one
+            add_sink_parts(out, PackedSinkParts([group]).unpack())
+        return out
+
+    def load_sink_groups(self) -> list[tuple[int, pa.Table, np.ndarray]]:
+        """The saved memory-sink rows as they were packed (``PackedSinkParts.groups``), in the
+        order stored: where two hold a part, the later one's copy is the part."""
         groups = []
         with self.env.begin() as txn:
             cur = txn.cursor()
@@ -234,10 +243,7 @@ class MasterCatalog:
                     sink_id, index, ipc = _unpack(value)
                     groups.append((sink_id, read_stream(ipc),
                                    np.frombuffer(index, dtype=np.int64).reshape(-1, 3)))
-        out: dict[int, SinkParts] = {}
-        for group in groups:  # in the order stored: a later copy of a part replaces an earlier one
-            add_sink_parts(out, PackedSinkParts([group]).unpack())
-        return out
+        return groups
 
     def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]]) -> None:
         """One timeline event (kept in order by ``seq``)."""

@@ -46,3 +46,21 @@ def test_the_catalog_gives_back_stored_parts_with_a_later_copy_replacing_an_earl
     again.add_sink_parts(pack_sink_parts({0: {(0, 2): part([80], 0)}}))
     loaded = again.load_sink_parts()[0]
     assert {k: t["x"].to_pylist() for k, t in loaded.items()} == {(0, 1): [7], (1, 1): [2.5], (0, 2): [80]}
+
+
+def test_the_stored_groups_read_as_they_came_give_each_part_its_later_copy(tmp_path):
+    """A master hands its stored groups on as they came (no join into one pack per read): the
+    client's table keeps a part's later copy, as the parts map did."""
+    from containers.sink_parts import PackedSinkParts
+    from master.results import packed_sink_table
+
+    def row(x: int, slice_id: int, seq: int) -> pa.Table:
+        return pa.table({"x": [x], "_slice": [slice_id], "_seq": [seq]})
+
+    cat = MasterCatalog(tmp_path)
+    cat.add_sink_parts(pack_sink_parts({0: {(1, 1): row(2, 1, 0), (0, 1): row(1, 0, 0)}, 5: {(0, 1): row(9, 0, 0)}}))
+    cat.add_sink_parts(pack_sink_parts({0: {(0, 1): row(7, 0, 0), (0, 2): row(8, 0, 1)}}))
+    groups = cat.load_sink_groups()
+    assert [(g[0], g[1].num_rows) for g in groups] == [(0, 2), (5, 1), (0, 2)]
+    own = PackedSinkParts([g for g in groups if g[0] in [0]])
+    assert packed_sink_table([0], [own], []).column("x").to_pylist() == [7, 8, 2]  # parts (0, 1), (0, 2), (1, 1)
