@@ -42,16 +42,13 @@ def one_run(rows: int, slices: int, checkpoint_every: int, repeat: int) -> dict:
     try:
         assert job.wait(timeout_s=600).state == "finished"
         times = []
-        for i in range(1 + repeat):  # (the first read first: nothing has packed or touched the rows)
+        for _ in range(1 + repeat):  # the first read first: nothing has packed or touched the rows
             job._result_cache.clear()
             t = time.perf_counter()
             table = job.results("out")
             times.append(time.perf_counter() - t)
-            if i == 0:
-                where = ray.get(job.master.sink_part_refs.remote("out"))
-                packs = ray.get(list(where.refs))
-                parts_mb = sum(t.nbytes for p in packs for d in p.unpack().values() for t in d.values()) / 1e6
-                del packs
+        where = ray.get(job.master.sink_part_refs.remote("out"))
+        parts_mb = sum(g.nbytes for pack in ray.get(list(where.refs)) for _, g, _ in pack.groups) / 1e6
         if table.num_rows != rows:
             raise AssertionError(f"the sink holds {table.num_rows} rows, {rows} expected")
         return {"rows_in_sink": table.num_rows, "slices": slices, "checkpoint_every": checkpoint_every,

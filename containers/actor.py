@@ -955,8 +955,7 @@ class ResourceContainer:
         """The master stored these parts in its catalog: no container here needs their rows any
         more (reads take the master's copy), so they are not held twice. Every container of the
         host is asked: a compaction since the take may have moved the parts to another one."""
-        keys = {k: list(ps) for k, ps in parts.items()}
-        dropped = sum(core.drop_handed_sink_parts(keys) for core in self.cores.values())
+        dropped = sum(core.drop_handed_sink_parts(parts) for core in self.cores.values())
         log.debug("host %s: dropped %d memory-sink parts the master holds", self.host_id, dropped)
 
     async def drain_sink_parts(self) -> PackedSinkParts:

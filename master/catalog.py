@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from chronostream.arrow_ipc import read_stream, stream_buffer
 from containers.lmdb_store import put_all
-from containers.sink_parts import PackedSinkParts, SinkParts, add_sink_parts
+from containers.sink_parts import PackedSinkParts
 from master.placement import Placement
 
 
@@ -222,13 +222,6 @@ class MasterCatalog:
                         break
                     n += 1
             return n
-
-    def load_sink_parts(self) -> dict[int, SinkParts]:
-        """Every saved memory-sink part."""
-        out: dict[int, SinkParts] = {}
-        for group in self.load_sink_groups():  # a later copy of a part replaces an earlier one
-            add_sink_parts(out, PackedSinkParts([group]).unpack())
-        return out
 
     def load_sink_groups(self) -> list[tuple[int, pa.Table, np.ndarray]]:
         """The saved memory-sink rows as they were packed (``PackedSinkParts.groups``), in the
