@@ -58,15 +58,23 @@ def _pool_size() -> int:
         return 0
 
 
-def wait_until_gone(name: str, failure: str, timeout_s: float = 30.0) -> None:
-    """Until the named spare no longer answers (its name gone, or its process dead); fails with
-    ``failure`` after ``timeout_s``."""
+def spare_handle(name: str):
+    return ray.get_actor(name, namespace=RAY_NAMESPACE)
+
+
+def wait_until_gone(handle, failure: str, timeout_s: float = 30.0) -> None:
+    """Until the spare behind ``handle`` no longer answers (its process is dead); fails with
+    ``failure`` after ``timeout_s``. (Through the handle, not the name: Ray frees a killed
+    actor's name before its process exits, and the pool, which holds a handle, could still
+    lease the process meanwhile.)"""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).ready.remote(), timeout=5)
-        except (ValueError, RayActorError):
+            ray.get(handle.ready.remote(), timeout=5)
+        except RayActorError:
             return
+        except ray.exceptions.GetTimeoutError:
+            pass
         time.sleep(0.2)
     pytest.fail(failure)
 
@@ -154,9 +162,10 @@ def test_a_spare_refuses_to_run_a_job_before_it_is_adopted(warm_pool):
 
 def test_a_pool_resized_to_zero_stops_its_spares(warm_pool):
     names = warm_pool(2)["names"]
+    handles = [spare_handle(name) for name in names]
     assert cs.keep_warm_hosts(0)["ready"] == 0
-    for name in names:
-        wait_until_gone(name, f"spare {name} still answers after the pool was resized to 0")
+    for name, handle in zip(names, handles):
+        wait_until_gone(handle, f"spare {name} still answers after the pool was resized to 0")
 
 
 def test_a_negative_pool_size_is_refused():
@@ -176,10 +185,11 @@ def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
 
 def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(warm_pool):
     first, second = warm_pool(2)["names"]
-    ray.kill(ray.get_actor(first, namespace=RAY_NAMESPACE))
+    killed = spare_handle(first)
+    ray.kill(killed)
     # (``ray.kill`` only asks: until the process is gone it may still take a lease, and the
     # pool would rightly hand it out)
-    wait_until_gone(first, f"spare {first} still answers 30 s after it was killed")
+    wait_until_gone(killed, f"spare {first} still answers 30 s after it was killed")
     name, spare = ray.get(_pool().take.remote())
     try:
         assert name == second
