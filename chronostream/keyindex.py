@@ -536,16 +536,22 @@ class KeyIndexGroup:
         order = np.argsort(hs, kind="stable")
         hs, member, slot = hs[order], member[order], slot[order]
         # The group's own copy of every key it knows, one chunk per member here, then one per
-        # batch of new keys, with each key's member and its slot there as the last two columns.
-        # Hits are verified with one take from it, which reads their member and slot too: one
-        # take per member (64 slices: 64 takes an epoch, each a few Arrow calls per chunk) cost
-        # the word count of benchmarks.slices 12-14% of its time.
+        # batch of new keys; a key's place in it indexes ``_owner`` and ``_slot`` (its member and
+        # slot there). Hits are verified with one take from it: one take per member (64 slices:
+        # 64 takes an epoch, each a few Arrow calls per chunk) cost the word count of
+        # benchmarks.slices 12-14% of its time.
         self._keys = StoredKeys()
-        for i, m in enumerate(members):
+        for m in members:
             if len(m):
-                self._keys.append(m.keys() + [pa.array(np.full(len(m), i, dtype=np.int32)),
-                                              pa.array(np.arange(len(m), dtype=np.int64))])
+                self._keys.append(m.keys())
         sizes = np.array([len(m) for m in members], dtype=np.int64)
+        # Each place's member and slot there, as numpy arrays beside the key copy (grown by
+        # doubling): read by one fancy index where Arrow columns in the copy's chunks cost two
+        # takes, a concatenation and a take back per chunk and lookup (64 slices: 2-3% of
+        # benchmarks.slices' word count).
+        self._owner = np.repeat(np.arange(len(members), dtype=np.int32), sizes)
+        self._slot = (np.concatenate([np.arange(n, dtype=np.int64) for n in sizes.tolist()])
+                      if len(members) else np.zeros(0, np.int64))
         offsets = np.cumsum(sizes) - sizes
         at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
         # Every key's hash in increasing order, with its place in the key copy; new keys go in as
@@ -576,10 +582,7 @@ class KeyIndexGroup:
             if m is not None and m._group is self:
                 m._materialize()
         hashes, at = self._runs.merged()
-        # Each entry's member and slot: the key copy's last two columns, read by place (its
-        # chunks are in place order) without taking the keys themselves.
-        member, slot = ((np.concatenate([np.asarray(cols[c]) for cols in self._keys.chunks])[at] for c in (-2, -1))
-                        if self._keys.chunks else (at, at))
+        member, slot = self._owner[at], self._slot[at]  # each entry's member and slot there
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
@@ -590,6 +593,17 @@ class KeyIndexGroup:
                 rows = order[cut[i]:cut[i + 1]]
                 m._runs = _SortedRuns(hashes[rows], [slot[rows]])
                 m._pending = []
+
+    def _append_places(self, at: int, owner: np.ndarray, slot: np.ndarray) -> None:
+        """Record the member and slot of places ``at, at + 1, ...`` (``_owner``, ``_slot``:
+        their capacity doubles when full, so appends cost O(1) per key over the group's life)."""
+        end = at + len(owner)
+        if end > len(self._owner):
+            cap = max(end, 2 * len(self._owner), 1024)
+            self._owner = np.concatenate([self._owner[:at], np.zeros(cap - at, np.int32)])
+            self._slot = np.concatenate([self._slot[:at], np.zeros(cap - at, np.int64)])
+        self._owner[at:end] = owner
+        self._slot[at:end] = slot
 
     def matches(self, members: Sequence[KeyIndex]) -> bool:
         """True when ``members`` are this group's members, unchanged since its last call."""
@@ -644,10 +658,11 @@ class KeyIndexGroup:
         out = np.empty(n, dtype=np.int64)
         if len(rows):
             # Verify the hits key by key: one take from the group's copy, one comparison.
-            *stored, owner, slot = self._keys.take(at_keys[rows])
-            if bool(np.any(np.asarray(owner) != member_of[rows])):
+            places = at_keys[rows]
+            stored = self._keys.take(places)
+            if bool(np.any(self._owner[places] != member_of[rows])):
                 raise KeyCollision("a key's hash is held by another slice of the group")
-            out[rows] = np.asarray(slot)
+            out[rows] = self._slot[places]
             sel = pa.array(rows)
             for got, col in zip(stored, keys):
                 if not _same(got, col.take(sel)).all():
@@ -664,13 +679,16 @@ class KeyIndexGroup:
             sizes = np.asarray(self._sizes, dtype=np.int64)
             new_slots = np.arange(len(new), dtype=np.int64) + np.repeat(sizes - cut[:-1], counts)
             out[rows] = new_slots
-            self._keys.append(taken + [pa.array(np.repeat(np.arange(len(counts), dtype=np.int32), counts)),
-                                       pa.array(new_slots)])
+            self._append_places(len(self._keys), np.repeat(np.arange(len(counts), dtype=np.int32), counts),
+                                new_slots)
+            self._keys.append(taken)
             added = _GroupAdded(hashes[rows], new_slots, taken)
+            cuts = cut.tolist()  # (Python ints: this loop runs once per member with new keys)
             for i in np.flatnonzero(counts).tolist():
                 m = self.members[i]
-                m._size += int(counts[i])  # type: ignore[union-attr]
-                m._deferred.append((added, int(cut[i]), int(cut[i + 1])))  # type: ignore[union-attr]
+                lo, hi = cuts[i], cuts[i + 1]
+                m._size += hi - lo  # type: ignore[union-attr]
+                m._deferred.append((added, lo, hi))  # type: ignore[union-attr]
                 if len(m._deferred) >= self.DEFERRED_MAX:  # type: ignore[union-attr]
                     # Bounded: a member nobody reads (no checkpoints) would otherwise hold one
                     # entry per batch, and every batch's keys, for the whole job.
