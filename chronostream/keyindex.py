@@ -492,6 +492,59 @@ class KeyIndex:
         return out
 
 
+class _PlaceTable:
+    """Each place's member and slot in a ``KeyIndexGroup``'s key copy, as numpy blocks.
+
+    A lookup's hits read theirs with one fancy index per block (one block below ``BLOCK``
+    places), where Arrow columns in the key copy cost two takes, a concatenation and a take
+    back per chunk. Blocks of ``BLOCK`` places, never one growing array: doubling a single
+    array copies all of it inside one epoch, a stall that grows with the state (section 8 of
+    docs/design.md); here an append copies at most the last block while it doubles.
+
+    >>> t = _PlaceTable()
+    >>> t.append(np.array([0, 1, 1], np.int32), np.array([0, 0, 1]))
+    >>> [a.tolist() for a in t.get(np.array([2, 0]))]
+    [[1, 0], [1, 0]]
+    """
+
+    BLOCK = 1 << 20
+
+    def __init__(self) -> None:
+        self.owners: list[np.ndarray] = [np.zeros(0, np.int32)]
+        self.slots: list[np.ndarray] = [np.zeros(0, np.int64)]
+        self.size = 0
+
+    def append(self, owner: np.ndarray, slot: np.ndarray) -> None:
+        """The member and slot of the next ``len(owner)`` places."""
+        done = 0
+        while done < len(owner):
+            at = self.size - (len(self.owners) - 1) * self.BLOCK  # used places of the last block
+            if at == self.BLOCK:
+                self.owners.append(np.zeros(0, np.int32))
+                self.slots.append(np.zeros(0, np.int64))
+                at = 0
+            k = min(len(owner) - done, self.BLOCK - at)
+            if at + k > len(self.owners[-1]):  # double the last block (at most BLOCK places)
+                cap = min(self.BLOCK, max(at + k, 2 * len(self.owners[-1]), 1024))
+                self.owners[-1] = np.concatenate([self.owners[-1][:at], np.zeros(cap - at, np.int32)])
+                self.slots[-1] = np.concatenate([self.slots[-1][:at], np.zeros(cap - at, np.int64)])
+            self.owners[-1][at:at + k] = owner[done:done + k]
+            self.slots[-1][at:at + k] = slot[done:done + k]
+            self.size += k
+            done += k
+
+    def get(self, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(member, slot) of each of ``places``."""
+        if len(self.owners) == 1:
+            return self.owners[0][places], self.slots[0][places]
+        owner, slot = np.empty(len(places), np.int32), np.empty(len(places), np.int64)
+        block, offset = places // self.BLOCK, places % self.BLOCK
+        for b in np.unique(block).tolist():  # (a loop over blocks, not places)
+            rows = block == b
+            owner[rows], slot[rows] = self.owners[b][offset[rows]], self.slots[b][offset[rows]]
+        return owner, slot
+
+
 class KeyIndexGroup:
     """One lookup over the key indexes of several slices (the slices a container runs as a group).
 
@@ -536,8 +589,8 @@ class KeyIndexGroup:
         order = np.argsort(hs, kind="stable")
         hs, member, slot = hs[order], member[order], slot[order]
         # The group's own copy of every key it knows, one chunk per member here, then one per
-        # batch of new keys; a key's place in it indexes ``_owner`` and ``_slot`` (its member and
-        # slot there). Hits are verified with one take from it: one take per member (64 slices:
+        # batch of new keys; a key's place in it indexes ``_places`` (its member and slot
+        # there). Hits are verified with one take from it: one take per member (64 slices:
         # 64 takes an epoch, each a few Arrow calls per chunk) cost the word count of
         # benchmarks.slices 12-14% of its time.
         self._keys = StoredKeys()
@@ -545,13 +598,10 @@ class KeyIndexGroup:
             if len(m):
                 self._keys.append(m.keys())
         sizes = np.array([len(m) for m in members], dtype=np.int64)
-        # Each place's member and slot there, as numpy arrays beside the key copy (grown by
-        # doubling): read by one fancy index where Arrow columns in the copy's chunks cost two
-        # takes, a concatenation and a take back per chunk and lookup (64 slices: 2-3% of
-        # benchmarks.slices' word count).
-        self._owner = np.repeat(np.arange(len(members), dtype=np.int32), sizes)
-        self._slot = (np.concatenate([np.arange(n, dtype=np.int64) for n in sizes.tolist()])
-                      if len(members) else np.zeros(0, np.int64))
+        self._places = _PlaceTable()  # each place's member and slot
+        if len(members):
+            self._places.append(np.repeat(np.arange(len(members), dtype=np.int32), sizes),
+                                np.concatenate([np.arange(n, dtype=np.int64) for n in sizes.tolist()]))
         offsets = np.cumsum(sizes) - sizes
         at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
         # Every key's hash in increasing order, with its place in the key copy; new keys go in as
@@ -582,7 +632,7 @@ class KeyIndexGroup:
             if m is not None and m._group is self:
                 m._materialize()
         hashes, at = self._runs.merged()
-        member, slot = self._owner[at], self._slot[at]  # each entry's member and slot there
+        member, slot = self._places.get(at)  # each entry's member and slot there
         order = stable_argsort(member.astype(np.int64))
         cut = np.searchsorted(member[order], np.arange(len(self.members) + 1))
         for i, m in enumerate(self.members):
@@ -593,17 +643,6 @@ class KeyIndexGroup:
                 rows = order[cut[i]:cut[i + 1]]
                 m._runs = _SortedRuns(hashes[rows], [slot[rows]])
                 m._pending = []
-
-    def _append_places(self, at: int, owner: np.ndarray, slot: np.ndarray) -> None:
-        """Record the member and slot of places ``at, at + 1, ...`` (``_owner``, ``_slot``:
-        their capacity doubles when full, so appends cost O(1) per key over the group's life)."""
-        end = at + len(owner)
-        if end > len(self._owner):
-            cap = max(end, 2 * len(self._owner), 1024)
-            self._owner = np.concatenate([self._owner[:at], np.zeros(cap - at, np.int32)])
-            self._slot = np.concatenate([self._slot[:at], np.zeros(cap - at, np.int64)])
-        self._owner[at:end] = owner
-        self._slot[at:end] = slot
 
     def matches(self, members: Sequence[KeyIndex]) -> bool:
         """True when ``members`` are this group's members, unchanged since its last call."""
@@ -660,9 +699,10 @@ class KeyIndexGroup:
             # Verify the hits key by key: one take from the group's copy, one comparison.
             places = at_keys[rows]
             stored = self._keys.take(places)
-            if bool(np.any(self._owner[places] != member_of[rows])):
+            owner, slot = self._places.get(places)
+            if bool(np.any(owner != member_of[rows])):
                 raise KeyCollision("a key's hash is held by another slice of the group")
-            out[rows] = self._slot[places]
+            out[rows] = slot
             sel = pa.array(rows)
             for got, col in zip(stored, keys):
                 if not _same(got, col.take(sel)).all():
@@ -679,8 +719,7 @@ class KeyIndexGroup:
             sizes = np.asarray(self._sizes, dtype=np.int64)
             new_slots = np.arange(len(new), dtype=np.int64) + np.repeat(sizes - cut[:-1], counts)
             out[rows] = new_slots
-            self._append_places(len(self._keys), np.repeat(np.arange(len(counts), dtype=np.int32), counts),
-                                new_slots)
+            self._places.append(np.repeat(np.arange(len(counts), dtype=np.int32), counts), new_slots)
             self._keys.append(taken)
             added = _GroupAdded(hashes[rows], new_slots, taken)
             cuts = cut.tolist()  # (Python ints: this loop runs once per member with new keys)

@@ -120,3 +120,26 @@ def test_a_hit_among_the_recent_keys_is_verified_like_any_other():
     with pytest.raises(KeyCollision):
         ix.slots([pa.array(["z"])], hashes=np.array([30], np.uint64))
     assert len(ix) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.sampled_from([1, 3, 4, 7]), st.data())
+def test_a_groups_place_table_gives_back_each_places_member_and_slot_across_blocks(sizes, block, data):
+    """Appends of any sizes land in blocks of BLOCK places (one growing array would be copied
+    whole when doubled); any places read back what was appended there, as one flat array would."""
+    from chronostream.keyindex import _PlaceTable
+
+    table, owners, slots = _PlaceTable(), [], []
+    table.BLOCK = block
+    for i, n in enumerate(sizes):
+        owner, slot = np.full(n, i, np.int32), np.arange(n, dtype=np.int64) + 100 * i
+        table.append(owner, slot)
+        owners.append(owner), slots.append(slot)
+    flat_owner = np.concatenate(owners) if owners else np.zeros(0, np.int32)
+    flat_slot = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+    assert table.size == len(flat_owner)
+    assert all(len(b) <= block for b in table.owners), "no block holds more than BLOCK places"
+    places = np.array(data.draw(st.lists(st.integers(0, max(len(flat_owner) - 1, 0)), max_size=20)
+                                if len(flat_owner) else st.just([])), dtype=np.int64)
+    owner, slot = table.get(places)
+    assert owner.tolist() == flat_owner[places].tolist() and slot.tolist() == flat_slot[places].tolist()

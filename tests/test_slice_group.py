@@ -360,10 +360,16 @@ def test_members_of_one_group_settled_by_two_threads_at_once_each_keep_every_key
     assert failed == {}
 
 
-def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys():
-    """The group finds a hit's member and slot by the key's place in its key copy (arrays grown
-    as keys come): after thousands of keys in many batches, hits give every key its member's slot,
-    and members leaving the group get the (hash, slot) arrays of their own keys."""
+@pytest.mark.parametrize("block", [None, 512])
+def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys(block, monkeypatch):
+    """The group finds a hit's member and slot by the key's place in its key copy (numpy blocks
+    filled as keys come; ``block``: blocks of 512 places, so thousands of keys span several):
+    after thousands of keys in many batches, hits give every key its member's slot, and members
+    leaving the group get the (hash, slot) arrays of their own keys."""
+    if block is not None:
+        from chronostream.keyindex import _PlaceTable
+
+        monkeypatch.setattr(_PlaceTable, "BLOCK", block)
     members = [KeyIndex() for _ in range(3)]
     members[2].slots([pa.array(["own0", "own1", "own2"])])
     group = KeyIndexGroup(members)
