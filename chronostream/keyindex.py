@@ -537,6 +537,8 @@ class _PlaceTable:
         """(member, slot) of each of ``places``."""
         if len(self.owners) == 1:
             return self.owners[0][places], self.slots[0][places]
+        if len(places) * len(self.owners) > self.size:  # (many places, a group's hand-back: one pass)
+            return np.concatenate(self.owners)[places], np.concatenate(self.slots)[places]
         owner, slot = np.empty(len(places), np.int32), np.empty(len(places), np.int64)
         block, offset = places // self.BLOCK, places % self.BLOCK
         for b in np.unique(block).tolist():  # (a loop over blocks, not places)
