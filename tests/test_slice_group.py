@@ -286,6 +286,36 @@ def test_a_member_nobody_reads_stores_its_keys_every_deferred_max_batches():
     assert a._keys.size == 9 and a.keys()[0].to_pylist() == [f"a{i}" for i in range(10)]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 60), max_size=12, unique=True),
+                          st.lists(st.integers(0, 3), max_size=2)), max_size=14),
+       st.integers(1, 4), st.sampled_from([1, 2, 3]))
+def test_members_store_their_deferred_keys_together_or_alone_in_slot_order(batches, members, deferred_max):
+    """Members store the keys a group added for them all together every ``DEFERRED_MAX`` batches
+    (``_store_deferred``) and alone whenever their keys are read between lookups (``reads``: the
+    members read after each batch, a checkpoint's ``keys``); either way each member's keys are
+    its keys in slot order, and its own lookups find every key at the slot the group gave it."""
+    indexes = [KeyIndex() for _ in range(members)]
+    group = KeyIndexGroup(indexes)
+    group.DEFERRED_MAX = deferred_max
+    ref: list[dict] = [{} for _ in range(members)]
+    for keys, reads in batches:
+        if keys:
+            col = pa.array([f"k{k}" for k in keys])
+            got = group.slots(np.array([k % members for k in keys]), [col], hash_columns([col])).tolist()
+            assert got == [ref[k % members].setdefault(k, len(ref[k % members])) for k in keys]
+        for m in reads:
+            if m < members:
+                want = [f"k{k}" for k in sorted(ref[m], key=ref[m].get)]
+                assert (indexes[m].keys()[0].to_pylist() if len(indexes[m]) else []) == want
+        assert len(group._log) < deferred_max and all(len(ix._deferred) < deferred_max for ix in indexes)
+    for m, ix in enumerate(indexes):
+        want = sorted(ref[m], key=ref[m].get)
+        assert (ix.keys()[0].to_pylist() if len(ix) else []) == [f"k{k}" for k in want]
+        if want:
+            assert ix.slots([pa.array([f"k{k}" for k in want])]).tolist() == list(range(len(want)))
+
+
 def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not_re_sorted():
     """After keys added through a group, a member's own sorted (hash, slot) arrays (needed for its
     own lookups, e.g. once a migration breaks the group up) are the ones a full sort gives; they
