@@ -777,6 +777,10 @@ class KeyIndexGroup:
                 lo, hi = cuts[i], cuts[i + 1]
                 m._size += hi - lo  # type: ignore[union-attr]
                 m._deferred.append((added, lo, hi))  # type: ignore[union-attr]
+                if m._group is not self and len(m._deferred) >= self.DEFERRED_MAX:  # type: ignore[union-attr]
+                    # (a member whose keys a hand-back settled while the group still serves it:
+                    # ``_store_deferred`` leaves it alone, so it keeps its own bound)
+                    m._materialize()  # type: ignore[union-attr]
             self._log.append((added, cut))
             if len(self._log) >= self.DEFERRED_MAX:
                 # Bounded: a member nobody reads (no checkpoints) would otherwise hold one entry

@@ -316,6 +316,25 @@ def test_members_store_their_deferred_keys_together_or_alone_in_slot_order(batch
             assert ix.slots([pa.array([f"k{k}" for k in want])]).tolist() == list(range(len(want)))
 
 
+def test_a_group_still_serving_members_a_hand_back_settled_keeps_their_unstored_keys_bounded():
+    """A member's own lookup (a slice rerun alone) settles the group's keys into every member
+    (``_hand_back``), and the group, whose members kept their sizes, goes on serving them: the
+    batches it adds for them stay bounded, and their keys stay their keys in slot order."""
+    a, b = KeyIndex(), KeyIndex()
+    group = KeyIndexGroup([a, b])
+    group.DEFERRED_MAX = 3
+    first = pa.array(["a0", "b0"])
+    group.slots(np.array([0, 1]), [first], hash_columns([first]))
+    assert a.slots([pa.array(["a0"])]).tolist() == [0]  # a hit only: the sizes stay
+    assert a._group is None and b._group is None and group.matches([a, b])
+    for i in range(1, 10):
+        keys = pa.array([f"a{i}", f"b{i}"])
+        assert group.slots(np.array([0, 1]), [keys], hash_columns([keys])).tolist() == [i, i]
+        assert len(a._deferred) < 3 and len(b._deferred) < 3
+    assert a.keys()[0].to_pylist() == [f"a{i}" for i in range(10)]
+    assert b.slots([pa.array([f"b{i}" for i in range(10)])]).tolist() == list(range(10))
+
+
 def test_a_member_leaving_its_group_gets_its_sorted_keys_cut_from_the_groups_not_re_sorted():
     """After keys added through a group, a member's own sorted (hash, slot) arrays (needed for its
     own lookups, e.g. once a migration breaks the group up) are the ones a full sort gives; they
