@@ -329,12 +329,12 @@ class StoredKeys:
 
 class _GroupAdded:
     """One ``KeyIndexGroup.slots`` call's new keys, grouped by member: their hashes, their slots
-    in their member and the keys per column (each member's share: rows ``lo:hi``)."""
+    in their member and the keys per column; member ``i``'s share is rows ``cut[i]:cut[i + 1]``."""
 
-    __slots__ = ("hashes", "slots", "keys")
+    __slots__ = ("hashes", "slots", "keys", "cut")
 
-    def __init__(self, hashes: np.ndarray, slots: np.ndarray, keys: list[pa.Array]) -> None:
-        self.hashes, self.slots, self.keys = hashes, slots, keys
+    def __init__(self, hashes: np.ndarray, slots: np.ndarray, keys: list[pa.Array], cut: np.ndarray) -> None:
+        self.hashes, self.slots, self.keys, self.cut = hashes, slots, keys, cut
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:
@@ -600,11 +600,10 @@ class KeyIndexGroup:
             if len(m):
                 self._keys.append(m.keys())
         sizes = np.array([len(m) for m in members], dtype=np.int64)
-        self._places = _PlaceTable()  # each place's member and slot
-        if len(members):
-            self._places.append(np.repeat(np.arange(len(members), dtype=np.int32), sizes),
-                                np.concatenate([np.arange(n, dtype=np.int64) for n in sizes.tolist()]))
         offsets = np.cumsum(sizes) - sizes
+        self._places = _PlaceTable()  # each place's member and slot
+        self._places.append(np.repeat(np.arange(len(members), dtype=np.int32), sizes),
+                            np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(offsets, sizes))
         at = offsets[member] + slot if len(members) else np.zeros(0, np.int64)
         # Every key's hash in increasing order, with its place in the key copy; new keys go in as
         # in a KeyIndex (_SortedRuns). One payload, not (member, slot, place): each batch's new
@@ -619,9 +618,8 @@ class KeyIndexGroup:
         # the slices it kept (covering) while another's slices hand their keys back. (Made
         # before any member points here: another thread may take it as soon as one does.)
         self._lock = threading.RLock()
-        # The batches of new keys since every member last stored its deferred ones, with each
-        # batch's cut by member (``_store_deferred``).
-        self._log: list[tuple[_GroupAdded, np.ndarray]] = []
+        # The batches of new keys since every member last stored its deferred ones (``_store_deferred``).
+        self._log: list[_GroupAdded] = []
         for m in members:
             m._group = self
 
@@ -638,7 +636,7 @@ class KeyIndexGroup:
         log, self._log = self._log, []
         if not log:
             return
-        where = {id(added): b for b, (added, _cut) in enumerate(log)}
+        where = {id(added): b for b, added in enumerate(log)}
         first = np.full(len(self.members), len(log), dtype=np.int64)  # each member's first batch
         for i, m in enumerate(self.members):
             if m is None or m._group is not self or not m._deferred:
@@ -648,7 +646,7 @@ class KeyIndexGroup:
                 m._materialize()
             else:
                 first[i] = b
-        cuts = np.stack([cut for _added, cut in log])  # (batch, member + 1)
+        cuts = np.stack([added.cut for added in log])  # (batch, member + 1)
         sizes = cuts[:, -1]
         counts = np.diff(cuts, axis=1)
         counts[np.arange(len(log))[:, None] < first[None, :]] = 0
@@ -658,9 +656,9 @@ class KeyIndexGroup:
         per = counts.T.ravel()
         rows = np.repeat(starts.T.ravel() - (np.cumsum(per) - per), per) + np.arange(int(per.sum()))
         idx = pa.array(rows)
-        keys = [_concat([added.keys[c] for added, _cut in log]).take(idx) for c in range(len(log[0][0].keys))]
-        hashes = np.concatenate([added.hashes for added, _cut in log])[rows]
-        slots = np.concatenate([added.slots for added, _cut in log])[rows]
+        keys = [_concat([added.keys[c] for added in log]).take(idx) for c in range(len(log[0].keys))]
+        hashes = np.concatenate([added.hashes for added in log])[rows]
+        slots = np.concatenate([added.slots for added in log])[rows]
         bounds = np.concatenate([[0], np.cumsum(counts.sum(axis=0))]).tolist()
         for i, m in enumerate(self.members):
             lo, hi = bounds[i], bounds[i + 1]
@@ -770,7 +768,7 @@ class KeyIndexGroup:
             out[rows] = new_slots
             self._places.append(np.repeat(np.arange(len(counts), dtype=np.int32), counts), new_slots)
             self._keys.append(taken)
-            added = _GroupAdded(hashes[rows], new_slots, taken)
+            added = _GroupAdded(hashes[rows], new_slots, taken, cut)
             cuts = cut.tolist()  # (Python ints: this loop runs once per member with new keys)
             for i in np.flatnonzero(counts).tolist():
                 m = self.members[i]
@@ -781,7 +779,7 @@ class KeyIndexGroup:
                     # (a member whose keys a hand-back settled while the group still serves it:
                     # ``_store_deferred`` leaves it alone, so it keeps its own bound)
                     m._materialize()  # type: ignore[union-attr]
-            self._log.append((added, cut))
+            self._log.append(added)
             if len(self._log) >= self.DEFERRED_MAX:
                 # Bounded: a member nobody reads (no checkpoints) would otherwise hold one entry
                 # per batch, and every batch's keys, for the whole job.
