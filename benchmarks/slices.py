@@ -86,6 +86,20 @@ window). Events are the word events that reach the window; the paper
 measured 1 to 10 slices (worst case +4.69%).
 
     python -m benchmarks.slices --json --topk --words 300000 --epoch 2048 --repeat 3
+
+``--floor`` measures what no layout of a many-slice run removes: the
+one-slice count's output shares the split's buffers down to
+``job.results``, while with more slices ``results`` gives each slice's rows
+together (identity order), so the columns that pass through the count
+unchanged (the word, ``_order``, ``_sub``) are moved into slice order once.
+It runs the one-slice count (``--repeat`` times), cuts its output by epoch,
+and times taking each epoch's rows in the order the largest of
+``--counts`` would give them (``containers.routing.by_consumer_slice``
+over the same hash), for every output column, for the pass-through ones,
+and for the word alone; rows give each as milliseconds a run and as a
+share of the one-slice run.
+
+    python -m benchmarks.slices --json --floor --repeat 9
 """
 
 from __future__ import annotations
@@ -99,8 +113,10 @@ import pyarrow.compute as pc
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.datasets import split_words, topic_text, zipf_text
+from chronostream.sorting import take_permuted
 from chronostream.types import ORDER, SUB
 from containers.core import ContainerCore
+from containers.routing import by_consumer_slice, consumer_slices
 from examples.topk import split_category_words, topk_query
 
 COUNTS = (1, 2, 4, 8, 16, 64)
@@ -249,6 +265,51 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
     return elapsed
 
 
+#: ``--floor``'s column sets: every output column, the ones that pass through the count
+#: unchanged (the key and the lineage), the key alone.
+FLOOR_COLUMNS = {"all": None, "pass_through": ["word", ORDER, SUB], "word": ["word"]}
+
+
+def slice_ordered_epochs(out: pa.Table, slices: int, epoch: int) -> list[tuple[pa.Table, np.ndarray]]:
+    """The one-slice count's output ``out`` cut by epoch (``epoch`` lines each; a word's
+    ``_order`` is its line's), each with the permutation that puts its rows in the order a
+    ``slices``-slice count's output holds them: by consumer slice, each slice's rows as they
+    came (routing's, ``by_consumer_slice``, over the same hash of the word)."""
+    order = np.asarray(out.column(ORDER))
+    cuts = np.searchsorted(order, np.arange(0, int(order.max()) + epoch + 1, epoch)).tolist()
+    chunks = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi > lo:
+            t = out.slice(lo, hi - lo)
+            perm = by_consumer_slice(consumer_slices(t, ("word",), slices), t)
+            chunks.append((t, np.arange(t.num_rows) if perm is None else perm))
+    return chunks
+
+
+def copy_floor(table: pa.Table, slices: int, epoch: int, repeat: int) -> dict:
+    """``--floor``: the one-slice run's median seconds, and per column set (``FLOOR_COLUMNS``) the
+    median milliseconds of taking its output into ``slices``-slice order, epoch by epoch."""
+    one = [one_run(table, 1, epoch) for _ in range(repeat)]
+    out = cs.run(word_count(table, 1, epoch), executor="local", containers=1).results("counts")
+    chunks = slice_ordered_epochs(out, slices, epoch)
+    base = median(one)
+    rows = []
+    for name, cols in FLOOR_COLUMNS.items():
+        picked = [(t if cols is None else t.select(cols), perm) for t, perm in chunks]
+        for t, perm in picked:  # (warm: a process's first takes are slower)
+            take_permuted(t, perm)
+        took = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for t, perm in picked:
+                take_permuted(t, perm)
+            took.append(time.perf_counter() - t0)
+        rows.append({"columns": name, "names": picked[0][0].schema.names, "copy_ms": round(median(took) * 1e3, 1),
+                     "pct_of_one_slice": round(median(took) / base * 100, 1)})
+    return {"one_slice_s": round(base, 3), "one_slice_runs_s": [round(t, 3) for t in one], "slices": slices,
+            "epochs": len(chunks), "rows": rows}
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--words", type=int, default=1_000_000, help="words of text (default 1,000,000)")
@@ -275,7 +336,12 @@ def main() -> None:
                    help="with --per-event: the operator declares no output schema (Arrow infers it per slice)")
     p.add_argument("--categories", type=int, default=1000, help="with --topk: categories of the text (default 1000)")
     p.add_argument("--window", type=int, default=1000, help="with --topk: words per category's window (default 1000)")
+    p.add_argument("--floor", action="store_true",
+                   help="time moving the one-slice count's output into the largest --counts' slice order")
     args = p.parse_args()
+    if args.floor and (args.ray or args.chained or args.rekey or args.per_event or args.vectorized or args.join
+                       or args.topk):
+        raise SystemExit("--floor goes with the built-in word count in process (no other mode flag)")
     if args.undeclared and not args.per_event:
         raise SystemExit("--undeclared goes with --per-event")
     if args.rekey and (args.join or args.topk):
@@ -293,6 +359,10 @@ def main() -> None:
     else:
         table = zipf_text(words // 10, seed=1)  # 10 words per line
         n_words = sum(len(line.split()) for line in table.column("line").to_pylist())
+    if args.floor:
+        emit({"words": n_words, "lines": table.num_rows, "epoch_lines": args.epoch,
+              **copy_floor(table, counts[-1], args.epoch, 1 if args.quick else args.repeat)}, args.json)
+        return
     times: dict[tuple[int, bool], list[float]] = {(n, g): [] for n in counts for g in (True, False)}
     busy: dict[int, list[dict[str, tuple[float, float]]]] = {n: [] for n in counts}  # (--ray) stage -> busy, send s
     # 1 slice: no group to turn off; on Ray, groups cannot be turned off.
