@@ -342,6 +342,8 @@ def main() -> None:
     if args.floor and (args.ray or args.chained or args.rekey or args.per_event or args.vectorized or args.join
                        or args.topk):
         raise SystemExit("--floor goes with the built-in word count in process (no other mode flag)")
+    if args.floor and max(int(x) for x in args.counts.split(",")) < 2:
+        raise SystemExit("--floor needs a slice count above 1 in --counts (the order it moves rows into)")
     if args.undeclared and not args.per_event:
         raise SystemExit("--undeclared goes with --per-event")
     if args.rekey and (args.join or args.topk):
