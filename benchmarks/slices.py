@@ -342,8 +342,6 @@ def main() -> None:
     if args.floor and (args.ray or args.chained or args.rekey or args.per_event or args.vectorized or args.join
                        or args.topk):
         raise SystemExit("--floor goes with the built-in word count in process (no other mode flag)")
-    if args.floor and max(int(x) for x in args.counts.split(",")) < 2:
-        raise SystemExit("--floor needs a slice count above 1 in --counts (the order it moves rows into)")
     if args.undeclared and not args.per_event:
         raise SystemExit("--undeclared goes with --per-event")
     if args.rekey and (args.join or args.topk):
@@ -351,6 +349,8 @@ def main() -> None:
     counts = sorted({1} | {int(x) for x in args.counts.split(",")})
     if counts[0] < 1:
         raise SystemExit(f"--counts: a slice count must be at least 1, got {counts[0]}")
+    if args.floor and counts[-1] < 2:
+        raise SystemExit("--floor needs a slice count above 1 in --counts (the order it moves rows into)")
     words = 100_000 if args.quick else args.words
     if args.topk:
         table = topic_text(words // 10, categories=args.categories)  # 10 words per line
