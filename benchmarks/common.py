@@ -18,7 +18,7 @@ from chronostream.sourcelog import SourceLogWriter
 
 #: State bytes per key of the built-in aggregate over one int column, as the benchmarks that size
 #: state in MB count it: count and int sum/min/max (8 bytes each; an int column has no float
-#: variants) plus the key index's share (approx.). 72 before 2026-11-24 (fourth session).
+#: variants) plus the key index's share (approx.).
 AGGREGATE_BYTES_PER_KEY = 8 * 4 + 16
 
 

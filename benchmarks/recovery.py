@@ -20,8 +20,7 @@ recovery timeline and report, per configuration:
 ``--peers 0`` runs the stage on one host: its backups are chained over the
 job's other host (the source's), which rebuilds it; ``--backup-factor 0``
 turns them off, so the dead slices are rebuilt from epoch 0 by replaying
-the source's whole output log, as every one-host stage was before the
-fifteenth session (2026-11-26).
+the source's whole output log.
 
 Lost state is set by ``--sizes`` (MB of the dead container's share; the
 job's total state is ``(peers + 1)`` times that). Machines here have 2 cores

@@ -22,11 +22,8 @@ and with every slice run alone (``alone_*``, groups turned off).
 ``--rekey`` counts the counts: a second built-in ``count`` keyed by the
 first one's ``count`` column, in as many slices. Its slices get each
 line's rows from many of the first stage's slices, interleaved, to be put
-back into source order every epoch: since the thirty-third session by
-routing, in the copy into slice order it makes anyway
-(``containers.routing.by_consumer_slice``); before, by the group's merge
-after it (one packed-key sort, a five-key lexsort before the thirty-second
-session).
+back into source order every epoch, by routing, in the copy into slice
+order it makes anyway (``containers.routing.by_consumer_slice``).
 
     python -m benchmarks.slices --json --rekey --counts 1,64 --repeat 5
 
@@ -57,22 +54,20 @@ numbers one output table (the schema is declared; slices/group.py). Until
     python -m benchmarks.slices --json --per-event --words 200000 --epoch 1024
 
 ``--undeclared`` (with ``--per-event``): ``WordTally`` without its output
-schema. Since 2026-11-27 (nineteenth session) a group builds each slice's
-output table as alone (Arrow infers its types) and, when every slice's
-inferred schema is the same, joins them and chains and numbers them once;
-before, each slice chained and numbered its own.
+schema. A group builds each slice's output table as alone (Arrow infers
+its types) and, when every slice's inferred schema is the same, joins them
+and chains and numbers them once.
 
 ``--vectorized`` counts with a user's vectorized operator that does not fuse
 slices (``BatchWordCount``: ``consume_batch`` with Arrow and numpy, one
 state lookup per distinct word of a batch): a group admits and merges once,
-then runs each slice's call on its share. Until 2026-11-27 (eighteenth
-session) such stages always ran slice by slice.
+then runs each slice's call on its share.
 
 ``--join`` runs a keyed join instead of the word count: ``--words`` orders
 joined with a twentieth as many customer updates on one of 20,000
 customers (seeded, uniform keys, event-time order), the join in
 ``--counts`` slices; its slices run as a group (one admission per input,
-one merge) since 2026-11-27 (eighteenth session).
+one merge).
 
     python -m benchmarks.slices --json --join --words 60000 --epoch 2048 --counts 1,64 --repeat 5
 

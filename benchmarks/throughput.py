@@ -13,11 +13,10 @@ computes the same thing: one running-count update per word.
 
 ``--checkpoint-every K`` checkpoints the runtime runs every K epochs, to
 ``--backup-factor`` copies a slice (default 2: with 2 containers a stage,
-one on the stage's other host and, since the thirty-fourth session, one on
-another stage's host).
+one on the stage's other host and one on another stage's host).
 
 ``--no-shm`` sends every epoch message through Ray's object store
-(``shm_transport=False``), as before the thirty-sixth session; by default
+(``shm_transport=False``); by default
 large parts between hosts of one node go as files in shared memory
 (``containers/shm_transport.py``).
 

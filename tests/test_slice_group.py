@@ -1221,7 +1221,7 @@ def batch_tally_job(slices: int, poison_every: int = 0) -> cs.Query:
     return q
 
 
-#: Jobs whose stage runs grouped since the eighteenth session: (query, stage, sink).
+#: Jobs whose stage runs grouped (a user's vectorized operator, the join): (query, stage, sink).
 NEWLY_GROUPED = {"vectorized": (lambda: batch_tally_job(16), "tally", "counts"),
                  "join": (lambda: keyed_join(8), "join", "joined")}
 
