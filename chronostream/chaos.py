@@ -3,8 +3,10 @@
 Owns: the user-facing fault schedule (``Fault``), applying it to a running
 ``Job`` (``inject``), seeded random campaigns (``random_faults``), the
 merged timeline (fault, detection, recovery start/end per slice, first
-output after recovery) and ``run_with_faults``, which runs a query with a
-schedule and compares every sink with the serial executor row for row.
+output after recovery), the judgement of whether each fault landed
+(``judge_landing``: it did what its kind says) and ``run_with_faults``,
+which runs a query with a schedule, hands back every sink's rows and
+compares each with the serial executor row for row.
 Talks to the job only through its master and its hosts' failure-injection
 calls; never touches the runtime's internals.
 
@@ -53,8 +55,9 @@ class Fault:
     and the adoption: the master starts that host itself), ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
-    peer is damaged; combine with a later ``kill`` of the slice's owner to
-    see the other replica used). ``stage`` picks the stage (any stateful
+    peer is damaged; a ``kill`` of the same stage and ``index`` at the same
+    epoch kills the slice's owner, whose recovery must reject the damaged
+    copy and use the other replica: without it the damage does not land). ``stage`` picks the stage (any stateful
     one when None); ``index`` which of its containers (by sorted id).
     Not faults but scheduled the same way: ``scale_out`` / ``scale_in``
     (``n`` hosts), ``migrate`` (the first slice of container ``index``
