@@ -74,6 +74,8 @@ def test_a_corrupt_replica_is_refused_by_its_checksum_and_the_other_used(ray_ses
                              checkpoint_every=2, full_checkpoint_every=100, backup_factor=2)
     assert report.ok, report.mismatches
     assert "backup_rejected" in kinds(report)
+    # the damaged holder had the copy, and the kill's restore refused it and used the other replica
+    assert not report.not_landed(), report.format_landings() + "\n" + report.format_timeline()
 
 
 def test_without_checkpoints_a_killed_containers_slices_are_recomputed_from_the_start(ray_session):
