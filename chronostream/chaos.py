@@ -57,8 +57,9 @@ class Fault:
     ``truncate_backup`` (one backup replica of the stage's slices held by a
     peer is damaged; a ``kill`` of the same stage and ``index`` at the same
     epoch kills the slice's owner, whose recovery must reject the damaged
-    copy and use the other replica: without it the damage does not land). ``stage`` picks the stage (any stateful
-    one when None); ``index`` which of its containers (by sorted id).
+    copy and use the other replica: without it the damage does not land).
+    ``stage`` picks the stage (any stateful one when None); ``index`` which
+    of its containers (by sorted id).
     Not faults but scheduled the same way: ``scale_out`` / ``scale_in``
     (``n`` hosts), ``migrate`` (the first slice of container ``index``
     to a new host) and ``compact`` (``Job.compact``), so a campaign can mix
@@ -269,7 +270,8 @@ def judge_landing(fault: Fault, at: float, hit: dict[str, Any], timeline: list[E
                 planned = next((t for t, kind, i in timeline if kind == "recovery_planning" and t >= second[0]
                                 and h in i.get("hosts", [])), None)
                 if planned is None or _after("recovery_end", planned, timeline) is None:
-                    ok, did = False, did + f"; host {h} ({second[1].get('role')}) was killed, and no recovery of it followed"
+                    ok, did = False, did + f"; host {h} ({second[1].get('role')}) was killed, and no recovery " \
+                        "of it followed"
                 else:
                     did += f"; host {h} ({second[1].get('role')}) was killed at step {fault.step!r} and recovered"
     elif k == "kill_two":
@@ -387,9 +389,10 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     hosts) or a scale-in since the stage's last compaction. ``roles``
     (stage -> the ``master.recovery.RECOVERY_ROLES`` it has: a stage with
     no stage downstream has no consumer) limits the roles a
-    ``kill_in_recovery`` draws, so the second host it kills exists. A kind drawn that does not fit is drawn again among the
-    ``kinds`` that do; when none fits, ``ValueError`` says so: the schedule
-    returned is the one asked for, never a fault turned into another kind.
+    ``kill_in_recovery`` draws, so the second host it kills exists. A kind
+    drawn that does not fit is drawn again among the ``kinds`` that do;
+    when none fits, ``ValueError`` says so: the schedule returned is the
+    one asked for, never a fault turned into another kind.
 
     Faults whose effect only shows with a second one come with it, at the
     same epoch, so that each can land: a damaged backup (``corrupt_backup``,
