@@ -35,6 +35,7 @@ def restore(t: float, holder_of_3: int | None, rejected_host: int | None = 5) ->
 
 
 def test_a_damaged_backup_lands_when_a_later_restore_rejects_it_and_uses_the_other_replica():
+    """Regression (issue 59, tests that cannot fail): a damage is judged landed from the restore that names the other replica."""
     landing = judge_landing(DAMAGE, 100.0, HIT, restore(101.0, holder_of_3=6))
     assert landing.landed, landing.did
     assert "host 5" in landing.did and "host 6" in landing.did
@@ -47,19 +48,22 @@ def test_a_damaged_backup_lands_when_a_later_restore_rejects_it_and_uses_the_oth
     (restore(99.0, holder_of_3=6), "no restore of the slice followed"),  # (a restore before the damage)
 ])
 def test_a_damaged_backup_no_restore_read_or_replaced_did_not_land(timeline, why):
-    """A damage followed by no restore, by one that took the damaged copy without a word, by one
-    that used the damaged holder anyway, or preceded by the only restore: not landed."""
+    """Regression (issue 59, tests that cannot fail): a damage followed by no restore, by one that took the damaged copy
+    without a word, by one that used the damaged holder anyway, or preceded by the only restore:
+    not landed (before, any applied damage counted)."""
     landing = judge_landing(DAMAGE, 100.0, HIT, timeline)
     assert not landing.landed and why in landing.did, landing.did
 
 
 def test_a_damage_on_holders_that_had_no_backup_did_not_land():
+    """Regression (issue 59, tests that cannot fail): no holder had the copy: nothing was damaged, not landed."""
     hit = {**HIT, "holder_host": None, "chain": [5, 6]}
     landing = judge_landing(DAMAGE, 100.0, hit, restore(101.0, holder_of_3=6))
     assert not landing.landed and "nothing was damaged" in landing.did
 
 
 def test_a_kill_lands_only_when_a_recovery_re_hosts_the_container():
+    """Regression (issue 59, tests that cannot fail): a kill lands when a recovery re-hosted its container, not another's."""
     kill = Fault("kill", 10, "count")
     hit = {"stage": "count", "container": 7, "host": 2}
     assert judge_landing(kill, 100.0, hit, restore(101.0, holder_of_3=6)).landed
@@ -88,6 +92,7 @@ def test_rescalings_land_when_they_move_slices():
 
 
 def test_the_report_names_the_faults_the_job_ended_before():
+    """Regression (issue 59, tests that cannot fail): a fault the job's end overtook is listed as not landed."""
     kill = Fault("kill", 10, "count")
     report = ChaosReport(faults=[DAMAGE, kill], applied=[(100.0, DAMAGE, HIT)], timeline=restore(101.0, 6))
     landed = report.landings()
@@ -101,7 +106,7 @@ KINDS = ("kill", "kill_two", "corrupt_backup", "truncate_backup", "kill_spare", 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_random_schedule_holds_only_the_kinds_asked_for_within_the_caps(seed):
-    """No fault over the kill cap becomes a 0.01 s delay: a ``delay`` appears only when asked for,
+    """Regression (issue 59, tests that cannot fail): no fault over the kill cap becomes a 0.01 s delay: a ``delay`` appears only when asked for,
     kills stay within the cap (2 of 4 hosts a stage), a damaged backup comes with a kill of its
     container and a dead spare with a scale-out, and a compaction follows a kill or a scale-in."""
     asked = tuple(k for k in KINDS if k != "delay")
@@ -121,6 +126,7 @@ def test_a_random_schedule_holds_only_the_kinds_asked_for_within_the_caps(seed):
 
 
 def test_a_schedule_the_caps_cannot_hold_is_refused_not_changed():
+    """Regression (issue 59, tests that cannot fail): a schedule no kind fits is refused, naming the cap (it was filled with delays)."""
     with pytest.raises(ValueError, match=r"none of \['kill'\] fits \(kills so far 2, at most 2 a stage of 4 hosts"):
         random_faults(0, 3, ["count"], 40, containers=4, kinds=("kill",))
 
@@ -160,6 +166,7 @@ class _FakeJob:
 
 
 def test_run_with_faults_hands_back_every_sink_s_rows_read_before_the_job_stops(monkeypatch):
+    """Regression (issue 59, tests that cannot fail): the report holds each sink's rows, read before the job is stopped."""
     rows = pa.table({"_slice": [0, 1], "_seq": [0, 0], "v": [1, 2]})
     jobs = []
 
