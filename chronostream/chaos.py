@@ -376,7 +376,7 @@ _HOSTS_ADDED = {"scale_out": 1, "migrate": 1, "scale_in": -1, "kill_spare": 1}
 
 def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containers: int = 3,
                   kinds: tuple[str, ...] = ("kill",), min_gap: int = 4,
-                  roles: dict[str, tuple[str, ...]] | None = None) -> list[Fault]:
+                  roles: dict[str, tuple[str, ...]] | None = None, backups_from: int = 1) -> list[Fault]:
     """A seeded random schedule of ``n`` faults at epochs in [1, max_epoch), at least ``min_gap`` apart.
 
     Kills are capped so every stage keeps 2 containers (``containers`` per
@@ -389,7 +389,10 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     hosts) or a scale-in since the stage's last compaction. ``roles``
     (stage -> the ``master.recovery.RECOVERY_ROLES`` it has: a stage with
     no stage downstream has no consumer) limits the roles a
-    ``kill_in_recovery`` draws, so the second host it kills exists. A kind
+    ``kill_in_recovery`` draws, so the second host it kills exists. A
+    damaged backup needs a backup to damage: it is drawn at epochs from
+    ``backups_from`` on (when the job's first checkpoints have reached
+    their holders). A kind
     drawn that does not fit is drawn again among the ``kinds`` that do;
     when none fits, ``ValueError`` says so: the schedule returned is the
     one asked for, never a fault turned into another kind.
@@ -417,7 +420,9 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     hosts = {st: containers for st in stages}
     mergeable: set[str] = set()  # stages with a host holding two of their containers
 
-    def fits(stage: str, kind: str) -> bool:
+    def fits(stage: str, kind: str, epoch: int) -> bool:
+        if kind in ("corrupt_backup", "truncate_backup") and epoch < backups_from:
+            return False
         cost = _KILL_COST.get(kind, 0)
         if cost and kills.get(stage, 0) + cost > containers - 2:
             return False
@@ -428,13 +433,14 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     faults = []
     for e in sorted(epochs):
         stage, kind = rng.choice(stages), rng.choice(kinds)
-        if not fits(stage, kind):
-            allowed = [k for k in kinds if fits(stage, k)]
+        if not fits(stage, kind, e):
+            allowed = [k for k in kinds if fits(stage, k, e)]
             if not allowed:
                 raise ValueError(
                     f"fault {len(faults) + 1} at epoch {e} on stage {stage!r}: none of {sorted(set(kinds))} fits "
                     f"(kills so far {kills.get(stage, 0)}, at most {containers - 2} a stage of {containers} "
-                    f"hosts; {hosts[stage]} hosts now); ask for fewer faults, more containers or other kinds")
+                    f"hosts; {hosts[stage]} hosts now; backups to damage from epoch {backups_from}); ask for "
+                    "fewer faults, more containers or other kinds")
             kind = rng.choice(allowed)
         cost = _KILL_COST.get(kind, 0)
         kills[stage] = kills.get(stage, 0) + cost

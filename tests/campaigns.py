@@ -37,8 +37,9 @@ def campaign_schedule(query: Any, containers: dict[str, int], stages: list[str],
     hosts = {containers[s] for s in stages}
     if len(hosts) != 1:
         raise ValueError(f"the faulted stages {stages} must start on as many hosts each, got {containers}")
+    # (a checkpoint every 2 epochs: by epoch 4 every slice's first checkpoint has reached its holders)
     faults = random_faults(seed, n, stages, max_epoch, containers=hosts.pop(), kinds=kinds, min_gap=min_gap,
-                           roles=recovery_roles(query, stages))
+                           roles=recovery_roles(query, stages), backups_from=4)
     return [Fault("delay", at_epoch=0, stage=next(iter(containers)), seconds=source_delay_s)] + faults
 
 

@@ -131,6 +131,14 @@ def test_a_schedule_the_caps_cannot_hold_is_refused_not_changed():
         random_faults(0, 3, ["count"], 40, containers=4, kinds=("kill",))
 
 
+def test_a_damaged_backup_is_drawn_only_once_there_are_backups_to_damage():
+    """Regression (issue 59, tests that cannot fail): a damage at epoch 1, before the first
+    checkpoint reached a holder, damages nothing: damages are drawn from ``backups_from`` on."""
+    for seed in range(30):
+        faults = random_faults(seed, 4, ["a"], 40, containers=8, kinds=("corrupt_backup", "kill"), backups_from=6)
+        assert all(f.at_epoch >= 6 for f in faults if f.kind == "corrupt_backup"), faults
+
+
 def test_kill_in_recovery_roles_are_drawn_among_the_stage_s_own():
     faults = random_faults(3, 4, ["a", "b"], 60, containers=10, kinds=("kill_in_recovery",),
                            roles={"a": ("adopter",), "b": ("adopter", "producer")})
