@@ -3,8 +3,10 @@
 Owns: the user-facing fault schedule (``Fault``), applying it to a running
 ``Job`` (``inject``), seeded random campaigns (``random_faults``), the
 merged timeline (fault, detection, recovery start/end per slice, first
-output after recovery) and ``run_with_faults``, which runs a query with a
-schedule and compares every sink with the serial executor row for row.
+output after recovery), the judgement of whether each fault landed
+(``judge_landing``: it did what its kind says) and ``run_with_faults``,
+which runs a query with a schedule, hands back every sink's rows and
+compares each with the serial executor row for row.
 Talks to the job only through its master and its hosts' failure-injection
 calls; never touches the runtime's internals.
 
@@ -53,9 +55,11 @@ class Fault:
     and the adoption: the master starts that host itself), ``delay`` (the host spends
     ``seconds`` more per epoch from then on), ``corrupt_backup`` /
     ``truncate_backup`` (one backup replica of the stage's slices held by a
-    peer is damaged; combine with a later ``kill`` of the slice's owner to
-    see the other replica used). ``stage`` picks the stage (any stateful
-    one when None); ``index`` which of its containers (by sorted id).
+    peer is damaged; a ``kill`` of the same stage and ``index`` at the same
+    epoch kills the slice's owner, whose recovery must reject the damaged
+    copy and use the other replica: without it the damage does not land).
+    ``stage`` picks the stage (any stateful one when None); ``index`` which
+    of its containers (by sorted id).
     Not faults but scheduled the same way: ``scale_out`` / ``scale_in``
     (``n`` hosts), ``migrate`` (the first slice of container ``index``
     to a new host) and ``compact`` (``Job.compact``), so a campaign can mix
@@ -128,19 +132,49 @@ class Fault:
         return f"{what} of stage {self.stage!r} at epoch {self.at_epoch}"
 
 
+@dataclass(frozen=True)
+class Landing:
+    """Whether one scheduled fault landed: it was applied and did what its kind says (``judge_landing``)."""
+
+    fault: Fault
+    landed: bool
+    did: str  # what it did, or why it did not land
+
+    def describe(self) -> str:
+        return f"{'landed' if self.landed else 'NOT LANDED'}: {self.fault.describe()}: {self.did}"
+
+
 @dataclass
 class ChaosReport:
-    """What ``run_with_faults`` saw: the faults applied, the timeline, and the comparison."""
+    """What ``run_with_faults`` saw: the faults scheduled and applied, the timeline, each sink's
+    output, and the comparison with the serial executor."""
 
     applied: list[tuple[float, Fault, dict[str, Any]]] = field(default_factory=list)
     timeline: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
     mismatches: dict[str, str] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)  # the schedule, in the order it is applied
+    outputs: dict[str, pa.Table] = field(default_factory=dict)  # sink name -> its rows
 
     @property
     def ok(self) -> bool:
         """True when every sink equals the serial executor's."""
         return not self.mismatches
+
+    def landings(self) -> list[Landing]:
+        """Every scheduled fault, judged on the timeline: applied faults by ``judge_landing``, the
+        rest not landed (the job ended before the schedule reached them)."""
+        out = [judge_landing(f, at, hit, self.timeline) for at, f, hit in self.applied]
+        return out + [Landing(f, False, "never applied: the job ended before its epoch")
+                      for f in self.faults[len(self.applied):]]
+
+    def not_landed(self) -> list[Landing]:
+        """The scheduled faults that did not land."""
+        return [x for x in self.landings() if not x.landed]
+
+    def format_landings(self) -> str:
+        """One line a scheduled fault: landed or not, and what it did."""
+        return "\n".join(x.describe() for x in self.landings()) or "(no faults)"
 
     def format_timeline(self) -> str:
         """The timeline as text, times relative to the first event."""
@@ -152,6 +186,117 @@ class ChaosReport:
             details = ", ".join(f"{k}={v}" for k, v in info.items())
             lines.append(f"{t - t0:8.3f}s  {kind:<18} {details}")
         return "\n".join(lines)
+
+
+Event = tuple[float, str, dict[str, Any]]
+
+
+def _recovery_of(container: int, timeline: list[Event]) -> tuple[float, dict[str, Any]] | None:
+    """The ``recovery_end`` that re-hosted ``container``'s slices (container ids are never reused)."""
+    return next(((t, i) for t, k, i in timeline
+                 if k == "recovery_end" and container in {int(c) for c in i.get("containers", [])}), None)
+
+
+def _after(kind: str, at: float, timeline: list[Event]) -> tuple[float, dict[str, Any]] | None:
+    return next(((t, i) for t, k, i in timeline if k == kind and t >= at), None)
+
+
+def _judge_kill(containers: list[int], timeline: list[Event]) -> tuple[bool, str]:
+    done = []
+    for c in containers:
+        rec = _recovery_of(c, timeline)
+        if rec is None:
+            return False, f"no recovery re-hosted container {c}'s slices"
+        done.append(f"container {c} died and was recovered as {rec[1].get('new')}")
+    return True, "; ".join(done)
+
+
+def _judge_damage(hit: dict[str, Any], at: float, timeline: list[Event]) -> tuple[bool, str]:
+    """A damaged backup landed when its holder had the copy and a later restore of that slice
+    rejected the copy and restored another replica."""
+    holder, st, sl = hit.get("holder_host"), hit.get("stage_id"), hit.get("slice")
+    if holder is None:
+        return False, f"no holder of slice {sl} had a backup of it (chain {hit.get('chain')}): nothing was damaged"
+    restores = [i for t, k, i in timeline if k == "slices_restored" and t >= at and i.get("stage") == st
+                and sl in i.get("slices", [])]
+    if not restores:
+        return False, f"slice {sl}'s copy on host {holder} was damaged, and no restore of the slice followed"
+    rejected = any(k == "backup_rejected" and t >= at and i.get("stage") == st and i.get("slice") == sl
+                   and i.get("host") == holder for t, k, i in timeline)
+    if not rejected:
+        return False, f"slice {sl}'s copy on host {holder} was damaged, and no restore rejected it"
+    for i in restores:
+        used = dict(zip(i["slices"], i.get("restored_from") or []))
+        if used.get(sl) is not None and used[sl] != holder:
+            return True, (f"slice {sl}'s copy on host {holder} was damaged, rejected, and the replica on host "
+                          f"{used[sl]} restored")
+    used = [dict(zip(i["slices"], i.get("restored_from") or [])).get(sl) for i in restores]
+    return False, f"slice {sl}'s copy on host {holder} was damaged; its restores used {used}, not another replica"
+
+
+def judge_landing(fault: Fault, at: float, hit: dict[str, Any], timeline: list[Event]) -> Landing:
+    """Whether ``fault``, applied at wall time ``at`` with ``hit`` (``inject``'s answer), did what its
+    kind says, from the job's ``timeline``.
+
+    - ``kill``: the container died and a recovery re-hosted its slices (``recovery_end``);
+      ``kill_two``: both; ``kill_master_in_recovery``: that, and the master died in the recovery
+      and restarted; ``kill_in_recovery``: that, and a second host was killed in the recovery and
+      a recovery of that host followed.
+    - ``kill_master``: the master restarted. ``kill_spare``: a spare was killed before its adoption.
+    - ``migrate``: the slice moved to a new container; ``scale_out`` / ``scale_in`` /
+      ``compact``: slices moved.
+    - ``corrupt_backup`` / ``truncate_backup``: the damaged holder had the copy, and a later restore
+      of the slice rejected it and restored another replica.
+    - ``delay``: the host took the delay.
+    """
+    k = fault.kind
+    ok, did = False, "no check"
+    if k in ("kill", "kill_master_in_recovery", "kill_in_recovery"):
+        ok, did = _judge_kill([hit["container"]], timeline)
+        if ok and k == "kill_master_in_recovery":
+            crash, restart = _after("master_crash_injected", at, timeline), _after("master_restarted", at, timeline)
+            if crash is None or restart is None:
+                ok, did = False, did + f"; but the master did not die at recovery step {fault.step!r} and restart"
+            else:
+                did += f"; the master died at step {crash[1].get('step')!r} and restarted"
+        if ok and k == "kill_in_recovery":
+            second = _after("host_kill_injected", at, timeline)
+            if second is None:
+                skipped = _after("host_kill_skipped", at, timeline)
+                ok, did = False, did + "; but no second host was killed in the recovery" + \
+                    (f" ({skipped[1].get('why')})" if skipped else "")
+            else:
+                h = second[1]["host"]
+                planned = next((t for t, kind, i in timeline if kind == "recovery_planning" and t >= second[0]
+                                and h in i.get("hosts", [])), None)
+                if planned is None or _after("recovery_end", planned, timeline) is None:
+                    ok, did = False, did + f"; host {h} ({second[1].get('role')}) was killed, and no recovery " \
+                        "of it followed"
+                else:
+                    did += f"; host {h} ({second[1].get('role')}) was killed at step {fault.step!r} and recovered"
+    elif k == "kill_two":
+        ok, did = _judge_kill(list(hit["containers"]), timeline)
+    elif k == "kill_master":
+        restart = _after("master_restarted", at, timeline)
+        ok, did = restart is not None, "the master died and restarted" if restart else "the master never restarted"
+    elif k == "kill_spare":
+        killed = _after("spare_kill_injected", at, timeline)
+        ok = killed is not None
+        did = (f"spare {killed[1].get('spare')} died before its adoption as host {killed[1].get('host')}" if killed
+               else "the master took no spare afterwards: no spare was killed")
+    elif k == "migrate":
+        ok = hit.get("slice") in hit.get("moved", [])
+        did = (f"slice {hit.get('slice')} moved off container {hit.get('container')}" if ok
+               else f"slice {hit.get('slice')} did not move (moved: {hit.get('moved')})")
+    elif k in ("scale_out", "scale_in", "compact"):
+        ok = bool(hit.get("moved"))
+        did = f"moved slices {hit.get('moved')}" if ok else "moved no slice"
+    elif k in ("corrupt_backup", "truncate_backup"):
+        ok, did = _judge_damage(hit, at, timeline)
+    elif k == "delay":
+        ok = hit.get("seconds") == fault.seconds
+        did = f"container {hit.get('container')}'s host takes {hit.get('seconds')} s more an epoch"
+    return Landing(fault, ok, did)
 
 
 def _stateful_stages(job: Any) -> list[str]:
@@ -176,8 +321,7 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     if fault.kind in ("scale_out", "scale_in", "compact"):
         done = job.compact(stage) if fault.kind == "compact" else \
             (job.scale_out if fault.kind == "scale_out" else job.scale_in)(stage, fault.n)
-        return {"stage": stage, "moved": sorted(s for t in done["transfers"] for s in t["slices"]),
-                "seconds": done.get("seconds")}
+        return {"stage": stage, "moved": _moved(done), "seconds": done.get("seconds")}
     ids = _containers_of(job, stage)
     handles = ray.get(job.master.container_handles.remote())
     hosts = job.placement()["hosts"]
@@ -202,33 +346,66 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
     if fault.kind == "migrate":
         slice_ = job.placement()["stages"][stage][victim][0]
         done = job.migrate(stage, slice_)
-        return {"stage": stage, "slice": slice_, "seconds": done.get("seconds")}
+        return {"stage": stage, "slice": slice_, "container": victim, "moved": _moved(done),
+                "seconds": done.get("seconds")}
     # corrupt/truncate: damage the replica of the victim's first slice that a
     # recovery would try first (the first holder in its backup chain).
     sid = job.plan.stage(stage).stage_id
     slice_ = job.placement()["stages"][stage][victim][0]
     chain = ray.get(job.master.backup_plan.remote())[sid][slice_]
     host_handles = ray.get(job.master.host_handles.remote())
+    hit = {"stage": stage, "stage_id": sid, "slice": slice_, "container": victim, "host": hosts[victim]}
     for h in chain:
         if ray.get(host_handles[h].corrupt_backup.remote(sid, slice_, fault.kind == "truncate_backup")):
-            return {"stage": stage, "slice": slice_, "holder_host": h}
-    return {"stage": stage, "slice": slice_, "holder_host": None}
+            return {**hit, "holder_host": h}
+    return {**hit, "holder_host": None, "chain": list(chain)}  # (no holder had the backup: nothing damaged)
+
+
+def _moved(done: dict[str, Any]) -> list[int]:
+    """The slices a rescaling's transfers moved to their new containers (phase ``done``)."""
+    return sorted(s for t in done.get("transfers", []) if t.get("phase", "done") == "done" for s in t["slices"])
+
+
+#: Kills a kind costs against a stage's cap (a kill in a recovery may take a second host of the
+#: stage; a damaged backup is followed by a kill of the slice's host, which reads it).
+_KILL_COST = {"kill": 1, "kill_master_in_recovery": 1, "kill_two": 2, "kill_in_recovery": 2, "corrupt_backup": 1,
+              "truncate_backup": 1}
+#: Hosts a kind adds to its stage (a kill takes its cost; ``kill_spare`` comes with a scale-out).
+_HOSTS_ADDED = {"scale_out": 1, "migrate": 1, "scale_in": -1, "kill_spare": 1}
 
 
 def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containers: int = 3,
-                  kinds: tuple[str, ...] = ("kill",), min_gap: int = 4) -> list[Fault]:
+                  kinds: tuple[str, ...] = ("kill",), min_gap: int = 4,
+                  roles: dict[str, tuple[str, ...]] | None = None, backups_from: int = 1) -> list[Fault]:
     """A seeded random schedule of ``n`` faults at epochs in [1, max_epoch), at least ``min_gap`` apart.
 
     Kills are capped so every stage keeps 2 containers (``containers`` per
     stage at the start): with backup factor 2 a copy of each slice then
-    survives; a kind that would exceed the cap becomes a ``delay``. So does
-    a ``scale_in`` that would leave a stage on fewer than 2 hosts (counted
+    survives. A ``scale_in`` must leave a stage on 2 hosts or more (counted
     from ``containers``: a scale-out or a migration to a new host adds one,
     a kill or a scale-in takes one; the master refuses to remove a stage's
-    last host).
+    last host). A ``compact`` needs a host with two containers of the stage
+    to merge: a kill (its recovery adopts slices onto the stage's other
+    hosts) or a scale-in since the stage's last compaction. ``roles``
+    (stage -> the ``master.recovery.RECOVERY_ROLES`` it has: a stage with
+    no stage downstream has no consumer) limits the roles a
+    ``kill_in_recovery`` draws, so the second host it kills exists. A
+    damaged backup needs a backup to damage: it is drawn at epochs from
+    ``backups_from`` on (when the job's first checkpoints have reached
+    their holders). A kind
+    drawn that does not fit is drawn again among the ``kinds`` that do;
+    when none fits, ``ValueError`` says so: the schedule returned is the
+    one asked for, never a fault turned into another kind.
 
-    >>> [(f.kind, f.at_epoch) for f in random_faults(0, 3, ["count"], 40, 4, ("kill", "corrupt_backup"))]
-    [('corrupt_backup', 1), ('kill', 13), ('corrupt_backup', 38)]
+    Faults whose effect only shows with a second one come with it, at the
+    same epoch, so that each can land: a damaged backup (``corrupt_backup``,
+    ``truncate_backup``) with a ``kill`` of the same container (its
+    recovery reads the damaged copy and must use the other replica), and
+    ``kill_spare`` with a ``scale_out`` of the stage (it takes a spare).
+    The schedule then holds more than ``n`` faults.
+
+    >>> [(f.kind, f.at_epoch) for f in random_faults(0, 3, ["count"], 40, 5, ("kill", "corrupt_backup"))]
+    [('corrupt_backup', 1), ('kill', 1), ('kill', 13), ('corrupt_backup', 38), ('kill', 38)]
     """
     rng = random.Random(seed)
     epochs: list[int] = []
@@ -241,17 +418,37 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
             epochs.append(e)
     kills: dict[str, int] = {}
     hosts = {st: containers for st in stages}
+    mergeable: set[str] = set()  # stages with a host holding two of their containers
+
+    def fits(stage: str, kind: str, epoch: int) -> bool:
+        if kind in ("corrupt_backup", "truncate_backup") and epoch < backups_from:
+            return False
+        cost = _KILL_COST.get(kind, 0)
+        if cost and kills.get(stage, 0) + cost > containers - 2:
+            return False
+        if kind == "compact" and stage not in mergeable:
+            return False
+        return not (kind == "scale_in" and hosts[stage] - 1 < 2)
+
     faults = []
     for e in sorted(epochs):
         stage, kind = rng.choice(stages), rng.choice(kinds)
-        # (a kill in a recovery may take a second host of the stage: counted as two)
-        cost = {"kill": 1, "kill_master_in_recovery": 1, "kill_two": 2, "kill_in_recovery": 2}.get(kind, 0)
-        if cost and kills.get(stage, 0) + cost > containers - 2:
-            kind = "delay"
-        if kind == "scale_in" and hosts[stage] - 1 < 2:
-            kind = "delay"
-        kills[stage] = kills.get(stage, 0) + cost * (kind != "delay")
-        hosts[stage] += {"scale_out": 1, "migrate": 1, "scale_in": -1}.get(kind, -cost)
+        if not fits(stage, kind, e):
+            allowed = [k for k in kinds if fits(stage, k, e)]
+            if not allowed:
+                raise ValueError(
+                    f"fault {len(faults) + 1} at epoch {e} on stage {stage!r}: none of {sorted(set(kinds))} fits "
+                    f"(kills so far {kills.get(stage, 0)}, at most {containers - 2} a stage of {containers} "
+                    f"hosts; {hosts[stage]} hosts now; backups to damage from epoch {backups_from}); ask for "
+                    "fewer faults, more containers or other kinds")
+            kind = rng.choice(allowed)
+        cost = _KILL_COST.get(kind, 0)
+        kills[stage] = kills.get(stage, 0) + cost
+        hosts[stage] += _HOSTS_ADDED.get(kind, -cost)
+        if cost or kind == "scale_in":
+            mergeable.add(stage)
+        if kind == "compact":
+            mergeable.discard(stage)
         index = rng.randrange(containers)
         if kind == "kill_master_in_recovery":  # (drawn only for this kind: other schedules stay as they were)
             from master.recovery import RECOVERY_STEPS
@@ -262,9 +459,13 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
             from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
             faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS),
-                                role=rng.choice(RECOVERY_ROLES)))
+                                role=rng.choice((roles or {}).get(stage, RECOVERY_ROLES))))
             continue
         faults.append(Fault(kind, e, stage, index, 0.01 if kind == "delay" else 0.0))
+        if kind in ("corrupt_backup", "truncate_backup"):
+            faults.append(Fault("kill", e, stage, index))
+        if kind == "kill_spare":
+            faults.append(Fault("scale_out", e, stage, index))
     return faults
 
 
@@ -309,9 +510,15 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
     applied and settles, the job's sources spend at least this long per
     epoch, then go back to their pace; the input keeps flowing, but a slow
     recovery on a loaded machine cannot let the job run out of input before
+    the later faults land. A ``delay`` on a source stage is its pace for
+    the rest of the schedule: a source host a fault replaced (a producer
+    killed in a recovery) gets it again once the fault settled, or its
+    successor would replay the input at full speed and end the job before
     the later faults land.
     """
     applied = []
+    paces: dict[str, float] = {}  # source stage -> the delay the schedule gave it
+    sources = {s.name for s in job.plan.stages if s.kind == "source"}
     deadline = time.monotonic() + timeout_s
     for fault in sorted(faults, key=lambda f: f.at_epoch):
         while True:
@@ -323,27 +530,52 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job never reached epoch {fault.at_epoch}")
             time.sleep(poll_s)
-        before = job.progress().get("recoveries", 0)
+        before = (job.progress().get("recoveries", 0),
+                  sum(1 for _, k, _ in job.timeline() if k == "master_restarted") if fault.kind == "kill_master" else 0)
         slowed = _slow_sources(job, settle_pace_s) if settle_pace_s > 0 and fault.kind in SETTLING_KINDS else []
         try:
+            at = time.time()  # (before the fault: every event it causes comes after)
             try:
                 hit = inject(job, fault)
             except Exception:
                 if job.progress()["state"] != "running":
                     return applied  # the job finished between the check and the fault (a rescale refuses then)
                 raise
-            applied.append((time.time(), fault, hit))
+            applied.append((at, fault, hit))
+            if fault.kind == "delay" and hit.get("stage") in sources:
+                paces[hit["stage"]] = fault.seconds
             if settle:
                 _settle(job, fault, before, deadline, poll_s)
         finally:
             _restore_sources(slowed, settle_pace_s)
+        if paces and fault.kind in SETTLING_KINDS and job.progress()["state"] == "running":
+            _keep_pace(job, paces)
     return applied
 
 
-def _settle(job: Any, fault: Fault, recoveries_before: int, deadline: float, poll_s: float) -> None:
-    """Wait for ``fault``'s recovery to end, or for the master's restart after a master kill."""
+def _keep_pace(job: Any, paces: dict[str, float]) -> None:
+    """Every host of a paced source stage spends at least its pace an epoch (a host that is
+    slower already keeps its delay)."""
+    import ray
+
+    handles = ray.get(job.master.container_handles.remote())
+    for stage, pace in paces.items():
+        hosts = {id(handles[c]): handles[c] for c in _containers_of(job, stage) if c in handles}.values()
+        for h in hosts:
+            try:
+                was = ray.get(h.inject_delay.remote(pace))
+                if was > pace:
+                    ray.get(h.inject_delay.remote(was))
+            except ray.exceptions.RayActorError:
+                pass  # (died meanwhile: its recovery follows, and the next fault's settling paces it)
+
+
+def _settle(job: Any, fault: Fault, before: tuple[int, int], deadline: float, poll_s: float) -> None:
+    """Wait for ``fault``'s recovery to end, or for the master's restart after a master kill
+    (``before``: the recoveries ended and the master restarts seen before the fault)."""
+    recoveries_before, restarts_before = before
     if fault.kind == "kill_master":
-        while not any(k == "master_restarted" for _, k, _ in job.timeline()):
+        while sum(1 for _, k, _ in job.timeline() if k == "master_restarted") <= restarts_before:
             if time.monotonic() > deadline:
                 raise TimeoutError("the master did not restart")
             time.sleep(poll_s)
@@ -356,16 +588,21 @@ def _settle(job: Any, fault: Fault, recoveries_before: int, deadline: float, pol
 
 def compare_with_serial(job: Any, query: Any) -> tuple[dict[str, str], dict[str, int]]:
     """Each sink's rows vs the serial executor's: (mismatch descriptions, row counts)."""
+    return compare_outputs({sink.name: job.results(sink.name) for sink in job.plan.sinks}, query)
+
+
+def compare_outputs(outputs: dict[str, pa.Table], query: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """Each sink's rows (``outputs``: sink name -> table) vs the serial executor's: (mismatch
+    descriptions, row counts)."""
     from chronostream.client import run
 
     expected = run(query, executor="serial")
     mismatches, rows = {}, {}
-    for sink in job.plan.sinks:
-        got = job.results(sink.name)
-        want = expected.results(sink.name)
-        rows[sink.name] = got.num_rows
+    for name, got in outputs.items():
+        want = expected.results(name)
+        rows[name] = got.num_rows
         if got.to_pylist() != want.to_pylist():
-            mismatches[sink.name] = _describe_difference(got, want)
+            mismatches[name] = _describe_difference(got, want)
     return mismatches, rows
 
 
@@ -381,24 +618,28 @@ def _describe_difference(got: pa.Table, want: pa.Table) -> str:
 
 def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0, settle_pace_s: float = 0.0,
                     **run_kw: Any) -> ChaosReport:
-    """Run ``query`` on Ray, apply ``faults``, wait, and compare every sink with the serial executor.
+    """Run ``query`` on Ray, apply ``faults``, wait, read every sink, compare each with the serial
+    executor, then stop the job.
 
     ``settle_pace_s`` slows the sources while each fault settles (``apply_schedule``);
-    ``run_kw`` goes to ``chronostream.run`` (``containers``, ``checkpoint_every``...)::
+    ``run_kw`` goes to ``chronostream.run`` (``containers``, ``checkpoint_every``...). The report
+    holds each sink's rows (``outputs``) and judges every fault (``landings``)::
 
         report = run_with_faults(q, [Fault("kill", at_epoch=10, stage="count")],
                                  containers=3, checkpoint_every=2)
         assert report.ok, report.mismatches
+        assert not report.not_landed(), report.format_landings()
         print(report.format_timeline())
     """
     from chronostream.client import run
 
     job = run(query, **run_kw)
-    report = ChaosReport()
+    report = ChaosReport(faults=sorted(faults, key=lambda f: f.at_epoch))
     try:
         report.applied = apply_schedule(job, faults, timeout_s=timeout_s, settle_pace_s=settle_pace_s)
         job.wait(timeout_s=timeout_s)
-        report.mismatches, report.rows = compare_with_serial(job, query)
+        report.outputs = {sink.name: job.results(sink.name) for sink in job.plan.sinks}
+        report.mismatches, report.rows = compare_outputs(report.outputs, query)
         events = [(t, "fault_injected", {"fault": f.describe(), **hit}) for t, f, hit in report.applied]
         report.timeline = sorted(events + job.timeline(), key=lambda e: e[0])
     finally:

@@ -98,8 +98,9 @@ class _Fetched(NamedTuple):
     """A slice's restore point as ``_fetch_backup`` found it."""
 
     point: RestorePoint
-    rejected: list[str]  # holders whose copy was refused, with why
+    rejected: list[tuple[int, str]]  # (holder, why) of each copy refused
     nbytes: int  # bytes read (checkpoint and carried outputs)
+    holder: int | None  # the host whose copy was restored (None: rebuilt from the start)
 
 
 def shm_job_tag(master: Any) -> str:
@@ -396,7 +397,8 @@ class ResourceContainer:
             await asyncio.to_thread(core.restore_slices, {s: f.point for s, f in fetched.items()})
             info.update(restore_start=t0, restore_end=time.time(), fetch_s=t1 - t0,
                         bytes=sum(f.nbytes for f in fetched.values()),
-                        rejected=[r for f in fetched.values() for r in f.rejected], **_progress_info(core))
+                        rejected=[(s, h, why) for s, f in fetched.items() for h, why in f.rejected],
+                        restored_from={s: f.holder for s, f in fetched.items()}, **_progress_info(core))
         if hand_over_from is not None:
             core.awaiting_handover = True
             # (its inbox window starts where its sources are: producers may send it their rows now)
@@ -415,7 +417,7 @@ class ResourceContainer:
         rejected = []
         for h, actor in holders:
             if actor is None and h != self.host_id:  # (a holder the master found dead since it planned)
-                rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: the host is dead")
+                rejected.append((h, "the host is dead"))
                 continue
             try:
                 if h == self.host_id and self.backup_store is not None:
@@ -425,18 +427,19 @@ class ResourceContainer:
                         ckpt, outs, seed = store.restore_point(stage_id, slice_id)
                         return ckpt, [decode_outputs(b) for b in outs], store.size(stage_id, slice_id), seed
                     ckpt, carried, size, seed = await self._in_store_thread(local)
-                    return _Fetched(RestorePoint(ckpt, carried, seed), rejected, size)
+                    return _Fetched(RestorePoint(ckpt, carried, seed), rejected, size, h)
                 data, outs = await actor.backup_bytes.remote(stage_id, slice_id, with_outputs=True)
                 data, outs = from_wire(data), [from_wire(b) for b in outs]
                 decoded = await asyncio.to_thread(lambda: (decode(data, "backup"), [decode_outputs(b) for b in outs]))
                 return _Fetched(RestorePoint(decoded[0], decoded[1], [data, *outs]), rejected,
-                                len(data) + sum(len(b) for b in outs))
+                                len(data) + sum(len(b) for b in outs), h)
             except (CheckpointCorrupt, KeyError, RayActorError) as exc:
-                rejected.append(f"stage {stage_id} slice {slice_id} on host {h}: {exc}")
+                rejected.append((h, str(exc)))
         if holders:
             name = self.plan.stages[stage_id].name if self.plan else stage_id
-            raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: " + "; ".join(rejected))
-        return _Fetched(RestorePoint(None, [], []), rejected, 0)
+            raise RecoveryError(f"no usable backup of stage {name!r} slice {slice_id}: "
+                                + "; ".join(f"on host {h}: {why}" for h, why in rejected))
+        return _Fetched(RestorePoint(None, [], []), rejected, 0, None)
 
     async def start(self, container_ids: list[int] | None = None) -> None:
         """Start processing the given containers (default: all not started)."""

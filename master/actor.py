@@ -726,9 +726,12 @@ class JobMaster:
             a.new_id, a.stage_id, a.slices, {}, {s: [(h, self.handles.get(h)) for h in restore_order(a.holders[s], a.host)]
                                                  for s in a.slices}) for a in plan])
         for a, info in zip(plan, infos):
-            for r in info["rejected"]:
-                self._event("backup_rejected", container=a.new_id, error=r)
-            self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices,
+            for s, h, why in info["rejected"]:
+                self._event("backup_rejected", container=a.new_id, stage=a.stage_id, slice=s, host=h, error=why)
+            # restored_from[i]: the host whose copy of slices[i] was restored (None: rebuilt from the
+            # start), so a damaged copy's rejection shows which replica took its place.
+            self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices, stage=a.stage_id,
+                        restored_from=[info["restored_from"].get(s) for s in a.slices],
                         seconds=round(info["restore_end"] - info["restore_start"], 4),
                         fetch_s=round(info["fetch_s"], 4), resume=info["resume"],
                         mb=round(info["bytes"] / 1e6, 3))

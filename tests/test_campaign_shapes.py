@@ -48,9 +48,9 @@ def window_query(kind: str, hot_entries: int | None) -> cs.Query:
 
 def shape_campaign(query: cs.Query, containers: dict[str, int], stage: str, seed: int, n: int = 5) -> None:
     """``n`` seeded faults on ``stage`` (4 hosts in ``containers``) over ``query``, its first source
-    paced; every sink equals the serial run."""
+    paced; every sink equals the serial run and every fault landed."""
     seeded_campaign(query, containers, [stage], seed, n, 50, EVERY_FAULT, source_delay_s=SOURCE_DELAY_S,
-                    settle_pace_s=SETTLE_PACE_S, all_land=False)
+                    settle_pace_s=SETTLE_PACE_S)
 
 
 #: One host a source, 4 for the stateful stage.
@@ -59,8 +59,8 @@ WINDOW_HOSTS = {"payments": 1, "w": 4}
 
 
 def test_a_keyed_join_through_faults_and_rescaling_ends_with_exact_output(ray_session):
-    """Seed 1201: a truncated backup, a scale-in, a migration, a host dying in a recovery and a
-    master death, on the join's 4 hosts."""
+    """Seed 1201: a truncated backup and a kill of its slice's host (the other replica restored),
+    a scale-in, a migration, a master death in a recovery and a master death, on the join's 4 hosts."""
     shape_campaign(join_query(), JOIN_HOSTS, "join", 1201)
 
 

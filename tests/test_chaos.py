@@ -26,7 +26,7 @@ def test_a_kill_in_a_recovery_describes_its_second_victim():
 
 
 def test_random_schedules_draw_a_step_and_a_role_only_for_kills_in_recoveries():
-    mixed = random_faults(5, 8, ["a", "b"], 80, containers=6, kinds=("kill_in_recovery",))
+    mixed = random_faults(5, 6, ["a", "b"], 80, containers=10, kinds=("kill_in_recovery",))
     drawn = [f for f in mixed if f.kind == "kill_in_recovery"]
     assert drawn and all(f.step in RECOVERY_STEPS and f.role in RECOVERY_ROLES for f in drawn)
     assert len({(f.step, f.role) for f in drawn}) > 1, "step and role are drawn, not fixed"
@@ -36,9 +36,12 @@ def test_random_schedules_draw_a_step_and_a_role_only_for_kills_in_recoveries():
 
 def test_a_kill_in_a_recovery_counts_as_two_kills_against_the_stage_cap():
     """With 4 containers a stage keeps 2: one kill in a recovery (it may take a second host of the
-    stage) uses the whole allowance; the next becomes a delay."""
-    faults = random_faults(5, 6, ["a"], 80, containers=4, kinds=("kill_in_recovery",))
-    assert [f.kind for f in faults].count("kill_in_recovery") == 1
+    stage) uses the whole allowance; the rest of the schedule is drawn among the kinds that fit, and
+    with none left the schedule is refused, not turned into delays."""
+    faults = random_faults(5, 6, ["a"], 80, containers=4, kinds=("kill_in_recovery", "migrate"))
+    assert [f.kind for f in faults].count("kill_in_recovery") == 1 and "delay" not in {f.kind for f in faults}
+    with pytest.raises(ValueError, match="none of \\['kill_in_recovery'\\] fits"):
+        random_faults(5, 6, ["a"], 80, containers=4, kinds=("kill_in_recovery",))
 
 
 def test_a_fault_written_as_text_carries_its_stage_and_options():
