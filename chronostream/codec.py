@@ -23,6 +23,7 @@ code Python type                      ext data (a msgpack array unless noted)
 26   ``pyarrow.RecordBatch``          an IPC stream of the batch
 27   ``pyarrow.Array``                an IPC stream of one column named ""
 28   ``pyarrow.ChunkedArray``         an IPC stream of one column named "", its chunks
+29   ``int`` beyond 64 bits           its decimal digits (msgpack's ints are 64-bit)
 ==== ================================ ==========================================
 
 A time zone is None, an offset in microseconds (``datetime.timezone``) or a
@@ -63,6 +64,7 @@ from chronostream.errors import StateEncodingError
 DATETIME, DATE, TIME, TIMEDELTA, DECIMAL = 16, 18, 19, 20, 21
 PD_TIMESTAMP, PD_TIMEDELTA, PD_NAT = 22, 23, 24
 ARROW_TABLE, ARROW_BATCH, ARROW_ARRAY, ARROW_CHUNKED = 25, 26, 27, 28
+BIG_INT = 29
 
 _US = dt.timedelta(microseconds=1)
 
@@ -188,6 +190,7 @@ _ENCODERS: dict[type, Callable[[Any], Any]] = {
     pa.Array: lambda v: msgpack.ExtType(ARROW_ARRAY, _ipc(pa.table({"": v}))),
     pa.ChunkedArray: lambda v: msgpack.ExtType(ARROW_CHUNKED, _ipc(pa.table({"": v}))),
     np.generic: lambda v: _numpy_scalar(v),
+    int: lambda v: msgpack.ExtType(BIG_INT, str(int(v)).encode()),  # (msgpack asks only beyond 64 bits)
 }
 
 #: Ext code -> decoder.
@@ -204,6 +207,7 @@ _DECODERS: dict[int, Callable[[bytes], Any]] = {
     ARROW_BATCH: _dec_batch,
     ARROW_ARRAY: _dec_array,
     ARROW_CHUNKED: _one_column,
+    BIG_INT: lambda data: int(data.decode()),
 }
 
 

@@ -184,7 +184,7 @@ class KeyValueState:
         try:  # (a key both stale and evicted: deleted, then written, in one transaction)
             self._cold.write_many([(k, data[k]) for k in keys], self._stale)
         except StateEncodingError as exc:  # the codec refused a value: nothing moved
-            raise StateEncodingError(f"state {self.name!r}: spilling to disk: {exc}") from None
+            raise StateEncodingError(f"state {self.name!r} holds a value the spill store cannot encode: {exc}") from None
         for k in keys:
             del data[k]
         self._stale.clear()

@@ -115,7 +115,7 @@ def capture_kv(state: KeyValueState, delta: bool) -> dict[str, Any]:
         keys_b, values_b = _packed_columns(state.items())
         return {"shape": "kv", "keys": keys_b, "values": values_b, "deleted": _pack([])}
     except StateEncodingError as exc:
-        raise StateEncodingError(f"state {state.name!r}: {exc}") from None
+        raise StateEncodingError(f"state {state.name!r} holds a value a checkpoint cannot encode: {exc}") from None
 
 
 def _packed_columns(pairs: Iterator[tuple[Any, Any]]) -> tuple[bytes, bytes]:
