@@ -1,8 +1,8 @@
 """Owns how Python values are serialized wherever the runtime stores them: one msgpack codec.
 
 Checkpoints (key-value state parts), the spill store (cold state values and
-their keys), window key ordering and the master's catalog all encode with
-``packb`` / ``Packer`` and decode with ``unpackb`` / ``Unpacker`` from here,
+their keys), window key ordering and state-size sampling all encode with
+``packb`` / ``packer`` and decode with ``unpackb`` / ``unpacker`` from here,
 so a value that survives one of them survives all of them. On top of
 msgpack's plain data (None, bool, int, float, str, bytes, list, dict) the
 codec carries, as msgpack ext types, every value an Arrow column gives to
@@ -12,18 +12,18 @@ Python and a few a user's operator is likely to hold:
 code Python type                      ext data (a msgpack array unless noted)
 ==== ================================ ==========================================
 16   ``datetime``                     wall-clock microseconds since 0001-01-01, fold, zone
-18   ``date``                         proleptic ordinal
-19   ``time``                         hour, minute, second, microsecond, fold, zone
-20   ``timedelta``                    days, seconds, microseconds
-21   ``Decimal``                      ``str(d)`` as UTF-8 (exact: digits and exponent)
-22   ``pandas.Timestamp``             nanoseconds since 1970 (UTC), unit, zone
-23   ``pandas.Timedelta``             nanoseconds, unit
-24   ``pandas.NaT``                   empty
-25   ``pyarrow.Table``                an Arrow IPC stream (``chronostream.arrow_ipc``)
-26   ``pyarrow.RecordBatch``          an IPC stream of the batch
-27   ``pyarrow.Array``                an IPC stream of one column named ""
-28   ``pyarrow.ChunkedArray``         an IPC stream of one column named "", its chunks
-29   ``int`` beyond 64 bits           its decimal digits (msgpack's ints are 64-bit)
+17   ``date``                         proleptic ordinal
+18   ``time``                         hour, minute, second, microsecond, fold, zone
+19   ``timedelta``                    days, seconds, microseconds
+20   ``Decimal``                      ``str(d)`` as UTF-8 (exact: digits and exponent)
+21   ``pandas.Timestamp``             nanoseconds since 1970 (UTC), unit, zone
+22   ``pandas.Timedelta``             nanoseconds, unit
+23   ``pandas.NaT``                   empty
+24   ``pyarrow.Table``                an Arrow IPC stream (``chronostream.arrow_ipc``)
+25   ``pyarrow.RecordBatch``          an IPC stream of the batch
+26   ``pyarrow.Array``                an IPC stream of one column named ""
+27   ``pyarrow.ChunkedArray``         an IPC stream of one column named "", its chunks
+28   ``int`` beyond 64 bits           its decimal digits (msgpack's ints are 64-bit)
 ==== ================================ ==========================================
 
 A time zone is None, an offset in microseconds (``datetime.timezone``) or a
@@ -36,8 +36,9 @@ stored as the Python number they hold. Tuples are msgpack arrays: they come
 back as tuples where the reader asks for them (state keys) and as lists
 elsewhere, as with plain msgpack.
 
-Ext codes below 16 belong to the frames that embed this codec (code 1: a
-checkpoint's attached binary, ``slices.checkpoint``). Nothing here executes
+The codes are part of the stored format: a code, once written, keeps its
+meaning. Codes below 16 belong to the frames that embed this codec (code 1:
+a checkpoint's attached binary, ``slices.checkpoint``). Nothing here executes
 code on load (no pickle): every decoder builds a value of a fixed type from
 numbers and strings. A value of any other type fails with
 ``StateEncodingError`` naming its type; a caller that knows the state,
@@ -61,10 +62,10 @@ import pyarrow as pa
 from chronostream.arrow_ipc import read_stream, stream_buffer
 from chronostream.errors import StateEncodingError
 
-DATETIME, DATE, TIME, TIMEDELTA, DECIMAL = 16, 18, 19, 20, 21
-PD_TIMESTAMP, PD_TIMEDELTA, PD_NAT = 22, 23, 24
-ARROW_TABLE, ARROW_BATCH, ARROW_ARRAY, ARROW_CHUNKED = 25, 26, 27, 28
-BIG_INT = 29
+DATETIME, DATE, TIME, TIMEDELTA, DECIMAL = 16, 17, 18, 19, 20
+PD_TIMESTAMP, PD_TIMEDELTA, PD_NAT = 21, 22, 23
+ARROW_TABLE, ARROW_BATCH, ARROW_ARRAY, ARROW_CHUNKED = 24, 25, 26, 27
+BIG_INT = 28
 
 _US = dt.timedelta(microseconds=1)
 
