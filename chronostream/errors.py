@@ -43,6 +43,12 @@ class RuntimeFault(ChronoStreamError):
     ``EventError`` naming stage, slice and order, whose cause is this message."""
 
 
+class StateEncodingError(ChronoStreamError, TypeError):
+    """A value cannot be stored (checkpoint, spill store): its type is none the codec carries
+    (``chronostream.codec``). The message names the type and, where known, the state, stage
+    and slice. Also a ``TypeError``: it is what a bad value's type is."""
+
+
 class JobFailed(ChronoStreamError):
     """The job stopped because of an error; ``__cause__``/``error`` holds it."""
 

@@ -2,9 +2,11 @@
 
 Owns: the in-memory key-value store of one slice's named state and its dirty
 set (every mutation marks its key dirty, deletes included; the checkpoint
-layer reads and clears it). Values must be plain data (None, bool, int,
-float, str, bytes, list, dict): checkpoints must be readable by another
-process, version and machine, so nothing is pickled. Knows no Ray, no lmdb.
+layer reads and clears it). Values must be what ``chronostream.codec``
+carries (plain data: None, bool, int, float, str, bytes, list, dict; dates,
+times, durations, Decimal, Arrow tables and arrays): checkpoints must be
+readable by another process, version and machine, so nothing is pickled.
+Knows no Ray, no lmdb.
 
 **Cold values.** A state may be given a cold tier (the host's spill store,
 ``containers/spill.py``, duck-typed: ``put``/``get``/``get_or``/``contains``/
@@ -33,6 +35,8 @@ from collections import OrderedDict
 from itertools import islice
 from collections.abc import Iterator
 from typing import Any
+
+from chronostream.errors import StateEncodingError
 
 #: The one NaN object used as a key: float("nan") != float("nan"), so every
 #: NaN key is mapped to this object, which a dict finds by identity.
@@ -156,7 +160,7 @@ class KeyValueState:
             self._stale.clear()
 
     def set(self, key: Any, value: Any) -> None:
-        """Set ``key`` to ``value`` (plain data only) and mark it dirty."""
+        """Set ``key`` to ``value`` (a value ``chronostream.codec`` carries) and mark it dirty."""
         data = self._data
         bounded = self.hot_limit is not None and self._cold is not None
         was_hot = (data.pop(key, _MISSING) if bounded  # the key becomes the most recent write: cold last
@@ -179,9 +183,8 @@ class KeyValueState:
         keys = list(islice(data, n))
         try:  # (a key both stale and evicted: deleted, then written, in one transaction)
             self._cold.write_many([(k, data[k]) for k in keys], self._stale)
-        except (TypeError, OverflowError, ValueError) as exc:  # msgpack refused a value: nothing moved
-            raise TypeError(f"state {self.name!r} holds a value the spill store cannot encode ({exc}); "
-                            "state values must be plain data (ints within 64 bits)") from None
+        except StateEncodingError as exc:  # the codec refused a value: nothing moved
+            raise StateEncodingError(f"state {self.name!r} holds a value the spill store cannot encode: {exc}") from None
         for k in keys:
             del data[k]
         self._stale.clear()

@@ -12,12 +12,14 @@ exactly the restored contents through handles created by ``setup()``.
 The runtime does not tell an operator "the current key": an operator may
 have several inputs keyed by different columns, and the key only decides the
 slice. ``handle.at(key)`` returns a view bound to one key for readability.
-Keys must be msgpack-able and hashable (None, bool, int, float, str, bytes
-or tuples of them); they are canonicalized (``canonical_key``: one NaN,
--0.0 is 0.0) so they survive a checkpoint round trip.
+Keys must be hashable values ``chronostream.codec`` carries (None, bool,
+int, float, str, bytes, dates and times, Decimal, or tuples of them); they
+are canonicalized (``canonical_key``: one NaN, -0.0 is 0.0) so they survive
+a checkpoint round trip.
 
-**Values** are plain data (None, bool, int, float, str, bytes, lists and
-dicts of them). A checkpoint round trip turns tuples inside values into
+**Values** are what ``chronostream.codec`` carries: plain data (None, bool,
+int, float, str, bytes, lists and dicts of them), dates, times, durations,
+Decimal, Arrow tables and arrays. A checkpoint round trip turns tuples inside values into
 lists. Never mutate a value a handle returned without writing it back: the
 handle would not know the key is dirty.
 

@@ -25,12 +25,12 @@ in start order, with that window's aggregates over its events so far.
 or past its end arrives (rows carry that event's lineage, and the key as
 state holds it: -0.0 as 0.0, every NaN one NaN); windows still
 open when the input ends are emitted then, by the end-of-input hook
-(``ClosingWindowAggregate.on_end``: keys in the order of their msgpack
-bytes, each key's windows by start; lineage the end of the input). With
+(``ClosingWindowAggregate.on_end``: keys in the order of their encoding
+(``chronostream.codec``), each key's windows by start; lineage the end of the input). With
 ``clock="slice"`` the slice's event time closes windows instead of each
 key's: at every event of the slice, every window of every key of the slice
 that ends at or before the event's (effective) time is emitted, by start,
-then keys in the order of their msgpack bytes, with that event's lineage
+then keys in the order of their encoded bytes, with that event's lineage
 (an idle key's window closes once any key of its slice passes its end);
 lateness is then measured against the slice's latest time too, so no
 event reopens an emitted window. Which event closes a window depends on
@@ -90,9 +90,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
-import msgpack
 import pyarrow as pa
 
+from chronostream import codec
 from chronostream.errors import QueryError
 from chronostream.operators import Operator
 from chronostream.state import canonical_key
@@ -563,7 +563,7 @@ class WindowAggregate(Operator):
     def _close_slice_windows(self, key: Any, closed: list[dict], zone: str | None, t_eff: int | float,
                              clock: dict | None) -> None:
         """``clock="slice"``: emit every window of the slice that ends at or before ``t_eff``,
-        by start, each start's keys in the order of their msgpack bytes, and forget them. The
+        by start, each start's keys in the order of their encoded bytes, and forget them. The
         event's own key's closing windows are ``closed`` (its state is written by the caller);
         another key's leave its state here."""
         size = self.windows[0].size
@@ -571,9 +571,9 @@ class WindowAggregate(Operator):
         if not due:  # most events: nothing ends before them
             return
         mine = {w["start"]: w for w in closed}
-        own = msgpack.packb(key, use_bin_type=True)  # bytes compare a NaN key equal to itself
+        own = codec.packb(key)  # bytes compare a NaN key equal to itself
         for start in due:
-            for kb, k in sorted((msgpack.packb(k, use_bin_type=True), k) for k in self.closing.keys(start)):
+            for kb, k in sorted((codec.packb(k), k) for k in self.closing.keys(start)):
                 if kb == own:
                     self.produce("out", self._closing_row(k, mine[start], zone))
                     continue
@@ -641,12 +641,12 @@ class WindowAggregate(Operator):
 
 class ClosingWindowAggregate(WindowAggregate):
     """Hopping or tumbling windows with ``emit="close"``: at the end of the input every window
-    still open is emitted too (``Operator.on_end``), keys in a fixed order (their msgpack bytes),
+    still open is emitted too (``Operator.on_end``), keys in a fixed order (their encoded bytes),
     each key's windows by start, as if an event past their end had closed them. The rows carry
     the key columns and the bounds; their lineage is the end of the input."""
 
     def on_end(self) -> None:
-        for key, st in sorted(self.keys.state.items(), key=lambda kv: msgpack.packb(kv[0], use_bin_type=True)):
+        for key, st in sorted(self.keys.state.items(), key=lambda kv: codec.packb(kv[0])):
             for w in st["open"]:
                 self.produce("out", self._closing_row(key, w, st.get("z")))
 

@@ -5,7 +5,8 @@ per-state ``SpillTier`` views a ``KeyValueState`` spills its cold values to
 (``chronostream.state``: ``spill``/``promote``). Which values go cold is the
 state library's call (a long queue's middle chunks: immutable, read only
 when a window's head reaches them); this module only stores bytes under
-``<stage>/<slice>/<state>/`` + msgpack(key).
+``<stage>/<slice>/<state>/`` + the key's encoding, values encoded alike
+(``chronostream.codec``: plain data, dates and times, Decimal, Arrow values).
 
 Must not touch: checkpoints. The spill store is a cache of the slice's own
 memory, never a source of truth across processes: a checkpoint reads every
@@ -33,9 +34,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import lmdb
-import msgpack
 
-from chronostream.errors import RuntimeFault
+from chronostream import codec
+from chronostream.errors import RuntimeFault, StateEncodingError
 
 #: Virtual size reserved for the map (sparse: only written pages use disk).
 SPILL_MAP_SIZE = 1 << 36
@@ -54,12 +55,17 @@ def _pack(obj: Any) -> bytes:
     # a key not in memory encodes it. Per thread: slices of one host run on several (scale-up).
     packer = getattr(_packers, "packer", None)
     if packer is None:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(obj)
+        packer = _packers.packer = codec.packer()
+    try:
+        return packer.pack(obj)
+    except StateEncodingError:
+        raise
+    except (TypeError, OverflowError, ValueError):  # an int beyond 64 bits, a cycle: the codec says which
+        return codec.packb(obj)
 
 
 def _unpack(raw: bytes) -> Any:
-    return msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=False)
+    return codec.unpackb(raw, use_list=True)
 
 
 class SpillStore:
@@ -155,7 +161,7 @@ class SpillStore:
 
 
 class SpillTier:
-    """One state's cold values: ``put``/``get``/``pop``/``write_many``/``items`` of msgpack-encoded plain data."""
+    """One state's cold values: ``put``/``get``/``pop``/``write_many``/``items`` of ``codec``-encoded values."""
 
     __slots__ = ("prefix", "store")
 
@@ -234,7 +240,7 @@ class SpillTier:
                         if len(rows) == batch:
                             break
             for k, raw in rows:
-                yield msgpack.unpackb(k[n:], raw=False, use_list=False), _unpack(raw)
+                yield codec.unpackb(k[n:], use_list=False), _unpack(raw)
             if len(rows) < batch:
                 return
             start, skip = rows[-1][0], True

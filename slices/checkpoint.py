@@ -15,7 +15,8 @@ Operator state comes in two shapes:
 
 An operator may provide ``checkpoint_state(delta: bool) -> dict`` and
 ``restore_state(parts: dict)``; otherwise its registered key-value states
-are captured. Byte format: ``b"CSCK"``, header length, msgpack header
+are captured; their keys and values are encoded by ``chronostream.codec``
+(plain data, dates and times, Decimal, Arrow values). Byte format: ``b"CSCK"``, header length, msgpack header
 (stage, slice, epoch, kind, previous epoch, payload length), the payload,
 and a CRC-32 over all of it. The payload is a msgpack body in which every
 binary above 64 KiB is a reference (msgpack ext type 1: index, size) to
@@ -42,14 +43,16 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
+from chronostream import codec
 from chronostream.arrow_ipc import read_stream, stream_size, write_stream
+from chronostream.errors import StateEncodingError
 from chronostream.operators import canonical_key
 from chronostream.state import KeyValueState
 
 MAGIC = b"CSCK"
 VERSION = 2
 _LEN = struct.Struct(">I")
-_ATTACHED = 1  # msgpack ext type of a reference to an attached binary (version 2)
+_ATTACHED = 1  # msgpack ext type of a reference to an attached binary (version 2; codec codes are >= 16)
 _REF = struct.Struct(">IQ")  # its data: attachment index, size
 _REF_HEAD = bytes([0xC7, _REF.size, _ATTACHED])  # msgpack "ext 8" with that data length and type
 
@@ -82,7 +85,7 @@ class SliceCheckpoint:
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return codec.packb(obj)
 
 
 _ABSENT = object()  # a dirty key the state no longer holds
@@ -111,9 +114,8 @@ def capture_kv(state: KeyValueState, delta: bool) -> dict[str, Any]:
             return {"shape": "kv", "keys": _pack(keys), "values": _pack(values), "deleted": _pack(deleted)}
         keys_b, values_b = _packed_columns(state.items())
         return {"shape": "kv", "keys": keys_b, "values": values_b, "deleted": _pack([])}
-    except TypeError as exc:
-        raise TypeError(f"state {state.name!r} holds a value msgpack cannot encode ({exc}); "
-                        "state values must be plain data") from None
+    except StateEncodingError as exc:
+        raise StateEncodingError(f"state {state.name!r} holds a value a checkpoint cannot encode: {exc}") from None
 
 
 def _packed_columns(pairs: Iterator[tuple[Any, Any]]) -> tuple[bytes, bytes]:
@@ -142,9 +144,9 @@ def _array_header_len(n: int) -> int:
 
 def _kv_items(part: dict[str, Any]) -> tuple[list, list, list]:
     # Keys and deleted keys come back as tuples (hashable); values keep lists.
-    keys = [canonical_key(k) for k in msgpack.unpackb(part["keys"], raw=False, use_list=False)]
-    deleted = [canonical_key(k) for k in msgpack.unpackb(part["deleted"], raw=False, use_list=False)]
-    values = msgpack.unpackb(part["values"], raw=False, use_list=True, strict_map_key=False)
+    keys = [canonical_key(k) for k in codec.unpackb(part["keys"], use_list=False)]
+    deleted = [canonical_key(k) for k in codec.unpackb(part["deleted"], use_list=False)]
+    values = codec.unpackb(part["values"], use_list=True)
     return keys, values, deleted
 
 
@@ -157,12 +159,12 @@ def _array_items(blob: bytes, use_list: bool) -> Iterable[Any]:
     """The items of a packed msgpack array: a list, or for a blob above ``STREAM_PART_BYTES``
     an iterator that unpacks them one at a time."""
     if len(blob) <= STREAM_PART_BYTES:
-        return msgpack.unpackb(blob, raw=False, use_list=use_list, strict_map_key=False)
+        return codec.unpackb(blob, use_list=use_list)
     return _streamed_array(blob, use_list)
 
 
 def _streamed_array(blob: bytes, use_list: bool) -> Iterator[Any]:
-    u = msgpack.Unpacker(io.BytesIO(blob), raw=False, use_list=use_list, strict_map_key=False)
+    u = codec.unpacker(io.BytesIO(blob), use_list=use_list)
     for _ in range(u.read_array_header()):
         yield u.unpack()
 
@@ -463,7 +465,7 @@ def _pack_parts(obj: Any, out: list, attached: list) -> None:
 def _unpack_payload(header: dict[str, Any], payload: memoryview, what: str, **options: Any) -> Any:
     """The body of a frame's payload, its attachments as views of ``payload`` (no copy)."""
     if "body" not in header:  # version 1: binaries inline
-        return msgpack.unpackb(payload, raw=False, **options)
+        return msgpack.unpackb(payload, raw=False, ext_hook=codec.ext_hook, **options)
     body, sizes = header["body"], header["attached"]
     starts = [body]
     for size in sizes:
@@ -474,7 +476,7 @@ def _unpack_payload(header: dict[str, Any], payload: memoryview, what: str, **op
 
     def attachment(code: int, data: bytes) -> Any:
         if code != _ATTACHED:
-            return msgpack.ExtType(code, data)
+            return codec.ext_hook(code, data)
         i, size = _REF.unpack(data)
         if i >= len(sizes) or sizes[i] != size:
             raise CheckpointCorrupt(f"{what}: reference to attachment {i} of {size} bytes does not match "
@@ -665,7 +667,10 @@ def capture(rt: Any, delta: bool, prev_epoch: int = -1, epoch: int | None = None
         if hasattr(op, "checkpoint_state"):
             state.update(op.checkpoint_state(delta, clear=clear))
         for name, st in rt.ctx.states.items():
-            state[name] = capture_kv(st, delta)
+            try:
+                state[name] = capture_kv(st, delta)
+            except StateEncodingError as exc:
+                raise StateEncodingError(f"stage {rt.stage.name!r} slice {rt.slice_id}: checkpoint of {exc}") from None
             if clear:
                 st.clear_dirty()
     progress = {sid: arr.tolist() for sid, arr in rt.progress.consumed.items()}

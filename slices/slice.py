@@ -22,8 +22,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from chronostream import codec
 from chronostream.dag import JobPlan, StagePlan
-from chronostream.errors import EventError, RuntimeFault
+from chronostream.errors import EventError, RuntimeFault, StateEncodingError
 from chronostream.operators import Operator, OperatorContext
 from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB
 from slices.chain import apply_chain
@@ -220,10 +221,8 @@ class SliceRuntime:
 
     def state_size(self) -> tuple[int, int]:
         """(keys, approximate bytes) of the slice's state: registered states (sizes from a
-        strided sample of up to 32 entries each, msgpack-encoded; spilled entries counted at
+        strided sample of up to 32 entries each, encoded by ``chronostream.codec``; spilled entries counted at
         the sample's size) and an operator's own arrays."""
-        import msgpack
-
         keys, nbytes = 0, 0
         if self.ctx is not None:
             for st in self.ctx.states.values():
@@ -232,8 +231,8 @@ class SliceRuntime:
                 if n:
                     sample = st.sample(32)  # spread over the state, in-memory entries only
                     try:
-                        per = len(msgpack.packb(sample, use_bin_type=True)) / len(sample) if sample else 64.0
-                    except TypeError:
+                        per = len(codec.packb(sample)) / len(sample) if sample else 64.0
+                    except StateEncodingError:  # a bad value fails the next checkpoint, naming it
                         per = 64.0
                     nbytes += int(per * n)
         own = getattr(self.op, "state_bytes", None)
