@@ -300,11 +300,11 @@ def test_a_workdir_holding_another_jobs_catalog_is_refused_unless_resumed_and_th
     made = tmp_path / "made"
     first = cs.run(_query(2), workdir=str(made), containers=1)
     assert first.results("c").num_rows == 60
-    assert stat.S_IMODE(made.stat().st_mode) == 0o700
-    assert stat.S_IMODE((made / "master" / "launch.key").stat().st_mode) == 0o600
     first.stop(cleanup=False)  # the catalog stays
     with pytest.raises(cs.ChronoStreamError, match=f"holds the catalog of job '{first.key}'.*resume=True"):
         cs.run(_query(3), workdir=str(made), containers=1)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert stat.S_IMODE((made / "master" / "launch.key").stat().st_mode) == 0o600
     with pytest.raises(cs.ChronoStreamError, match="resume=True refused.*fingerprint.*fingerprint"):
         cs.run(_query(3), workdir=str(made), containers=1, resume=True)
     again = cs.run(_query(2), workdir=str(made), containers=1, resume=True)
