@@ -176,13 +176,17 @@ def _segment(log_dir: Path, where: str, d: object) -> Segment:
     if not isinstance(seg.file, str) or not isinstance(seg.stream, str) or \
             any(not isinstance(fields[k], int) for k in fields if k not in ("file", "stream")):
         raise SourceLogError(f"{where} is damaged: a segment entry is malformed ({d!r:.200})")
-    _confined(log_dir, seg.file, where)
+    parts = os.path.normpath(seg.file).split(os.sep)
+    if os.path.isabs(seg.file) or parts[0] != "segments" or ".." in parts or len(parts) < 2:
+        # (by its name alone: cheap for a long index; the files are resolved when used, _confined)
+        raise SourceLogError(f"{where} is damaged: segment file {seg.file!r} lies outside {log_dir / 'segments'}")
     return seg
 
 
 def _confined(log_dir: Path, file: str, where: str) -> Path:
-    """``log_dir / file`` when it lies under ``log_dir/segments`` (resolved); ``SourceLogError``
-    naming ``where`` otherwise: no entry of the log reaches a file outside it."""
+    """``log_dir / file`` when, resolved (symbolic links followed), it lies under
+    ``log_dir/segments``; ``SourceLogError`` naming ``where`` otherwise: no entry of the log
+    reaches a file outside it, whatever its name says."""
     root = os.path.realpath(log_dir / "segments")
     path = os.path.realpath(log_dir / file)
     if os.path.isabs(file) or os.path.commonpath([root, path]) != root or path == root:
@@ -571,7 +575,8 @@ class SourceLogWriter:
         deleted = 0
         for segs in self._kept.values():  # O(segments deleted): each stream's are in order
             while segs and segs[0].last_order < low:
-                _confined(self.dir, segs.popleft().file, str(self.dir / INDEX)).unlink(missing_ok=True)
+                _confined(self.dir, segs[0].file, str(self.dir / INDEX)).unlink(missing_ok=True)
+                segs.popleft()
                 deleted += 1
         return deleted
 

@@ -311,3 +311,19 @@ def test_a_workdir_holding_another_jobs_catalog_is_refused_unless_resumed_and_th
     assert again.key == first.key and again.status().state == "finished"
     again.stop()
     assert not made.exists(), "a directory run made for the job goes with it"
+
+
+def test_a_segment_reached_through_a_symbolic_link_out_of_the_log_is_refused(tmp_path):
+    """Regression (issue 59, source log confinement): a segment whose name stays inside the log
+    but whose directory is a symbolic link to elsewhere is refused when read or trimmed
+    (resolved paths), and the file it points at survives the trim."""
+    log_dir = tmp_path / "log"
+    w = write_log(log_dir, seal=False)
+    outside = tmp_path / "outside"
+    (log_dir / "segments" / "s").rename(outside)
+    (log_dir / "segments" / "s").symlink_to(outside)
+    with pytest.raises(SourceLogError, match="outside"):
+        SourceLog(log_dir).read("s")
+    with pytest.raises(SourceLogError, match="outside"):
+        w.trim(150)
+    assert len(list(outside.iterdir())) == 3
