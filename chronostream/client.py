@@ -8,6 +8,7 @@ lazily so the core package never imports it at module load (no cycle).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -390,8 +391,11 @@ class Job:
     def stop(self, cleanup: bool = True) -> None:
         """Stop the job and release its containers and master.
 
-        ``cleanup`` deletes the containers' local stores (output logs); memory
-        sink results already fetched stay available.
+        ``cleanup`` deletes what the job made under its work directory: the directory itself
+        when ``run`` made it, else only the catalog (``master/``) and the hosts' stores
+        (``host-<id>/``), never other files there. Without it the catalog stays, and a later
+        ``run`` in that directory is refused unless it resumes this job (``resume=True``).
+        Memory sink results already fetched stay available.
         """
         import ray
 
@@ -593,6 +597,12 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         key = _resumable_key(workdir, identity, plan_fingerprint(plan), resume)
     elif resume:
         raise WorkdirError(f"resume=True, but the work directory {workdir} holds no job catalog to resume")
+    else:
+        # The names the job's own files take (and a stop deletes): none may be the caller's.
+        taken = sorted(n for n in os.listdir(workdir) if n == "master" or re.fullmatch(r"host-\d+", n))
+        if taken:
+            raise WorkdirError(f"the work directory {workdir} holds {taken}, which are not a job's: the job "
+                               "would write into them and delete them at its stop; choose another workdir")
     ensure_ray(address)
     if identity is not None:
         try:

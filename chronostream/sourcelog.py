@@ -169,13 +169,12 @@ def _segment(log_dir: Path, where: str, d: object) -> Segment:
     """A segment entry of the index (or of a version-1 manifest) as a ``Segment``, its file
     confined to the log's ``segments/`` directory; ``SourceLogError`` otherwise."""
     try:
-        seg = Segment(**d)  # type: ignore[arg-type]
-    except TypeError:
+        if not (isinstance(d["file"], str) and isinstance(d["stream"], str)
+                and all(type(v) is int for k, v in d.items() if k != "file" and k != "stream")):
+            raise TypeError
+        seg = Segment(**d)  # (a missing or unknown field: TypeError)
+    except (TypeError, KeyError):
         raise SourceLogError(f"{where} is damaged: a segment entry is malformed ({d!r:.200})") from None
-    fields = dataclasses.asdict(seg)
-    if not isinstance(seg.file, str) or not isinstance(seg.stream, str) or \
-            any(not isinstance(fields[k], int) for k in fields if k not in ("file", "stream")):
-        raise SourceLogError(f"{where} is damaged: a segment entry is malformed ({d!r:.200})")
     parts = os.path.normpath(seg.file).split(os.sep)
     if os.path.isabs(seg.file) or parts[0] != "segments" or ".." in parts or len(parts) < 2:
         # (by its name alone: cheap for a long index; the files are resolved when used, _confined)

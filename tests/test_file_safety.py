@@ -327,3 +327,15 @@ def test_a_segment_reached_through_a_symbolic_link_out_of_the_log_is_refused(tmp
     with pytest.raises(SourceLogError, match="outside"):
         w.trim(150)
     assert len(list(outside.iterdir())) == 3
+
+
+@pytest.mark.parametrize("name", ["master", "host-0"])
+def test_a_callers_directory_with_the_names_a_job_uses_is_refused_before_anything_starts(tmp_path, name):
+    """Regression (issue 59, workdir deletion): a work directory holding a ``master`` (that is
+    no job catalog) or ``host-<id>`` entry of the caller's is refused with a ``WorkdirError``
+    naming it, before Ray starts; before, the job wrote into it and its stop deleted it."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "mine.txt").write_text("the caller's")
+    with pytest.raises(cs.ChronoStreamError, match=f"holds \\['{name}'\\]"):
+        cs.run(_query(2), workdir=str(tmp_path), containers=1)
+    assert (tmp_path / name / "mine.txt").read_text() == "the caller's"
