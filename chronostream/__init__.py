@@ -18,6 +18,7 @@ from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_w
 from chronostream.dag import (DEFAULT_EPOCH_EVENTS, DEFAULT_SLICES, DEFAULT_SOURCE_SLICES, JobPlan, Query,
                               Stream, compile_query, join)
 from chronostream.errors import ChronoStreamError, EventError, JobFailed, QueryError
+from chronostream.errors import StoreFullError, WorkdirError
 from chronostream.hashing import hash_array, hash_columns, slice_of
 from chronostream.operators import KeyedAggregate, KeyedJoin, Operator
 from chronostream.serial import SerialResult, run_serial
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
     "ChronoStreamError", "EventError", "JobFailed", "QueryError",
+    "StoreFullError", "WorkdirError",
     "hash_array", "hash_columns", "slice_of",
     "KeyedAggregate", "KeyedJoin", "Operator",
     "SerialResult", "run_serial",

@@ -8,6 +8,7 @@ lazily so the core package never imports it at module load (no cycle).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -19,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from chronostream.dag import JobPlan, Query, compile_query
-from chronostream.errors import JobFailed
+from chronostream.errors import JobFailed, WorkdirError
 from chronostream.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.sinks import ParquetSink, dead_letter_table, read_parquet_sink
@@ -390,8 +391,11 @@ class Job:
     def stop(self, cleanup: bool = True) -> None:
         """Stop the job and release its containers and master.
 
-        ``cleanup`` deletes the containers' local stores (output logs); memory
-        sink results already fetched stay available.
+        ``cleanup`` deletes what the job made under its work directory: the directory itself
+        when ``run`` made it, else only the catalog (``master/``) and the hosts' stores
+        (``host-<id>/``), never other files there. Without it the catalog stays, and a later
+        ``run`` in that directory is refused unless it resumes this job (``resume=True``).
+        Memory sink results already fetched stay available.
         """
         import ray
 
@@ -468,7 +472,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
         source_pace_s: float = 0.0, background_niceness: int = 0,
-        shm_transport: bool = True) -> Job | CompletedJob:
+        shm_transport: bool = True, resume: bool = False) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -538,6 +542,13 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     push here (``containers/shm_transport.py``); hosts on different nodes,
     and machines without a writable ``/dev/shm``, always use Ray.
 
+    Files (Ray executor): the job's catalog and its hosts' stores live under ``workdir``
+    (default: a new directory in the system's temporary directory, mode 0700). A ``workdir``
+    that holds a job's catalog is refused (``WorkdirError``) unless ``resume=True``, which
+    resumes that job if it is this query's (same plan fingerprint) and refuses it otherwise.
+    ``job.stop()`` deletes the directory when ``run`` made it, else only what the job put in
+    it (docs/guide.md, "Security and safety").
+
     >>> import chronostream as cs
     >>> q = cs.Query()
     >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
@@ -576,18 +587,69 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     import ray
 
     from master.actor import JobMaster
-    from master.launch import JobLaunch
+    from master.catalog import catalog_identity
+    from master.launch import JobLaunch, plan_fingerprint
 
+    workdir, made = _job_workdir(workdir)
+    key = os.path.basename(workdir.rstrip("/")).removeprefix("chronostream-") + "-" + uuid.uuid4().hex[:8]
+    identity = catalog_identity(os.path.join(workdir, "master"))
+    if identity is not None:
+        key = _resumable_key(workdir, identity, plan_fingerprint(plan), resume)
+    elif resume:
+        raise WorkdirError(f"resume=True, but the work directory {workdir} holds no job catalog to resume")
+    else:
+        # The names the job's own files take (and a stop deletes): none may be the caller's.
+        taken = sorted(n for n in os.listdir(workdir) if n == "master" or re.fullmatch(r"host-\d+", n))
+        if taken:
+            raise WorkdirError(f"the work directory {workdir} holds {taken}, which are not a job's: the job "
+                               "would write into them and delete them at its stop; choose another workdir")
     ensure_ray(address)
+    if identity is not None:
+        try:
+            ray.get_actor(master_name(key), namespace=RAY_NAMESPACE)
+        except ValueError:
+            pass  # its master is gone: this one resumes the job from the catalog
+        else:
+            raise WorkdirError(f"the job {key!r} of the work directory {workdir} still runs; "
+                               f"attach to it with Job.attach({key!r})")
     _pickle_user_code_by_value(plan)
-    workdir = workdir or os.path.join(tempfile.gettempdir(), "chronostream-jobs", f"job-{uuid.uuid4().hex[:12]}")
-    os.makedirs(workdir, exist_ok=True)
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
-    key = os.path.basename(workdir.rstrip("/")) + "-" + uuid.uuid4().hex[:8]
     # The job goes to deploy, not the constructor: Ray restarts the master with its constructor's
     # arguments, which must hold nothing from the object store (master.launch).
     launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs)).pack()
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE).remote(
         workdir, key)
-    placement = ray.get(master.deploy.remote(launch, refs))
+    placement = ray.get(master.deploy.remote(launch, refs, made))
     return Job(plan, master, placement, workdir, key, source_refs=refs)
+
+
+def _job_workdir(workdir: str | None) -> tuple[str, bool]:
+    """The job's work directory and whether it was made here for the job (then mode 0700, and a
+    stop with cleanup removes it whole). ``None``: a new directory in the temporary directory
+    (``mkdtemp``: made atomically, 0700, a name no one else has)."""
+    if workdir is None:
+        return tempfile.mkdtemp(prefix="chronostream-job-"), True
+    workdir = os.path.abspath(workdir)
+    try:
+        os.makedirs(workdir, mode=0o700)
+    except FileExistsError:
+        if not os.path.isdir(workdir):
+            raise WorkdirError(f"the work directory {workdir} exists and is not a directory") from None
+        return workdir, False
+    os.chmod(workdir, 0o700)  # (makedirs' mode is masked by the umask)
+    return workdir, True
+
+
+def _resumable_key(workdir: str, identity: dict[str, Any], fingerprint: str, resume: bool) -> str:
+    """The key of the job whose catalog ``workdir`` holds, when the caller asked to resume it and
+    it is this query's job (same plan fingerprint); ``WorkdirError`` otherwise."""
+    held = identity.get("job_key")
+    if not resume:
+        raise WorkdirError(
+            f"the work directory {workdir} holds the catalog of job {held!r}: pass resume=True to resume "
+            "that job, choose another workdir, or remove its master/ directory to start afresh")
+    if held is None or identity.get("fingerprint") != fingerprint:
+        raise WorkdirError(
+            f"resume=True refused: the work directory {workdir} holds the catalog of job {held!r} (plan "
+            f"fingerprint {identity.get('fingerprint')}), not of this query (plan fingerprint {fingerprint})")
+    return held

@@ -49,6 +49,26 @@ class StateEncodingError(ChronoStreamError, TypeError):
     and slice. Also a ``TypeError``: it is what a bad value's type is."""
 
 
+class StoreFullError(RuntimeFault):
+    """A local store (backup store, output log, spill store, master catalog) refused a write
+    that would leave its disk with less free space than it keeps: the message names the store
+    and its path. Raised before the write, so the process never meets a full disk through a
+    memory-mapped file (a SIGBUS)."""
+
+    def __init__(self, store: str, path: str, message: str) -> None:
+        self.store = store
+        self.path = path
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (StoreFullError, (self.store, self.path, self.args[0]))
+
+
+class WorkdirError(ChronoStreamError):
+    """A job's work directory cannot be used as asked: it holds another job's catalog (and the
+    caller did not ask to resume it), or the catalog to resume is another job's."""
+
+
 class JobFailed(ChronoStreamError):
     """The job stopped because of an error; ``__cause__``/``error`` holds it."""
 

@@ -22,7 +22,20 @@ segment or index line the manifest does not cover does not exist for them
 (a reopening writer cuts such a tail off). Every listed segment carries its
 size and CRC-32; a segment that does not match (torn, truncated,
 corrupted) raises ``SourceLogError`` naming it and is never read as valid,
-and an index that does not match its CRC-32 is refused the same way.
+and an index that does not match its CRC-32 is refused the same way. The
+manifest carries its own CRC-32 (``manifest_crc32``, over its canonical
+JSON without that field): a manifest that fails it, or is not the JSON it
+should be, is refused. Every damage a reader or writer meets is a
+``SourceLogError`` naming the file.
+
+Confinement: every segment file the index names must lie under the log's
+``segments/`` directory (resolved, symbolic links followed); an entry that
+points anywhere else (``../victim.txt``, an absolute path) makes the index
+damaged, so neither a read nor a trim ever touches a file outside the log.
+A writer that cannot write (a full disk: ``ENOSPC``) removes the temporary
+and segment files of the append that failed, cuts the index back to what
+the manifest publishes, and raises ``SourceLogError`` naming the file; the
+log stays as it was before that append.
 
 Cost: an append writes its segments, one index line per segment and the
 small manifest, and a tailing reader parses only the index lines it has not
@@ -48,6 +61,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import copy
 import dataclasses
 import json
 import os
@@ -60,14 +74,21 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
+from chronostream.errors import ChronoStreamError
+
 ORDER = "_order"
 STREAM_SEQ = "_stream_seq"
 MANIFEST = "manifest.json"
 INDEX = "segments.jsonl"
+#: The manifest's field holding the CRC-32 of the rest of it (``_manifest_crc``).
+MANIFEST_CRC = "manifest_crc32"
+#: The manifest format written (3: with ``MANIFEST_CRC``; 1 and 2, without, are still read).
+VERSION = 3
 
 
-class SourceLogError(Exception):
-    """The source log is malformed: a torn or corrupt segment, a bad append."""
+class SourceLogError(ChronoStreamError):
+    """The source log is malformed: a torn or corrupt segment, index or manifest, a path that
+    leaves the log's directory, a bad append, or a write the disk refused."""
 
 
 @dataclass(frozen=True)
@@ -86,16 +107,90 @@ class Segment:
 
 def _fsync_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # (a full disk: no temporary file is left behind)
+        raise SourceLogError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    # The rename is done: a directory that cannot be synced loses at most its durability, so
+    # this is not undone (a caller that sees the error sees the new file).
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
+    except OSError as exc:
+        err = SourceLogError(f"wrote {path}, but cannot sync its directory: {exc.strerror or exc}")
+        err.published = True  # type: ignore[attr-defined]  # (SourceLogWriter.append keeps what it wrote)
+        raise err from exc
     finally:
         os.close(dfd)
+
+
+def _manifest_crc(m: dict) -> int:
+    """CRC-32 of the manifest ``m`` without its own checksum field, as canonical JSON."""
+    body = {k: v for k, v in m.items() if k != MANIFEST_CRC}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _manifest_bytes(m: dict) -> bytes:
+    """The manifest ``m`` as written: its fields and their checksum."""
+    return json.dumps({**{k: v for k, v in m.items() if k != MANIFEST_CRC}, MANIFEST_CRC: _manifest_crc(m)}).encode()
+
+
+def _parse_manifest(path: Path, raw: bytes) -> dict:
+    """The manifest read from ``path`` (without its checksum field), checked; ``SourceLogError``
+    when it is not JSON, fails its checksum or lacks what a reader needs."""
+    try:
+        m = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise SourceLogError(f"{path} is damaged: not a JSON manifest") from None
+    if not isinstance(m, dict):
+        raise SourceLogError(f"{path} is damaged: not a JSON object")
+    if m.get("version", 1) in (1, 2):  # (written before the manifest had a checksum)
+        m.pop(MANIFEST_CRC, None)
+    elif m.get(MANIFEST_CRC) != _manifest_crc(m):
+        raise SourceLogError(f"{path} is damaged: it fails its CRC-32 check ({MANIFEST_CRC})")
+    else:
+        m.pop(MANIFEST_CRC)
+    need = {"sealed": bool, "high_water": int, "streams": dict}
+    need.update({"segments": list} if "segments" in m else {"index_bytes": int, "index_crc32": int})
+    bad = [k for k, t in need.items() if not isinstance(m.get(k), t)]
+    if bad or not isinstance(m.get("low_water", 0), int) or any(
+            not (isinstance(v, dict) and isinstance(v.get("schema"), str) and isinstance(v.get("rows"), int))
+            for v in m["streams"].values()):
+        raise SourceLogError(f"{path} is damaged: fields {bad or ['streams']} are missing or malformed")
+    return m
+
+
+def _segment(log_dir: Path, where: str, d: object) -> Segment:
+    """A segment entry of the index (or of a version-1 manifest) as a ``Segment``, its file
+    confined to the log's ``segments/`` directory; ``SourceLogError`` otherwise."""
+    try:
+        if not (isinstance(d["file"], str) and isinstance(d["stream"], str)
+                and all(type(v) is int for k, v in d.items() if k != "file" and k != "stream")):
+            raise TypeError
+        seg = Segment(**d)  # (a missing or unknown field: TypeError)
+    except (TypeError, KeyError):
+        raise SourceLogError(f"{where} is damaged: a segment entry is malformed ({d!r:.200})") from None
+    parts = os.path.normpath(seg.file).split(os.sep)
+    if os.path.isabs(seg.file) or parts[0] != "segments" or ".." in parts or len(parts) < 2:
+        # (by its name alone: cheap for a long index; the files are resolved when used, _confined)
+        raise SourceLogError(f"{where} is damaged: segment file {seg.file!r} lies outside {log_dir / 'segments'}")
+    return seg
+
+
+def _confined(log_dir: Path, file: str, where: str) -> Path:
+    """``log_dir / file`` when, resolved (symbolic links followed), it lies under
+    ``log_dir/segments``; ``SourceLogError`` naming ``where`` otherwise: no entry of the log
+    reaches a file outside it, whatever its name says."""
+    root = os.path.realpath(log_dir / "segments")
+    path = os.path.realpath(log_dir / file)
+    if os.path.isabs(file) or os.path.commonpath([root, path]) != root or path == root:
+        raise SourceLogError(f"{where} is damaged: segment file {file!r} lies outside {log_dir / 'segments'}")
+    return Path(path)
 
 
 def _index_line(seg: Segment) -> bytes:
@@ -158,17 +253,20 @@ class SourceLog:
             seen = (st.st_ino, st.st_mtime_ns, st.st_size)
             if seen == self._seen:
                 return
-            m = json.loads(f.read())
+            m = _parse_manifest(self.dir / MANIFEST, f.read())
         if "segments" in m:  # version 1: the whole list in the manifest
             self.segments, self._by_stream, self._last_orders = [], {}, {}
-            self._add_segments([Segment(**s) for s in m["segments"]])
+            self._add_segments([_segment(self.dir, str(self.dir / MANIFEST), s) for s in m["segments"]])
         else:
             self._read_index(m["index_bytes"], m["index_crc32"])
         self._seen = seen
         self.sealed: bool = m["sealed"]
         self.high_water: int = m["high_water"]
         self.low_water: int = m.get("low_water", 0)  # rows below it may be trimmed
-        self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
+        try:
+            self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
+        except (ValueError, pa.ArrowException):
+            raise SourceLogError(f"{self.dir / MANIFEST} is damaged: a stream's schema cannot be read") from None
         self.stream_rows: dict[str, int] = {k: v["rows"] for k, v in m["streams"].items()}
 
     def _read_index(self, upto: int, crc: int) -> None:
@@ -177,14 +275,22 @@ class SourceLog:
             return
         if upto < self._index_bytes:
             raise SourceLogError(f"{self.dir}: the segment index shrank ({self._index_bytes} -> {upto} bytes)")
-        with open(self.dir / INDEX, "rb") as f:
-            f.seek(self._index_bytes)
-            data = f.read(upto - self._index_bytes)
+        try:
+            with open(self.dir / INDEX, "rb") as f:
+                f.seek(self._index_bytes)
+                data = f.read(upto - self._index_bytes)
+        except FileNotFoundError:
+            raise SourceLogError(f"{self.dir / INDEX} is missing; the manifest lists {upto} bytes of it") from None
         running = zlib.crc32(data, self._index_crc)
         if len(data) != upto - self._index_bytes or running != crc:
             raise SourceLogError(f"{self.dir / INDEX} is torn or corrupt: it does not match the manifest's "
                                  f"length and CRC-32 ({upto} bytes)")
-        self._add_segments([Segment(**json.loads(line)) for line in data.splitlines()])
+        where = str(self.dir / INDEX)
+        try:
+            entries = [json.loads(line) for line in data.splitlines()]
+        except ValueError:
+            raise SourceLogError(f"{where} is damaged: a line is not JSON") from None
+        self._add_segments([_segment(self.dir, where, d) for d in entries])
         self._index_bytes, self._index_crc = upto, running
 
     def _add_segments(self, new: list[Segment]) -> None:
@@ -209,7 +315,7 @@ class SourceLog:
 
     def segment_table(self, seg: Segment) -> pa.Table:
         """The rows of one listed segment, verified against the manifest (size, CRC-32, rows)."""
-        path = self.dir / seg.file
+        path = _confined(self.dir, seg.file, str(self.dir / INDEX))
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -302,13 +408,13 @@ class SourceLogWriter:
             log = SourceLog(self.dir)  # verifies the index against the manifest
             if log.sealed:
                 raise SourceLogError(f"the source log {self.dir} is sealed; it takes no more rows")
-            m = json.loads(path.read_text())
+            m = _parse_manifest(path, path.read_bytes())
             if "segments" in m:  # version 1: its list moves to the index
                 index = b"".join(_index_line(s) for s in log.segments)
                 _fsync_write(self.dir / INDEX, index)
                 del m["segments"]
-                m.update(version=2, index_bytes=len(index), index_crc32=zlib.crc32(index))
-                _fsync_write(path, json.dumps(m).encode())
+                m.update(version=VERSION, index_bytes=len(index), index_crc32=zlib.crc32(index))
+                _fsync_write(path, _manifest_bytes(m))
             else:
                 # Keep exactly what the manifest published: an index tail written by a writer
                 # that crashed before publishing is cut off.
@@ -317,13 +423,14 @@ class SourceLogWriter:
                     os.fsync(f.fileno())
             self._last_order = {s.stream: s.last_order for s in log.segments}
             low = m.get("low_water", 0)
-            for seg in log.segments:
+            for seg in log.segments:  # (their files are confined to the log: _segment)
                 if seg.last_order >= low or (self.dir / seg.file).exists():  # (a trim may have been cut short)
                     self._kept.setdefault(seg.stream, collections.deque()).append(seg)
         else:
-            m = {"version": 2, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0, "index_crc32": 0}
+            m = {"version": VERSION, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0,
+                 "index_crc32": 0}
             _fsync_write(self.dir / INDEX, b"")
-            _fsync_write(path, json.dumps(m).encode())
+            _fsync_write(path, _manifest_bytes(m))
             self._last_order = {}
         self.manifest = m
 
@@ -363,7 +470,36 @@ class SourceLogWriter:
         return table.cast(schema)
 
     def append(self, tables: dict[str, pa.Table], high_water: int | None = None) -> None:
-        """Write one segment per non-empty table, then publish them (and ``high_water``) atomically."""
+        """Write one segment per non-empty table, then publish them (and ``high_water``) atomically.
+
+        A write that fails (``SourceLogError``: a full disk, say) leaves the log and this writer
+        as they were before the call: its segment files are removed and the index cut back.
+        """
+        before = (copy.deepcopy(self.manifest), dict(self._last_order),
+                  {k: len(v) for k, v in self._kept.items()})
+        written: list[Path] = []
+        try:
+            self._append(tables, high_water, written)
+        except BaseException as exc:
+            if not getattr(exc, "published", False):
+                self._undo_append(before, written)
+            raise
+
+    def _undo_append(self, before: tuple, written: list[Path]) -> None:
+        """Put the log and this writer back as they were before a failed ``append``."""
+        self.manifest, self._last_order, kept = before
+        for stream in list(self._kept):
+            while len(self._kept[stream]) > kept.get(stream, 0):
+                self._kept[stream].pop()
+        for path in written:
+            path.unlink(missing_ok=True)
+        try:
+            with open(self.dir / INDEX, "r+b") as f:
+                f.truncate(self.manifest["index_bytes"])
+        except OSError:
+            pass  # (a reopening writer cuts the unpublished tail off)
+
+    def _append(self, tables: dict[str, pa.Table], high_water: int | None, written: list[Path]) -> None:
         new_segments = []
         for stream, table in tables.items():
             if table.num_rows == 0:
@@ -381,6 +517,7 @@ class SourceLogWriter:
                 w.write_table(table)
             data = sink.getvalue().to_pybytes()
             _fsync_write(seg_dir / name, data)
+            written.append(seg_dir / name)
             new_segments.append(Segment(
                 file=f"segments/{stream}/{name}", stream=stream, first_order=int(order[0]),
                 last_order=int(order[-1]), first_seq=int(table.column(STREAM_SEQ)[0].as_py()),
@@ -391,10 +528,13 @@ class SourceLogWriter:
             self._last_order[stream] = int(order[-1])
         if new_segments:
             lines = b"".join(_index_line(s) for s in new_segments)
-            with open(self.dir / INDEX, "ab") as f:
-                f.write(lines)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(self.dir / INDEX, "ab") as f:
+                    f.write(lines)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                raise SourceLogError(f"cannot write {self.dir / INDEX}: {exc.strerror or exc}") from exc
             self.manifest["index_bytes"] += len(lines)
             self.manifest["index_crc32"] = zlib.crc32(lines, self.manifest["index_crc32"])
         if high_water is not None:
@@ -434,7 +574,8 @@ class SourceLogWriter:
         deleted = 0
         for segs in self._kept.values():  # O(segments deleted): each stream's are in order
             while segs and segs[0].last_order < low:
-                (self.dir / segs.popleft().file).unlink(missing_ok=True)
+                _confined(self.dir, segs[0].file, str(self.dir / INDEX)).unlink(missing_ok=True)
+                segs.popleft()
                 deleted += 1
         return deleted
 
@@ -446,4 +587,5 @@ class SourceLogWriter:
         self._publish()
 
     def _publish(self) -> None:
-        _fsync_write(self.dir / MANIFEST, json.dumps(self.manifest).encode())
+        self.manifest["version"] = VERSION
+        _fsync_write(self.dir / MANIFEST, _manifest_bytes(self.manifest))

@@ -41,6 +41,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from chronostream.dag import JobPlan
+from chronostream.errors import StoreFullError
 from chronostream.logs import configure_from_env
 from chronostream.options import JobOptions
 from chronostream.stall_probe import start_from_env as start_stall_probe
@@ -194,6 +195,7 @@ class ResourceContainer:
         self._node_id = ""
         self._peer_node: dict[str, str] = {}
         self._shm_files: dict[Any, list[str]] = {}
+        self._store_full_said = False  # a backup flush refused for room was logged (once per episode)
 
     def _take_job(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
         self.host_id = host_id
@@ -266,6 +268,10 @@ class ResourceContainer:
         set_background_niceness(options.background_niceness)
         # asyncio.to_thread (restores, decoding, replays, ray.put of shipments) runs on it.
         asyncio.get_running_loop().set_default_executor(background_pool(HOST_WORKER_THREADS, "host-worker"))
+        # This host's stores live under it, readable by the job's user only (docs/guide.md,
+        # "Security and safety"); on a node where the job's work directory does not exist
+        # yet, its parents are made here too.
+        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if options.checkpointing:
             self.backup_store = BackupStore(self.workdir / "backups")
         if options.spill_state:
@@ -711,6 +717,16 @@ class ResourceContainer:
             try:
                 if self.backup_store is not None:  # lazy persistence of the replication buffer
                     await self._in_store_thread(self.backup_store.flush)
+                    self._store_full_said = False
+            except StoreFullError as exc:
+                # The chains stay in the replication buffer (memory) and the next flush tries
+                # again; said once per episode, not every heartbeat.
+                if not self._store_full_said:
+                    log.warning("host %s: %s", self.host_id, exc)
+                    self._store_full_said = True
+            except Exception:  # noqa: BLE001 - a store closed by a stop in between
+                pass
+            try:
                 self.master.heartbeat.remote(self.host_id, {c: core.statistics() for c, core in self.cores.items()})
             except Exception:  # noqa: BLE001 - the master may be restarting
                 pass

@@ -32,6 +32,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
+from chronostream.errors import StoreFullError
 from containers.lmdb_store import delete_prefix, put_all, release_written_pages
 from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
                                merge_chain, verify)
@@ -302,6 +303,19 @@ class BackupStore:
         """
         if not self._unflushed:
             return 0
+        # What a refused write (``StoreFullError``: the disk has no room) must leave as it was,
+        # so the next flush writes it all again; the chains stay in memory meanwhile.
+        undo = (dict(self._persisted), set(self._rewrite), dict(self._out_first), dict(self._out_persisted),
+                set(self._out_rewrite))
+        try:
+            return self._flush()
+        except StoreFullError:
+            (self._persisted, self._rewrite, self._out_first, self._out_persisted, self._out_rewrite) = undo
+            self._rewrite.update(self._unflushed)  # (their old lmdb entries may be deleted already)
+            self._out_rewrite.update(k for k in self._unflushed if k in self.outputs)
+            raise
+
+    def _flush(self) -> int:
         items = []
         rewrite = sorted(k for k in self._unflushed if k in self._rewrite or k not in self._persisted)
         if rewrite:
@@ -329,7 +343,7 @@ class BackupStore:
             items += [(_outputs_key(key, first + i, segs[i]), segs[i][2]) for i in range(start, len(segs))]
             self._out_persisted[key] = len(segs)
         t0 = time.perf_counter()
-        put_all(self.env, items)
+        put_all(self.env, items, None, "backup store")
         n = len(self._unflushed)
         written = sum(len(v) for _, v in items)
         if written > LOG_FLUSH_BYTES:

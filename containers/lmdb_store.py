@@ -1,5 +1,13 @@
 """Owns the shared ways this package writes to lmdb: a batch of puts in one transaction (growing the map
-when full), deleting every key under a prefix, and handing written pages back to the OS."""
+when full) behind a free-disk guard, deleting every key under a prefix, and handing written pages back
+to the OS.
+
+The guard (``ensure_room``): every store that writes through ``put_all`` first looks at its disk's
+free space (one ``statvfs``) and refuses, with a ``StoreFullError`` naming the store and its path,
+a transaction that would leave less than ``STORE_DISK_RESERVE`` after writing twice its bytes
+(lmdb copies the pages a transaction touches before it frees the old ones). A store opened with
+``writemap`` writes through a shared mapping of a sparse file: on a full disk a write there is a
+SIGBUS that kills the process, so the check must come before the transaction, never after."""
 
 from __future__ import annotations
 
@@ -13,18 +21,47 @@ from typing import Callable, Iterable
 
 import lmdb
 
+from chronostream.errors import StoreFullError
+
+#: Free disk every lmdb store leaves (``ensure_room``), above twice what a transaction writes.
+STORE_DISK_RESERVE = 4 << 20
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged process may still write on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def ensure_room(store: str, path: str | os.PathLike, nbytes: int) -> None:
+    """Raise ``StoreFullError`` (naming ``store`` and ``path``) unless writing ``nbytes`` through lmdb
+    leaves ``STORE_DISK_RESERVE`` free on ``path``'s disk (see the module docstring)."""
+    free = free_bytes(path)
+    need = 2 * nbytes + STORE_DISK_RESERVE
+    if free < need:
+        raise StoreFullError(
+            store, str(path),
+            f"the {store} at {path} refuses a write of {nbytes} bytes: its disk has {free} bytes free, and it "
+            f"keeps {need} (twice the write and {STORE_DISK_RESERVE >> 20} MB); free disk, or run the job "
+            "with workdir= on a larger disk")
+
 
 def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]],
-            resize_lock: threading.Lock | None = None) -> None:
+            resize_lock: threading.Lock | None = None, store: str = "lmdb store") -> None:
     """Write every (key, value) in one transaction; double ``map_size`` and retry when the map is full.
 
     ``map_size`` is address space, not disk, so growing it is cheap. LMDB
     allows the resize only while no transaction is open in the process:
     readers in other threads hold ``resize_lock`` for their transactions.
+    A write the disk has no room for is refused before it starts (``ensure_room``; ``store``
+    names the store in the error), and a disk that fills meanwhile (lmdb's ``ENOSPC``, or ``EIO`` from its commit) raises
+    the same ``StoreFullError``.
     """
     items = list(items)
     if not items:
         return
+    path = env.path()
+    ensure_room(store, path, sum(len(k) + len(v) for k, v in items))
     while True:
         try:
             with env.begin(write=True) as txn:
@@ -34,6 +71,12 @@ def put_all(env: lmdb.Environment, items: Iterable[tuple[bytes, bytes]],
         except lmdb.MapFullError:
             with resize_lock if resize_lock is not None else contextlib.nullcontext():
                 env.set_mapsize(env.info()["map_size"] * 2)
+        except lmdb.Error as exc:
+            # A disk that filled meanwhile (another process wrote to it) fails lmdb's commit
+            # with ENOSPC or EIO: said as the store's full disk when it is one.
+            if isinstance(exc, lmdb.DiskError) or free_bytes(path) < STORE_DISK_RESERVE:
+                raise StoreFullError(store, path, f"the {store} at {path}: its disk is full ({exc})") from exc
+            raise
 
 
 def delete_prefix(txn: lmdb.Transaction, prefix: bytes) -> int:

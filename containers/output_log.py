@@ -57,7 +57,7 @@ class OutputLog:
             first = int(table.column(SEQ)[0].as_py())
             items.append((_KEY.pack(stream_id, slice_id, first), stream_buffer(table)))
             self.rows_written += table.num_rows
-        put_all(self.env, items, self._resize_lock)
+        put_all(self.env, items, self._resize_lock, store="output log")
 
     def scan(self, stream_id: int, slice_id: int, after_seq: int = -1) -> Iterator[pa.Table]:
         """Yield the logged batches of (stream, slice) holding rows with out_seq > ``after_seq``."""
@@ -133,7 +133,7 @@ class OutputLog:
                         break
                     items.append((bytes(key), bytes(value)))
         if items:
-            put_all(other.env, items, other._resize_lock)
+            put_all(other.env, items, other._resize_lock, store="output log")
             self.drop(stream_id, slice_id)
         return len(items)
 

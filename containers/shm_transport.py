@@ -19,6 +19,8 @@ of a job left after all its hosts stopped goes with ``remove_job_files``. A
 host's own stop unlinks none of its files: one may be queued at a receiver
 still running (the master stops hosts one by one), which would find it gone.
 
+Files are created exclusively (``O_CREAT | O_EXCL``), mode 0600: only the job's user reads them.
+
 Knows no Ray: the caller decides which destinations share its node.
 """
 
@@ -130,6 +132,14 @@ class ShmSender:
             self.refused_for_room += 1
             return None
         path = f"{self.prefix}{next(self._numbers)}"
+        try:
+            # Made here, by this process alone, readable by its user only: a file of that name
+            # already there (planted, or left by another process) is never written into nor
+            # removed, and the part goes through Ray. In /dev/shm (sticky) no other user can
+            # swap the file before it is reopened below.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except OSError:
+            return None
         try:
             with pa.OSFile(path, "wb") as f:  # (slice ids: int32 is half the bytes of int64)
                 write_stream(f, table.append_column(_DST, pa.array(dst.astype(np.int32))))

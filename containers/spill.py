@@ -20,7 +20,7 @@ writes cost 40% less than through ``write``; the hot-limit jobs of
 the map (``SPILL_MAP_SIZE``, sparse: only written pages take disk) and
 turns a full disk into a SIGBUS that kills the process. So the store
 looks at the free disk every ``DISK_CHECK_BYTES`` it writes and, below
-``SPILL_DISK_FLOOR``, refuses the write with a ``RuntimeFault`` that fails
+``SPILL_DISK_FLOOR``, refuses the write with a ``StoreFullError`` (a ``RuntimeFault``) that fails
 the job naming the directory.
 """
 
@@ -36,11 +36,11 @@ from typing import Any, Iterable, Iterator
 import lmdb
 
 from chronostream import codec
-from chronostream.errors import RuntimeFault, StateEncodingError
+from chronostream.errors import StateEncodingError, StoreFullError
 
 #: Virtual size reserved for the map (sparse: only written pages use disk).
 SPILL_MAP_SIZE = 1 << 36
-#: Free disk a spill store leaves: a write that would leave less fails the job (``RuntimeFault``).
+#: Free disk a spill store leaves: a write that would leave less fails the job (``StoreFullError``, a ``RuntimeFault``).
 SPILL_DISK_FLOOR = 256 << 20
 #: Bytes written between two looks at the free disk (one ``statvfs`` each).
 DISK_CHECK_BYTES = 16 << 20
@@ -105,14 +105,15 @@ class SpillStore:
 
     def reserve(self, nbytes: int) -> None:
         """About to write ``nbytes``: every ``DISK_CHECK_BYTES``, a look at the free disk; a
-        ``RuntimeFault`` when the write would leave less than ``SPILL_DISK_FLOOR``. Called
+        ``StoreFullError`` when the write would leave less than ``SPILL_DISK_FLOOR``. Called
         under the write lock, after ``opened``."""
         self._unchecked += nbytes
         if self._unchecked < DISK_CHECK_BYTES:
             return
         free = shutil.disk_usage(self.path).free
         if free - self._unchecked < SPILL_DISK_FLOOR:
-            raise RuntimeFault(
+            raise StoreFullError(
+                "spill store", str(self.path),
                 f"the spill store at {self.path} would leave {max(free - self._unchecked, 0) >> 20} MB free on its "
                 f"disk, below the {SPILL_DISK_FLOOR >> 20} MB it keeps: give the states larger hot_entries, free "
                 "disk, or run the job with workdir= on a larger disk")

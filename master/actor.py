@@ -36,9 +36,9 @@ from chronostream.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.options import JobOptions
 from master.autoscaler import Counters, build_snapshot
 from master.backups import chains_by_slice, fewest_backup_copies, stale_backups
-from master.catalog import MasterCatalog
+from master.catalog import CatalogError, MasterCatalog
 from master.host_pool import take_spare
-from master.launch import JobLaunch
+from master.launch import JobLaunch, plan_fingerprint
 from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
@@ -128,7 +128,13 @@ class JobMaster:
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
         # after a restart in the middle of a deploy.
         self.host_names: dict[int, str] = self.catalog.load_host_names()
+        self.identity = self.catalog.load_identity()  # (see MasterCatalog.save_identity)
         self.resumed = self.catalog.exists()
+        if self.resumed and self.identity.get("job_key") != job_key:
+            # Another job's catalog (``run`` checks first; this is the master's own word): its
+            # launch is neither unpickled nor resumed under this job's name.
+            raise CatalogError(f"{workdir}: the catalog there belongs to job {self.identity.get('job_key')!r}, "
+                               f"not {job_key!r}; the master does not resume another job")
         if self.resumed:
             self._launch(JobLaunch.unpack(self.catalog.load_launch()))
             self.gc_marks = self.catalog.load_gc_marks()
@@ -305,13 +311,15 @@ class JobMaster:
         return {c: self.handles[self.host_of[c]] for d in self.plan.downstream_stages(stage_id)
                 for c in self.placement.containers[d]}
 
-    async def deploy(self, launch: bytes, source_refs: dict[int, list]) -> dict[str, Any]:
+    async def deploy(self, launch: bytes, source_refs: dict[int, list], made_workdir: bool = False) -> dict[str, Any]:
         """Create, configure and start every container of the job ``launch`` describes
         (``JobLaunch.pack``); ``source_refs``: stage id -> [object reference of its in-memory
-        table]. Returns the placement.
+        table]; ``made_workdir``: ``run`` made the work directory for this job (a stop with
+        cleanup removes it whole). Returns the placement.
 
-        The launch is saved in the catalog first, so a master restarted from here on knows
-        the job; a call Ray retries after a restart finds it deployed (or deploys it)."""
+        The job's identity and launch are saved in the catalog first, so a master restarted
+        from here on knows the job; a call Ray retries after a restart finds it deployed (or
+        deploys it)."""
         self.source_refs = dict(source_refs)
         if self.resumed or self.handles:  # a retried call after a restart: already deployed
             self._ensure_watching()
@@ -319,6 +327,8 @@ class JobMaster:
         job = JobLaunch.unpack(launch)
         self._launch(job)
         self.placement = initial_placement(job.plan, job.containers_per_stage)
+        self.catalog.save_identity(self.job_key, plan_fingerprint(job.plan), made_workdir)
+        self.identity = self.catalog.load_identity()
         self.catalog.save_launch(launch)
         # Spread each stage's containers over the alive nodes round-robin. SPREAD
         # and soft node affinity are best-effort and were seen stacking a stage on
@@ -1683,12 +1693,25 @@ class JobMaster:
         """The actor hosting each live container, by container id (tests and the failure harness)."""
         return {c: self.handles[self.host_of[c]] for ids in self.placement.containers.values() for c in ids}
 
+    def _remove_job_files(self) -> None:
+        """Delete what this job made under its work directory: the whole directory when ``run``
+        made it for the job; otherwise only the catalog (``master/``) and each of its hosts'
+        stores (``host-<id>/``; a live host removes its own at its stop, these are the ones of
+        hosts that died): nothing else in a directory the caller gave is touched."""
+        if self.identity.get("made_workdir"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            return
+        shutil.rmtree(os.path.join(self.workdir, "master"), ignore_errors=True)
+        for h in sorted(set(self.handles) | set(self.host_of.values()) | self.alive):
+            shutil.rmtree(os.path.join(self.workdir, f"host-{int(h)}"), ignore_errors=True)
+
     async def host_handles(self) -> dict[int, Any]:
         """Live hosts by host id."""
         return {h: self.handles[h] for h in sorted(self.alive)}
 
     async def stop(self, cleanup: bool = True) -> None:
-        """Stop and release every host; ``cleanup`` deletes their local stores."""
+        """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
+        directory (``_remove_job_files``)."""
         if self.state == "running":
             self.state = "stopped"
             self.finished_at = time.time()
@@ -1703,7 +1726,7 @@ class JobMaster:
                 pass
         self.catalog.close()
         if cleanup:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            self._remove_job_files()
         # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
         remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
         for h in self.handles.values():

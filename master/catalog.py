@@ -4,11 +4,15 @@ Stored in one lmdb environment under the job's work directory: the
 placement (containers per stage, slice -> container, stage of each
 container), which host runs each container, the live hosts and their
 nodes, the next free id, the containers that finished, the memory-sink rows
-handed over at checkpoints, the GC marks, the job's state and its timeline, and the job's launch (plan,
-options, policy: ``master.launch``, checksummed). Values are
-msgpack (sink rows: one key per packed group, ``containers.sink_parts``, its
-rows as Arrow IPC). Each ``save_*`` call is one lmdb
-transaction. Knows no Ray.
+handed over at checkpoints, the GC marks, the job's state and its timeline, the job's identity
+(its key and plan fingerprint: ``run(..., resume=True)`` checks it) and the job's launch (plan,
+options, policy: ``master.launch``). Values are msgpack (sink rows: one key per packed group,
+``containers.sink_parts``, its rows as Arrow IPC): nothing executes when they are read, except
+the launch, which is a pickle (it carries the user's code). So the launch is stored with an
+HMAC-SHA256 under a random per-job key kept next to the catalog (``launch.key``: created
+exclusively, mode 0600, in the catalog's 0700 directory), and ``load_launch`` verifies it before
+anything unpickles the bytes: whoever can forge a launch must already be able to read that file.
+Each ``save_*`` call is one lmdb transaction. Knows no Ray.
 
 >>> import tempfile, numpy as np
 >>> from master.placement import Placement
@@ -22,8 +26,11 @@ transaction. Knows no Ray.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
-import zlib
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.arrow_ipc import read_stream, stream_buffer
+from chronostream.errors import ChronoStreamError
 from containers.lmdb_store import put_all
 from containers.sink_parts import PackedSinkParts
 from master.placement import Placement
@@ -46,8 +54,42 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-class CatalogError(RuntimeError):
-    """The catalog lacks, or holds a corrupt copy of, what a restarted master needs."""
+class CatalogError(ChronoStreamError, RuntimeError):
+    """The catalog lacks, or holds a corrupt or unauthenticated copy of, what a restarted master needs."""
+
+
+#: The file holding the catalog's launch key (in the catalog's directory).
+LAUNCH_KEY = "launch.key"
+
+
+def catalog_identity(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The identity (``{"job_key", "fingerprint"}``) of the catalog at ``path``; ``{}`` for a
+    catalog that holds none; None where there is no catalog. Opened read-only and closed again
+    (the client looks before it starts a master there).
+
+    >>> import tempfile, shutil
+    >>> d = tempfile.mkdtemp()
+    >>> before = catalog_identity(d)
+    >>> cat = MasterCatalog(d); cat.save_identity("job-1", "ab12"); cat.close()
+    >>> before, catalog_identity(d)
+    (None, {'job_key': 'job-1', 'fingerprint': 'ab12'})
+    >>> shutil.rmtree(d)
+    """
+    if not (Path(path) / "data.mdb").exists():
+        return None
+    try:
+        env = lmdb.open(str(path), readonly=True, max_dbs=0)
+        try:
+            with env.begin() as txn:
+                v = txn.get(b"identity")
+        finally:
+            env.close()
+        identity = {} if v is None else _unpack(v)
+    except (lmdb.Error, ValueError) as exc:
+        raise CatalogError(f"{path}: a job catalog that cannot be read ({exc})") from exc
+    if not isinstance(identity, dict):
+        raise CatalogError(f"{path}: a job catalog whose identity is damaged")
+    return identity
 
 
 class MasterCatalog:
@@ -55,7 +97,7 @@ class MasterCatalog:
 
     def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         # sync=True: the catalog is small and must survive the master's process.
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0)
         self.closed = False
@@ -90,20 +132,79 @@ class MasterCatalog:
         items = [(b"layout", _pack(layout))]
         if recovery is not ...:
             items.append((b"recovery", _pack(recovery)))
-        put_all(self.env, items)
+        put_all(self.env, items, store="master catalog")
+
+    def save_identity(self, job_key: str, fingerprint: str, made_workdir: bool = False) -> None:
+        """Which job this catalog is: its key on the cluster, its plan's fingerprint
+        (``master.launch.plan_fingerprint``) and whether ``run`` made its work directory for it
+        (a stop with cleanup then removes the directory; otherwise only what the job put in it).
+        Saved by ``deploy`` before the launch."""
+        record = {"job_key": job_key, "fingerprint": fingerprint}
+        if made_workdir:
+            record["made_workdir"] = True
+        put_all(self.env, [(b"identity", _pack(record))], store="master catalog")
+
+    def load_identity(self) -> dict[str, Any]:
+        """The saved identity (see ``save_identity``); ``{}`` when none was saved."""
+        return self._get(b"identity", {})
+
+    def _launch_key(self, create: bool) -> bytes:
+        """The catalog's launch key (32 random bytes in ``launch.key``), made when ``create`` and
+        missing. A key file another user owns, or that others may read or write, is refused."""
+        path = self.path / LAUNCH_KEY
+        if create:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                pass  # (a master restarted between making the key and saving the launch)
+            else:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(32))
+                    f.flush()
+                    os.fsync(f.fileno())
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise CatalogError(f"{path}: the catalog's launch key cannot be read ({exc}); the saved job "
+                               "launch cannot be authenticated") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise CatalogError(f"{path}: the launch key must be owned by this user with mode 0600 "
+                                   f"(it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+            key = f.read()
+        if len(key) != 32:
+            raise CatalogError(f"{path}: the launch key is damaged ({len(key)} bytes, not 32)")
+        return key
 
     def save_launch(self, launch: bytes) -> None:
-        """The job's launch (``master.launch.JobLaunch.pack``), with its CRC-32: saved by
-        ``deploy`` before any host exists, read back by a restarted master."""
-        put_all(self.env, [(b"launch", _pack({"bytes": launch, "crc32": zlib.crc32(launch)}))])
+        """The job's launch (``master.launch.JobLaunch.pack``) with its HMAC-SHA256 under the
+        catalog's launch key (made now): saved by ``deploy`` before any host exists, read back
+        by a restarted master."""
+        mac = hmac.new(self._launch_key(create=True), launch, hashlib.sha256).digest()
+        put_all(self.env, [(b"launch", _pack({"bytes": launch, "hmac_sha256": mac}))], store="master catalog")
 
     def load_launch(self) -> bytes:
-        """The saved launch; ``CatalogError`` when it is missing or its checksum fails."""
+        """The saved launch, verified; ``CatalogError`` when it is missing, carries no HMAC, or its
+        HMAC does not match the launch key: those bytes are never handed on to be unpickled.
+
+        >>> import tempfile, shutil
+        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
+        >>> cat.save_launch(b"launch bytes"); cat.load_launch()
+        b'launch bytes'
+        >>> oct(os.stat(os.path.join(d, LAUNCH_KEY)).st_mode & 0o777)
+        '0o600'
+        >>> cat.close(); shutil.rmtree(d)
+        """
         d = self._get(b"launch")
         if d is None:
             raise CatalogError(f"{self.path}: no job launch saved; the master cannot resume the job")
-        if zlib.crc32(d["bytes"]) != d["crc32"]:
-            raise CatalogError(f"{self.path}: the saved job launch fails its CRC-32 check")
+        if not (isinstance(d, dict) and isinstance(d.get("bytes"), bytes) and isinstance(d.get("hmac_sha256"), bytes)):
+            raise CatalogError(f"{self.path}: the saved job launch carries no HMAC; it is not unpickled")
+        mac = hmac.new(self._launch_key(create=False), d["bytes"], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, d["hmac_sha256"]):
+            raise CatalogError(f"{self.path}: the saved job launch fails its HMAC-SHA256 check against "
+                               f"{self.path / LAUNCH_KEY}; it is not unpickled")
         return d["bytes"]
 
     def load_recovery(self) -> dict[str, Any] | None:
@@ -138,7 +239,7 @@ class MasterCatalog:
             names.pop(host_id, None)
         else:
             names[host_id] = name
-        put_all(self.env, [(b"host_names", _pack(names))])
+        put_all(self.env, [(b"host_names", _pack(names))], store="master catalog")
 
     def load_host_names(self) -> dict[int, str]:
         """Host id -> actor name of every host saved with ``save_host_name``."""
@@ -149,7 +250,7 @@ class MasterCatalog:
         if self.closed:
             return  # the job was stopped: late reports are not kept
         put_all(self.env, [(b"progress", _pack({"state": state, "done": sorted(done), "started_at": started_at,
-                                                "finished_at": finished_at}))])
+                                                "finished_at": finished_at}))], store="master catalog")
 
     def load_progress(self) -> dict[str, Any]:
         """The saved job state (see ``save_progress``)."""
@@ -161,7 +262,7 @@ class MasterCatalog:
         think logs trimmed that are not (and refuse a rebuild from the start), never the reverse."""
         if self.closed:
             return
-        put_all(self.env, [(b"gc_marks", _pack({str(k): int(v) for k, v in marks.items()}))])
+        put_all(self.env, [(b"gc_marks", _pack({str(k): int(v) for k, v in marks.items()}))], store="master catalog")
 
     def load_gc_marks(self) -> dict[int, int]:
         """The marks ``save_gc_marks`` saved last; none (no log trimmed yet) when never saved.
@@ -181,7 +282,8 @@ class MasterCatalog:
         (with its phase); ``[]`` when none."""
         if self.closed:
             return
-        put_all(self.env, [(b"migration", _pack({"request": request, "transfers": transfers}))])
+        put_all(self.env, [(b"migration", _pack({"request": request, "transfers": transfers}))],
+                store="master catalog")
 
     def load_migration(self) -> tuple[str | None, list[dict[str, Any]]]:
         """The migration a dead master left in progress (see ``save_migration``)."""
@@ -192,7 +294,7 @@ class MasterCatalog:
         """The result of a control request, so a retried call (the master restarted) returns it."""
         if self.closed or not request:
             return
-        put_all(self.env, [(b"request:" + request.encode(), _pack(result))])
+        put_all(self.env, [(b"request:" + request.encode(), _pack(result))], store="master catalog")
 
     def load_request(self, request: str | None) -> Any:
         """The saved result of a control request (None: not done)."""
@@ -210,7 +312,7 @@ class MasterCatalog:
             ipc = stream_buffer(table).to_pybytes()  # (msgpack takes bytes)
             items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), ipc])))
             self.sink_keys += 1
-        put_all(self.env, items)
+        put_all(self.env, items, store="master catalog")
 
     def _count_sink_keys(self) -> int:
         with self.env.begin() as txn:
@@ -242,7 +344,7 @@ class MasterCatalog:
         """One timeline event (kept in order by ``seq``)."""
         if self.closed:
             return  # the job was stopped: late reports are not kept
-        put_all(self.env, [(b"event:%012d" % seq, _pack(list(event)))])
+        put_all(self.env, [(b"event:%012d" % seq, _pack(list(event)))], store="master catalog")
 
     def load_events(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The saved timeline."""

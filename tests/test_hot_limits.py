@@ -438,4 +438,4 @@ def test_a_full_spill_disk_fails_the_job_naming_stage_and_slice_even_with_dead_l
     with pytest.raises(cs.EventError) as err:
         cs.run(q, executor="local", containers=1)
     assert err.value.stage == "w" and 0 <= err.value.slice_id < 4
-    assert "RuntimeFault" in str(err.value) and "spill store" in str(err.value)
+    assert "StoreFullError" in str(err.value) and "spill store" in str(err.value)  # (a RuntimeFault)
