@@ -107,15 +107,15 @@ def batch_table(step: MapBatches | FlatMapBatches, out: pa.Table | pa.RecordBatc
     >>> batch_table(MapBatches(lambda t: t), t.append_column("v", t["v"]))
     Traceback (most recent call last):
     ...
-    ValueError: map_batches returned a table with the column name(s) ['v'] more than once; each column needs its own name
+    ValueError: map_batches returned a table with the column name(s) ['v'] more than once (each column needs its own)
     """
     table = pa.Table.from_batches([out]) if isinstance(out, pa.RecordBatch) else out
     names = table.schema.names
     if len(set(names)) != len(names):
         kind = "map_batches" if isinstance(step, MapBatches) else "flat_map_batches"
         twice = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"{kind} returned a table with the column name(s) {twice} more than once; "
-                         "each column needs its own name")
+        raise ValueError(f"{kind} returned a table with the column name(s) {twice} more than once "
+                         "(each column needs its own)")
     return table
 
 

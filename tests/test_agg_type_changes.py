@@ -22,7 +22,7 @@ from chronostream import operators
 from chronostream.dag import compile_query
 from chronostream.hashing import slice_of
 from chronostream.operators import KeyedAggregate, OperatorContext
-from chronostream.types import ORDER, SEQ, SLICE, SUB
+from chronostream.types import ORDER, SUB
 from master.local import collect, run_local
 from master.placement import containers_per_stage, initial_placement
 from slices.checkpoint import SliceCheckpoint, merge_chain
