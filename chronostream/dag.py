@@ -97,6 +97,28 @@ class FlatMapBatches:
 Transform = Map | Filter | FlatMap | MapBatches | FilterBatches | FlatMapBatches
 
 
+def batch_table(step: MapBatches | FlatMapBatches, out: pa.Table | pa.RecordBatch) -> pa.Table:
+    """The table a ``map_batches``/``flat_map_batches`` function returned (a record batch made a
+    table), refused with ``ValueError`` (the event's error, as any the function raises) when a
+    column name comes twice: a stream's rows are records, one value per name. Every executor
+    checks it here, so all refuse the same tables.
+
+    >>> t = pa.table({"v": [1]})
+    >>> batch_table(MapBatches(lambda t: t), t.append_column("v", t["v"]))
+    Traceback (most recent call last):
+    ...
+    ValueError: map_batches returned a table with the column name(s) ['v'] more than once (each column needs its own)
+    """
+    table = pa.Table.from_batches([out]) if isinstance(out, pa.RecordBatch) else out
+    names = table.schema.names
+    if len(set(names)) != len(names):
+        kind = "map_batches" if isinstance(step, MapBatches) else "flat_map_batches"
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{kind} returned a table with the column name(s) {twice} more than once "
+                         "(each column needs its own)")
+    return table
+
+
 # --- builder ----------------------------------------------------------------
 
 

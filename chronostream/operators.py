@@ -506,18 +506,116 @@ _DIRTY = "__dirty__"
 
 def _state_array_name(agg: str, col: str, kind: str) -> str:
     """Name of the aggregate's running-value array of ``agg`` (sum/min/max) over ``col``, in its
-    int (``kind`` "i") or float ("f") variant: ``sum_v_i``. ``count`` is the one other array."""
+    int (``kind`` "i") or float ("f") variant: ``sum_v_i``; ``_float_flag_name`` names the one
+    flag array of ``col``. ``count`` is the one other array."""
     return f"{agg}_{col}_{kind}"
+
+
+def _value_arrays(col: str, kind: str) -> list[str]:
+    """The sum, min and max arrays of ``col`` in one variant (``_state_array_name``)."""
+    return [_state_array_name(a, col, kind) for a in ("sum", "min", "max")]
+
+
+def _float_flag_name(col: str) -> str:
+    """Name of the int8 array that is 1 for the keys whose ``col`` values are in the float variant."""
+    return f"float_{col}_b"
 
 
 def _is_state_array(name: str) -> bool:
     """Whether a column of an aggregate's checkpoint table is one of its running-value arrays."""
-    return name == "count" or name.endswith(("_i", "_f"))
+    return name == "count" or name.endswith(("_i", "_f", "_b"))
 
 
 def _state_array_dtype(name: str) -> type:
     """The numpy dtype of a running-value array, from its name's variant."""
-    return np.float64 if name.endswith("_f") else np.int64
+    return np.float64 if name.endswith("_f") else np.int8 if name.endswith("_b") else np.int64
+
+
+def _arrays_read(ops: Sequence["KeyedAggregate"], col: str, as_float: bool) -> list[str]:
+    """The arrays of value column ``col`` a batch reads: with the column float, the float
+    variant and flag, and the int variant when an op has one (keys it holds as int move to
+    float: ``_running_values``); with the column int, the int variant, and the float
+    variant and flag when an op has them (keys already in float stay there)."""
+    ints, floats, flag = _value_arrays(col, "i"), _value_arrays(col, "f"), _float_flag_name(col)
+    if as_float:
+        return floats + [flag] + (ints if any(ints[0] in op.arrays for op in ops) else [])
+    return ints + (floats + [flag] if any(flag in op.arrays for op in ops) else [])
+
+
+def _running_values(col: str, v_sorted: np.ndarray, as_float: bool, prior: dict[str, np.ndarray], seg: np.ndarray,
+                    starts: np.ndarray, start_pos: np.ndarray, last_rows: np.ndarray, first_seen: np.ndarray
+                    ) -> tuple[dict[str, np.ndarray], list[tuple[str, np.ndarray]]]:
+    """Each row's running sum/min/max of value column ``col`` (rows sorted by segment, a
+    segment one key of one op; ``prior``: each segment's arrays before the batch) as
+    ``{"sum_<col>": ...}``, and the arrays to store: ``(name, each segment's last value)``.
+
+    A key's values are exact int64 until its column first comes as float (types are inferred
+    per epoch: an epoch of nulls mapped to 1 gives int64, the others double). Then the key's
+    int sum/min/max are folded into the float variant (``float(sum)``, as Python adds an int
+    to a float) and flagged (``_float_flag_name``), and the key goes on in float whatever
+    type later epochs infer. Rows come out float64 when any of the batch's keys is in float:
+    one Arrow column holds them all (an int key's stored sum stays exact)."""
+    ints, floats, flag = _value_arrays(col, "i"), _value_arrays(col, "f"), _float_flag_name(col)
+    n, nseg = len(v_sorted), len(start_pos)
+    was_float = prior[flag].astype(bool) if flag in prior else np.zeros(nseg, dtype=bool)
+    in_float = np.ones(nseg, dtype=bool) if as_float else was_float
+    any_float, all_float = bool(in_float.any()), bool(in_float.all())
+    run_f: list[np.ndarray] = []
+    run_i: list[np.ndarray] = []
+    if any_float:
+        p_sum, p_min, p_max = (prior[name] for name in floats)
+        if ints[0] in prior:  # keys held as int until now move to float
+            p_sum, p_min, p_max = (np.where(was_float, pf, prior[pi].astype(np.float64))
+                                   for pf, pi in zip((p_sum, p_min, p_max), ints))
+        v = v_sorted.astype(np.float64)
+        # Sums sequential per key, so the result is bit-identical to one-at-a-time addition
+        # (per distinct key, not per event).
+        run_sum = np.zeros(n, dtype=np.float64)
+        for j in np.flatnonzero(in_float).tolist():
+            s, e = int(start_pos[j]), int(last_rows[j])
+            run_sum[s:e + 1] = np.cumsum(np.concatenate(([p_sum[j]], v[s:e + 1])))[1:]
+        run_f = [run_sum, *_running_min_max(v, p_min, p_max, seg, starts, first_seen)]
+    if not all_float:
+        v = v_sorted.astype(np.int64)
+        p_sum = prior[ints[0]]
+        if any_float:  # keys in float take no part (their int arrays are stale)
+            v = np.where(in_float[seg], 0, v)
+            p_sum = np.where(in_float, 0, p_sum)
+        # int64 must not wrap. A cheap bound first; the per-key running
+        # sums (float64) only when the bound cannot rule overflow out.
+        bound = float(np.abs(p_sum).max()) + float(np.abs(v.astype(np.float64)).sum())
+        if bound >= 2.0**62:
+            approx = p_sum[seg].astype(np.float64) + _segmented_cumsum_f(v, start_pos, seg)
+            if float(np.abs(approx).max()) >= 2.0**63 * 0.999:
+                raise OverflowError(f"running int64 sum of column {col!r} overflows")
+        cs = np.cumsum(v)
+        base = np.where(start_pos > 0, cs[start_pos - 1], 0)
+        run_i = [p_sum[seg] + cs - base[seg],
+                 *_running_min_max(v, prior[ints[1]], prior[ints[2]], seg, starts, first_seen)]
+    if all_float:
+        rows = run_f
+        updates = [(name, r[last_rows]) for name, r in zip(floats, run_f)]
+        if not bool(was_float.all()):
+            updates.append((flag, np.ones(nseg, dtype=np.int8)))
+    elif not any_float:
+        rows = run_i
+        updates = [(name, r[last_rows]) for name, r in zip(ints, run_i)]
+    else:  # an int batch, some keys in float: each variant written for its keys, the other kept
+        rows_f = in_float[seg]
+        rows = [np.where(rows_f, f, i.astype(np.float64)) for f, i in zip(run_f, run_i)]
+        updates = ([(name, np.where(in_float, f[last_rows], prior[name])) for name, f in zip(floats, run_f)]
+                   + [(name, np.where(in_float, prior[name], i[last_rows])) for name, i in zip(ints, run_i)])
+    return {f"{a}_{col}": r for a, r in zip(("sum", "min", "max"), rows)}, updates
+
+
+def _running_min_max(v: np.ndarray, p_min: np.ndarray, p_max: np.ndarray, seg: np.ndarray, starts: np.ndarray,
+                     first_seen: np.ndarray) -> list[np.ndarray]:
+    """Each row's running min and max of ``v`` (rows sorted by segment) from each segment's prior
+    ones (ignored for keys not seen before)."""
+    prior_min = np.where(first_seen, v, p_min[seg])
+    prior_max = np.where(first_seen, v, p_max[seg])
+    return [_segmented_scan(np.minimum(v, prior_min), starts, np.minimum),
+            _segmented_scan(np.maximum(v, prior_max), starts, np.maximum)]
 
 
 class KeyedAggregate(Operator):
@@ -527,6 +625,11 @@ class KeyedAggregate(Operator):
     running aggregates of that key including the row. Build it with
     ``stream.key_by(...).aggregate(...)`` or the ``count()``/``sum()``/...
     shortcuts rather than directly.
+
+    A key's sum/min/max of a column are exact int64 while every value it saw
+    was an int, and float64 from its first float value on, whatever types later
+    epochs infer (``_running_values``); an output batch holding a key in float
+    has the column as float64.
     """
 
     def __init__(self, key_columns: Sequence[str], specs: Sequence[tuple[str, str | None]]) -> None:
@@ -653,9 +756,8 @@ class KeyedAggregate(Operator):
                 seg_keys, seg_hashes = [col.take(take) for col in unique_keys], hashes[seg_key]
             seg_slots = group.slots(group.positions(indexes)[seg_owner], seg_keys, seg_hashes)
         value_cols = agg._value_columns()
-        kinds = {col: "f" if pa.types.is_floating(batch.column(col).type) else "i" for col in value_cols}
-        needed = ["count"] + [_state_array_name(a, col, kinds[col]) for col in value_cols
-                              for a in ("sum", "min", "max")]
+        as_float = {col: pa.types.is_floating(batch.column(col).type) for col in value_cols}
+        needed = ["count"] + [name for col in value_cols for name in _arrays_read(ops, col, as_float[col])]
         # Many ops whose state fits one slot arena: one gather per array for all of them, at each
         # segment's place in the arena (``at``). Otherwise each op gathers its own.
         arena = cls._group_arena(ops, needed, seg_owner, seg_slots) if owner_sorted is not None else None
@@ -693,51 +795,23 @@ class KeyedAggregate(Operator):
         running_count = prior["count"][seg] + pos_in_group + 1
         first_seen = (prior["count"] == 0)[seg]
         results: dict[str, np.ndarray] = {}
-        updates: list[tuple[str, np.ndarray]] = []
+        updates: list[tuple[str, np.ndarray]] = []  # (array, each segment's last running value)
         for col in value_cols:
             arr = batch.column(col)
             if arr.null_count:
                 raise ValueError(f"column {col!r} has a null value; aggregates need non-null values")
             vals = np.asarray(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr)
-            kind = kinds[col]
-            vals = vals.astype(np.float64) if kind == "f" else vals.astype(np.int64)
-            v_sorted = vals[order]
-            sums_key, mins_key, maxs_key = (_state_array_name(a, col, kind) for a in ("sum", "min", "max"))
-            prior_sum = prior[sums_key]
-            if kind == "i":
-                # int64 must not wrap. A cheap bound first; the per-key running
-                # sums (float64) only when the bound cannot rule overflow out.
-                bound = float(np.abs(prior_sum).max()) + float(np.abs(v_sorted.astype(np.float64)).sum())
-                if bound >= 2.0**62:
-                    approx = prior_sum[seg].astype(np.float64) + _segmented_cumsum_f(v_sorted, start_pos, seg)
-                    if float(np.abs(approx).max()) >= 2.0**63 * 0.999:
-                        raise OverflowError(f"running int64 sum of column {col!r} overflows")
-                cs = np.cumsum(v_sorted)
-                base = np.where(start_pos > 0, cs[start_pos - 1], 0)
-                run_sum = prior_sum[seg] + cs - base[seg]
-            else:
-                # Floats: sequential per key so the result is bit-identical to
-                # one-at-a-time addition (per distinct key, not per event).
-                run_sum = np.empty(n, dtype=np.float64)
-                for j, (s, e) in enumerate(zip(start_pos.tolist(), last_rows.tolist())):
-                    chunk = np.concatenate(([prior_sum[j]], v_sorted[s:e + 1]))
-                    run_sum[s:e + 1] = np.cumsum(chunk)[1:]
-            prior_min = np.where(first_seen, v_sorted, prior[mins_key][seg])
-            prior_max = np.where(first_seen, v_sorted, prior[maxs_key][seg])
-            run_min = _segmented_scan(np.minimum(v_sorted, prior_min), starts, np.minimum)
-            run_max = _segmented_scan(np.maximum(v_sorted, prior_max), starts, np.maximum)
-            results[f"sum_{col}"] = run_sum
-            results[f"min_{col}"] = run_min
-            results[f"max_{col}"] = run_max
-            updates += [(sums_key, run_sum), (mins_key, run_min), (maxs_key, run_max)]
+            res, upd = _running_values(col, vals[order], as_float[col], prior, seg, starts, start_pos,
+                                       last_rows, first_seen)
+            results.update(res)
+            updates += upd
         # State changes only after every check passed: a batch that raises
         # leaves the state untouched, so it can be retried row by row.
-        updates.append(("count", running_count))
+        updates.append(("count", running_count[last_rows]))
         if arena is not None:
-            cls._write_arena(ops, arena, at, seg_owner, seg_slots, [(name, values[last_rows]) for name, values in updates])
+            cls._write_arena(ops, arena, at, seg_owner, seg_slots, updates)
         else:
-            last_by_op = last_rows[by_owner]
-            updates_by_op = [(name, values[last_by_op]) for name, values in updates]
+            updates_by_op = [(name, values[by_owner]) for name, values in updates]
             for op, lo, hi in per_op:
                 slots = slots_by_op[lo:hi]
                 listed = op._dirty_mask[slots]
@@ -853,9 +927,10 @@ class KeyedAggregate(Operator):
     def _grow(self, size: int, names: Sequence[str] = ()) -> None:
         """Room for ``size`` slots in every array, and arrays ``names`` (zeros: never written) made.
 
-        A value column's sum/min/max exist in an int and a float variant; only the variants a
-        batch used are made, so an int column's state, checkpoints and backups carry no
-        all-zero float arrays (3 of an aggregate's 7 arrays per value column). Large arrays
+        A value column's sum/min/max exist in an int and a float variant (a float one with
+        its flag of the keys in it: ``_running_values``); only the variants a batch used are
+        made, so an int column's state, checkpoints and backups carry no all-zero float
+        arrays (4 of an aggregate's 8 arrays per value column). Large arrays
         double ahead of need, a share of the copy per batch (``chronostream.slot_arrays``).
         """
         cur = len(self.arrays.get("count", ()))
@@ -970,6 +1045,15 @@ class KeyedAggregate(Operator):
             v = event[col]
             if v is None:
                 raise ValueError(f"column {col!r} has a null value; aggregates need non-null values")
+            # As the vectorized path: a key's values are exact ints until the first float one,
+            # then floats from there on (the running int values promoted once).
+            if isinstance(v, float) or f"float_{col}" in cur:
+                v = float(v)
+                if f"float_{col}" not in cur:
+                    cur[f"float_{col}"] = True
+                    for a in ("sum", "min", "max"):
+                        if f"{a}_{col}" in cur:
+                            cur[f"{a}_{col}"] = float(cur[f"{a}_{col}"])
             cur[f"sum_{col}"] = cur.get(f"sum_{col}", 0.0 if isinstance(v, float) else 0) + v
             cur[f"min_{col}"] = v if f"min_{col}" not in cur else min(cur[f"min_{col}"], v)
             cur[f"max_{col}"] = v if f"max_{col}" not in cur else max(cur[f"max_{col}"], v)

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter
+from chronostream.dag import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter, batch_table
 from chronostream.types import ORDER, SUB, extend_sub_order
 
 #: Called as on_error(row_index_in_table, exception); returns True to skip the
@@ -118,7 +118,7 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
                       carry: tuple[str, ...] = ()) -> pa.Table:
     user = table.select(_user_columns(table))
     if isinstance(step, MapBatches):
-        out = _as_table(step.fn(user))
+        out = batch_table(step, step.fn(user))
         if out.num_rows != table.num_rows:
             raise ValueError(f"map_batches returned {out.num_rows} rows for {table.num_rows}")
         return _with_lineage(out, order, sub, _carried(table, carry))
@@ -126,7 +126,7 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
         return table.filter(step.fn(user))
     if isinstance(step, FlatMapBatches):
         out, parent = step.fn(user)
-        out = _as_table(out)
+        out = batch_table(step, out)
         p = np.asarray(parent, dtype=np.int64)
         if len(p) != out.num_rows:
             raise ValueError("flat_map_batches: parent_index length differs from the output rows")
@@ -140,7 +140,3 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
         k = np.arange(len(p)) - start_pos[seg] if len(p) else np.zeros(0, np.int64)
         return _with_lineage(out, order[p], extend_sub_order(sub[p], k), _carried(table, carry, p))
     raise TypeError(f"unknown transform {step!r}")
-
-
-def _as_table(x: pa.Table | pa.RecordBatch) -> pa.Table:
-    return pa.Table.from_batches([x]) if isinstance(x, pa.RecordBatch) else x
