@@ -55,6 +55,9 @@ log = logging.getLogger("chronostream.master")
 #: the client's ``Job`` handle to hand it back before the recovery fails naming the stage.
 SOURCE_REFS_CLIENT_WAIT_S = 30.0
 
+#: Job states no transition leaves (``JobMaster._set_state``).
+TERMINAL_STATES = frozenset({"failed", "finished", "stopped"})
+
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class JobMaster:
@@ -212,6 +215,23 @@ class JobMaster:
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
 
+    def _set_state(self, state: str, **info: Any) -> bool:
+        """The one place the job's state changes; the change is saved and kept in the timeline
+        (``job_<state>``, with ``info``). A terminal state (failed, finished, stopped) is final:
+        a report that arrives after one (a deploy that finishes awaiting its hosts after a
+        container failed, say) changes nothing and is kept as ``state_kept``. Returns whether
+        the state changed."""
+        if self.state in TERMINAL_STATES or state == self.state:
+            if state != self.state:
+                self._event("state_kept", state=self.state, refused=state)
+            return False
+        self.state = state
+        if state in TERMINAL_STATES:
+            self.finished_at = time.time()
+        self._save_progress()
+        self._event(f"job_{state}", **info)
+        return True
+
     def _event(self, kind: str, **info: Any) -> None:
         event = (time.time(), kind, info)
         self.timeline.append(event)
@@ -340,10 +360,11 @@ class JobMaster:
         self._note_backup_copies()
         self.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
-        self.state = "running"
         self._save_layout()
-        self._save_progress()
-        self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
+        # A container may have failed (or every container finished) while the hosts' start was
+        # awaited: a failed job stays failed, and a finish that came early is taken now.
+        if self._set_state("running", containers=len(self.host_of), nodes=len(set(self.nodes.values()))):
+            self._check_finished()
         self._ensure_watching()
         if self.policy is not None:
             self._in_background(self._autoscale())
@@ -1482,16 +1503,13 @@ class JobMaster:
     # -- reports from hosts ------------------------------------------------------------
 
     def _fail(self, container_id: int | None, error: BaseException) -> None:
-        if self.state in ("failed", "stopped"):
+        if self.state in TERMINAL_STATES:
             return
         where = ""
-        if container_id is not None and container_id in self.placement.stage_of:
+        if container_id is not None and self.placement is not None and container_id in self.placement.stage_of:
             where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
-        self.state = "failed"
         self.error = error
-        self.finished_at = time.time()
-        self._save_progress()
-        self._event("job_failed", where=where.strip(), error=str(error))
+        self._set_state("failed", where=where.strip(), error=str(error))
         for h in self.alive:
             if self.handles.get(h) is not None:
                 self.handles[h].stop.remote()
@@ -1514,10 +1532,7 @@ class JobMaster:
         live = [c for ids in self.placement.containers.values() for c in ids]
         if self.state == "running" and live and all(c in self.done for c in live) \
                 and not self.recovery_lock.locked():
-            self.state = "finished"
-            self.finished_at = time.time()
-            self._save_progress()
-            self._event("job_finished")
+            self._set_state("finished")
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
         """A container hit an error it cannot handle."""
@@ -1687,8 +1702,7 @@ class JobMaster:
     async def stop(self, cleanup: bool = True) -> None:
         """Stop and release every host; ``cleanup`` deletes their local stores."""
         if self.state == "running":
-            self.state = "stopped"
-            self.finished_at = time.time()
+            self._set_state("stopped")
         self._save_progress()
         for task in self._background:
             task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")

@@ -1,0 +1,118 @@
+"""Liveness and bounds: a failed job stays failed, hosts leave when their master dies, a long
+job's records stay bounded, and what the project starts listens on loopback only.
+
+The job-state tests drive ``JobMaster`` (master/actor.py) on the plain class behind the Ray
+actor, with stand-in hosts, so the race between a container's failure and the end of the
+deploy is taken in a fixed order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+import chronostream as cs
+import master.actor as master_actor
+from chronostream.dag import compile_query
+from master.actor import JobMaster
+from master.launch import JobLaunch
+from master.placement import containers_per_stage
+
+PlainMaster = JobMaster.__ray_metadata__.modified_class
+
+
+def _launch(containers: int = 1) -> bytes:
+    q = cs.Query()
+    q.source("s", [{"k": i, "v": float(i)} for i in range(4)]).map(lambda e: e).sink(name="out")
+    plan, sources = compile_query(q)
+    return JobLaunch(plan, containers_per_stage(plan, containers), None, None, sorted(sources)).pack()
+
+
+class _Remote:
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+def _master(tmp_path, monkeypatch, on_start) -> PlainMaster:
+    """A master whose hosts are stand-ins: a host's ``start`` runs ``on_start(master, host)``."""
+    monkeypatch.setattr(master_actor.ray, "nodes", lambda: [{"NodeID": "n0", "Alive": True}])
+    m = PlainMaster(str(tmp_path / "job"), "t")
+    stopped: list[int] = []
+
+    def host(h: int):
+        async def start():
+            await on_start(m, h)
+
+        def stop(*_):
+            stopped.append(h)
+        return types.SimpleNamespace(start=_Remote(start), stop=_Remote(stop))
+
+    async def new_host(h, node=None):
+        m.handles[h] = host(h)
+        m.alive.add(h)
+        return m.handles[h]
+
+    async def configure(h):
+        m.nodes[h] = "n0"
+
+    async def add_container(*_args, **_kw):
+        return None
+
+    m._new_or_found_host, m._configure, m._add_container = new_host, configure, add_container
+    m._ensure_watching = lambda: None  # (no watch loop: no Ray here)
+    m.stopped_hosts = stopped  # (what ``_fail`` stopped)
+    return m
+
+
+def test_a_container_failure_during_deploy_leaves_the_job_failed(tmp_path, monkeypatch):
+    """Regression (issue 59, failure during deploy): a container that fails while the master still
+    awaits its hosts' ``start`` sets the job failed; the end of the deploy must not set it back to
+    running (the job's ``wait`` would never return). Checks the state, the saved progress, and that
+    the timeline has no ``job_running`` after ``job_failed``."""
+    async def fail_on_start(m, h):
+        await m.container_failed(h, ValueError("column 'v' already exists"))
+
+    m = _master(tmp_path, monkeypatch, fail_on_start)
+    asyncio.run(m.deploy(_launch(), {}))
+    assert m.state == "failed"
+    assert m.catalog.load_progress()["state"] == "failed"
+    kinds = [k for _, k, _ in m.timeline]
+    assert "job_failed" in kinds and "job_running" not in kinds, kinds
+    assert asyncio.run(m.status())["state"] == "failed"
+    assert m.stopped_hosts == [0]
+    m.catalog.close()
+
+
+def test_terminal_states_are_final(tmp_path, monkeypatch):
+    """Regression (issue 59, failure during deploy): failed, finished and stopped are final; a later
+    transition is refused and kept in the timeline as ``state_kept``."""
+    for terminal in ("failed", "finished", "stopped"):
+        m = _master(tmp_path / terminal, monkeypatch, lambda m, h: asyncio.sleep(0))
+        assert m._set_state("running")
+        assert m._set_state(terminal)
+        for other in ("running", "failed", "finished", "stopped"):
+            m._set_state(other)
+            assert m.state == terminal
+        kept = [i for _, k, i in m.timeline if k == "state_kept"]
+        assert {i["refused"] for i in kept} == {"running", "failed", "finished", "stopped"} - {terminal}
+        m.catalog.close()
+
+
+def test_containers_that_finish_during_deploy_finish_the_job(tmp_path, monkeypatch):
+    """Regression (issue 59, failure during deploy): containers that report done while the master
+    still awaits the hosts' start finish the job once it runs (a report before ``running`` was
+    dropped: the job would run forever)."""
+    async def done_on_start(m, h):
+        await m.container_done(h, None)
+
+    m = _master(tmp_path, monkeypatch, done_on_start)
+    asyncio.run(m.deploy(_launch(), {}))
+    assert m.state == "finished"
+    kinds = [k for _, k, _ in m.timeline]
+    assert kinds.index("job_running") < kinds.index("job_finished"), kinds
+    m.catalog.close()
