@@ -468,7 +468,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
         source_pace_s: float = 0.0, background_niceness: int = 0,
-        shm_transport: bool = True) -> Job | CompletedJob:
+        shm_transport: bool = True, master_lost_s: float = 0.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -536,7 +536,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``/dev/shm`` (an Arrow IPC stream the receiver maps without a copy)
     instead of through Ray's object store, which cost the sender 2-4 ms a
     push here (``containers/shm_transport.py``); hosts on different nodes,
-    and machines without a writable ``/dev/shm``, always use Ray.
+    and machines without a writable ``/dev/shm``, always use Ray. Hosts are
+    detached actors: one whose master's actor is dead (the driver that owned
+    it died) and that has not heard from it for ``master_lost_s`` seconds
+    (0: ``max(3 x heartbeat, 60 s)``) exits itself.
 
     >>> import chronostream as cs
     >>> q = cs.Query()
@@ -554,7 +557,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
                          ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
                          source_pace_s=source_pace_s, background_niceness=background_niceness,
-                         shm_transport=shm_transport)
+                         shm_transport=shm_transport, master_lost_s=master_lost_s)
     if executor not in ("serial", "local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:

@@ -1514,6 +1514,10 @@ class JobMaster:
             if self.handles.get(h) is not None:
                 self.handles[h].stop.remote()
 
+    async def ping(self) -> str:
+        """The job's state: a host's sign that its master lives (``ResourceContainer._watch_master``)."""
+        return self.state
+
     async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:
         """Liveness and progress from a host."""
         self._ensure_watching()

@@ -9,6 +9,7 @@ deploy is taken in a fixed order.
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -116,3 +117,32 @@ def test_containers_that_finish_during_deploy_finish_the_job(tmp_path, monkeypat
     kinds = [k for _, k, _ in m.timeline]
     assert kinds.index("job_running") < kinds.index("job_finished"), kinds
     m.catalog.close()
+
+
+def test_hosts_leave_when_their_master_dies(ray_session):
+    """Regression (issue 59, orphan hosts): hosts are detached actors; when their master dies for
+    good (here ``ray.kill(no_restart=True)``, as when the driver that owned it is killed), every
+    host exits within ``master_lost_s`` (plus a ping period and slack), not never."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    q = cs.Query()
+    q.source("s", [{"k": i % 3, "v": i} for i in range(30)]).key_by("k").count(slices=4).sink(name="c")
+    job = cs.run(q, containers=1, master_lost_s=2.0)
+    job.wait(timeout_s=60)
+    hosts = list(ray.get(job.master.host_handles.remote()).values())
+    assert len(hosts) >= 2
+    ray.kill(job.master, no_restart=True)
+    t0 = time.monotonic()
+    alive = list(hosts)
+    while alive and time.monotonic() - t0 < 20:
+        time.sleep(0.5)
+        still = []
+        for h in alive:
+            try:
+                ray.get(h.ping.remote(), timeout=2)
+                still.append(h)
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        alive = still
+    assert not alive, f"{len(alive)} of {len(hosts)} hosts still answer {time.monotonic() - t0:.0f} s after their master died"
