@@ -146,3 +146,43 @@ def test_hosts_leave_when_their_master_dies(ray_session):
                 pass
         alive = still
     assert not alive, f"{len(alive)} of {len(hosts)} hosts still answer {time.monotonic() - t0:.0f} s after their master died"
+
+
+def _listening_off_loopback(pids: set[int]) -> list[tuple[int, str, str]]:
+    """(pid, process name, address) of the TCP sockets the processes ``pids`` listen on that are
+    not on a loopback address (``::ffff:127.0.0.1``, IPv4 mapped into IPv6, counts as loopback)."""
+    import ipaddress
+
+    import psutil
+
+    out = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status != psutil.CONN_LISTEN or c.pid not in pids:
+            continue
+        ip = ipaddress.ip_address(c.laddr.ip.split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            out.append((c.pid, psutil.Process(c.pid).name(), f"{c.laddr.ip}:{c.laddr.port}"))
+    return out
+
+
+def test_a_local_spark_session_listens_on_loopback_only(spark):
+    """Regression (issue 59, exposure): the Spark driver ``spark_session`` starts for a ``local``
+    master (its JVM, a child of this process, and the Python workers under it) listens on
+    loopback only, not on the machine's external address."""
+    import psutil
+
+    spark.createDataFrame([(1,)], ["a"]).collect()  # (the block manager and Python workers are up)
+    def cmdline(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:  # (a process that ended meanwhile)
+            return ""
+
+    jvms = [p for p in psutil.Process().children(recursive=True) if "org.apache.spark" in cmdline(p)]
+    assert jvms, "no Spark JVM under this process"
+    pids = {p.pid for j in jvms for p in [j, *j.children(recursive=True)]}
+    listening = [c for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert listening, "the Spark driver listens on nothing?"
+    assert _listening_off_loopback(pids) == []
