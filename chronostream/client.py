@@ -269,7 +269,8 @@ class Job:
 
     def timeline(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The job's recovery timeline: (time, event, details) for faults, detection,
-        per-slice restore, recovery end and each recovered slice's first output."""
+        per-slice restore, recovery end and each recovered slice's first output. The master
+        keeps the latest 1,000 events of each kind (``master.timeline``)."""
         import ray
 
         return ray.get(self.master.recovery_timeline.remote())
@@ -367,7 +368,8 @@ class Job:
         return ray.get(self.master.metrics.remote())
 
     def autoscale_trace(self) -> list[Any]:
-        """The autoscaler's ticks so far, as ``chronostream.autoscale.Decision`` (snapshot + actions)."""
+        """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as
+        ``chronostream.autoscale.Decision`` (snapshot + actions)."""
         import ray
 
         from chronostream.autoscale import Decision

@@ -12,6 +12,7 @@ plane never waits on the master. Every recovery step is logged and kept in
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import shutil
@@ -45,6 +46,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import SinkPartRefs, memory_sink_ids
+from master.timeline import Timeline
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
@@ -54,6 +56,10 @@ log = logging.getLogger("chronostream.master")
 #: How long a restarted master that found a source table's reference on no live host waits for
 #: the client's ``Job`` handle to hand it back before the recovery fails naming the stage.
 SOURCE_REFS_CLIENT_WAIT_S = 30.0
+
+#: Autoscaler ticks the master keeps (``autoscale_trace``): each holds a full per-slice
+#: snapshot, so a long job keeps only the latest ones (an hour at the 2 s default interval).
+DECISIONS_KEPT = 1800
 
 #: Job states no transition leaves (``JobMaster._set_state``).
 TERMINAL_STATES = frozenset({"failed", "finished", "stopped"})
@@ -102,7 +108,7 @@ class JobMaster:
         self.error: BaseException | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
-        self.timeline: list[tuple[float, str, dict[str, Any]]] = []
+        self.timeline = Timeline()  # bounded per kind (master.timeline), as is its catalog copy
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
         self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
@@ -113,7 +119,9 @@ class JobMaster:
         self.gc_dropped = 0
         self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
         self.policy: Any = None  # an autoscaling policy (chronostream.autoscale), or None
-        self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
+        # The latest autoscaler ticks (snapshot and actions), at most DECISIONS_KEPT.
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.decisions_made = 0  # every tick since this master process started
         self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
         self._unsettled_request: str | None = None
         self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
@@ -157,7 +165,7 @@ class JobMaster:
         self.state, self.done = prog["state"], set(prog["done"])
         self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
         self.sink_groups = self.catalog.load_sink_groups()
-        self.timeline = self.catalog.load_events()
+        self.catalog.forget_events(self.timeline.extend(self.catalog.load_numbered_events()))
         now = time.monotonic()
         for h in sorted(self.alive):
             try:
@@ -234,8 +242,8 @@ class JobMaster:
 
     def _event(self, kind: str, **info: Any) -> None:
         event = (time.time(), kind, info)
-        self.timeline.append(event)
-        self.catalog.add_event(len(self.timeline), event)
+        seq, dropped = self.timeline.add(event)
+        self.catalog.add_event(seq, event, () if dropped is None else (dropped,))
         log.info("%s %s", kind, info)
 
     async def _new_or_found_host(self, host_id: int, node: str | None = None) -> Any:
@@ -1457,10 +1465,11 @@ class JobMaster:
         for st in (await self.statistics()).values():
             if st is not None and st.latency:
                 total = total.merge(LatencyHistogram.from_plain(st.latency))
-        return {"snapshot": snap.to_plain(), "latency_total": total.summary(), "decisions": len(self.decisions)}
+        return {"snapshot": snap.to_plain(), "latency_total": total.summary(), "decisions": self.decisions_made}
 
     async def autoscale_trace(self) -> list[dict[str, Any]]:
-        """Every autoscaler tick so far (plain ``Decision``s): replay them with ``autoscale.simulate``."""
+        """The latest autoscaler ticks (plain ``Decision``s, at most ``DECISIONS_KEPT``): replay
+        them with ``autoscale.simulate``."""
         return [d.to_plain() for d in self.decisions]
 
     async def _autoscale(self) -> None:
@@ -1479,6 +1488,7 @@ class JobMaster:
                 self._event("autoscale_error", error=f"{type(exc).__name__}: {exc}")
                 continue
             self.decisions.append(Decision(snap, tuple(actions)))
+            self.decisions_made += 1
             for a in actions:
                 self._event("autoscale_decision", action=a.describe(), t=snap.t)
                 try:
@@ -1562,7 +1572,7 @@ class JobMaster:
             "elapsed_s": (self.finished_at or time.time()) - self.started_at if self.started_at else 0.0,
             "epochs": self.plan.num_epochs,
             "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
-            "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
+            "recoveries": self.timeline.count("recovery_end"),
             "gc_dropped": self.gc_dropped,
             "stale_backups_dropped": self.stale_backups_dropped,
             # (the client's Job handle answers with give_source_refs)

@@ -186,3 +186,55 @@ def test_a_local_spark_session_listens_on_loopback_only(spark):
                  if c.status == psutil.CONN_LISTEN and c.pid in pids]
     assert listening, "the Spark driver listens on nothing?"
     assert _listening_off_loopback(pids) == []
+
+
+def test_the_timeline_and_its_catalog_copy_stay_bounded(tmp_path, monkeypatch):
+    """Regression (issue 59, unbounded growth): the master's timeline keeps the latest
+    ``per_kind`` events of each kind, in memory and in its catalog copy, however many come; a
+    rare kind (the job's state changes) is never pushed out, and counts cover every event. A
+    restarted master reads back the bounded copy."""
+    from master.timeline import Timeline
+
+    m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
+    m.timeline = Timeline(per_kind=10)
+    m._set_state("running")
+    for i in range(200):
+        m._event("autoscale_decision", action=f"tick {i}")
+        if i % 50 == 0:
+            m._event("recovery_end", i=i)
+    kinds = [k for _, k, _ in m.timeline]
+    assert kinds.count("autoscale_decision") == 10 and kinds.count("recovery_end") == 4
+    assert kinds[0] == "job_running"
+    assert [i["action"] for _, k, i in m.timeline if k == "autoscale_decision"][-1] == "tick 199"
+    saved = m.catalog.load_numbered_events()
+    assert [e for _, e in saved] == list(m.timeline)
+    assert m.timeline.count("autoscale_decision") == 200
+    again = Timeline(per_kind=10)
+    assert again.extend(saved) == [] and list(again) == list(m.timeline)
+    m.catalog.close()
+
+
+def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
+    """Regression (issue 59, unbounded growth): the master keeps the latest ``DECISIONS_KEPT``
+    autoscaler ticks (each a full per-slice snapshot), not every tick of the job."""
+    from chronostream.options import JobOptions
+
+    monkeypatch.setattr(master_actor, "DECISIONS_KEPT", 5)
+    m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
+    m.opts = JobOptions(autoscale_interval_s=1e-4)
+    m.policy = types.SimpleNamespace(decide=lambda snap: [])
+    ticks = []
+
+    async def snapshot():
+        ticks.append(len(ticks))
+        if len(ticks) > 30:
+            m.state = "stopped"
+        return types.SimpleNamespace(n=len(ticks), to_plain=lambda: {})
+
+    m.metrics_snapshot = snapshot
+    m.state = "running"
+    asyncio.run(m._autoscale())
+    assert m.decisions_made == 30
+    assert [d.snapshot.n for d in m.decisions] == [27, 28, 29, 30, 31]  # (the first: the base of the rates)
+    assert len(asyncio.run(m.autoscale_trace())) == 5
+    m.catalog.close()
