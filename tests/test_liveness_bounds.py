@@ -238,3 +238,35 @@ def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
     assert [d.snapshot.n for d in m.decisions] == [27, 28, 29, 30, 31]  # (the first: the base of the rates)
     assert len(asyncio.run(m.autoscale_trace())) == 5
     m.catalog.close()
+
+
+def test_a_source_log_reader_and_index_hold_only_live_segments(tmp_path, monkeypatch):
+    """Regression (issue 59, unbounded growth): a tailing reader forgets trimmed segments, and
+    ``trim`` compacts the segment index on disk, so both stay proportional to the live
+    segments however many were written; reads, a new reader and a reopened writer still see
+    every live row."""
+    import pyarrow as pa
+
+    from chronostream import sourcelog
+    from chronostream.sourcelog import SourceLog, SourceLogWriter
+
+    monkeypatch.setattr(sourcelog, "COMPACT_MIN_LINES", 8)
+    w = SourceLogWriter(tmp_path)
+    reader = None
+    for i in range(120):
+        w.append({"s": pa.table({"x": [i], "_order": [i], "_stream_seq": [i]})}, high_water=i + 1)
+        reader = reader or SourceLog(tmp_path)
+        if i >= 5:
+            w.trim(i - 5)  # five live segments at most, plus the newest
+        reader.refresh()
+        assert len(reader.segments) <= 6, (i, len(reader.segments))
+    index = [p for p in tmp_path.iterdir() if p.name.startswith("segments") and p.suffix == ".jsonl"]
+    assert len(index) == 1
+    assert len(index[0].read_bytes().splitlines()) <= 2 * 8 + 6
+    assert reader.read("s", 114)["x"].to_pylist() == list(range(114, 120))
+    assert SourceLog(tmp_path).read("s", 114)["x"].to_pylist() == list(range(114, 120))
+    assert len(SourceLog(tmp_path, keep_trimmed=True).segments) <= 2 * 8 + 6
+    w2 = SourceLogWriter(tmp_path)
+    w2.append({"s": pa.table({"x": [120], "_order": [120], "_stream_seq": [120]})}, high_water=121)
+    reader.refresh()
+    assert reader.read_from_seq("s", 117)["x"].to_pylist() == [117, 118, 119, 120]
