@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from chronostream.dag import JobPlan
 from chronostream.logs import configure_from_env
@@ -718,8 +718,8 @@ class ResourceContainer:
     async def _watch_master(self) -> None:
         """Exit when the master is gone for good. A host is a detached actor: nothing else ends
         it when the driver that owned the master dies (``kill -9``) or the master is killed.
-        The host pings the master; once a ping says its actor is dead (``RayActorError``: a
-        restarting master's calls wait instead) and nothing was heard from it for
+        The host pings the master; once a ping says its actor is dead (``ActorDiedError``: a
+        restarting master's calls wait, an unreachable one's raise ``ActorUnavailableError``) and nothing was heard from it for
         ``JobOptions.master_lost_after_s``, the host releases its stores and exits."""
         bound = self.opts.master_lost_after_s
         every = min(max(self.heartbeat_s, 0.1), bound / 4)
@@ -730,9 +730,9 @@ class ResourceContainer:
                 await asyncio.wait_for(self.master.ping.remote(), timeout=bound)
                 self._master_heard = time.monotonic()
                 continue
-            except RayActorError:
+            except ActorDiedError:
                 pass  # dead for good
-            except Exception:  # noqa: BLE001 - slow, or restarting: not gone
+            except Exception:  # noqa: BLE001 - slow, restarting or unreachable for now: not gone
                 continue
             silent = time.monotonic() - self._master_heard
             if silent >= bound:
