@@ -719,8 +719,9 @@ class ResourceContainer:
         """Exit when the master is gone for good. A host is a detached actor: nothing else ends
         it when the driver that owned the master dies (``kill -9``) or the master is killed.
         The host pings the master; once a ping says its actor is dead (``ActorDiedError``: a
-        restarting master's calls wait, an unreachable one's raise ``ActorUnavailableError``) and nothing was heard from it for
-        ``JobOptions.master_lost_after_s``, the host releases its stores and exits."""
+        restarting master's calls wait, an unreachable one's raise ``ActorUnavailableError``)
+        and nothing was heard from it for ``JobOptions.master_lost_after_s``, the host
+        releases its stores and exits."""
         bound = self.opts.master_lost_after_s
         every = min(max(self.heartbeat_s, 0.1), bound / 4)
         self._master_heard = time.monotonic()

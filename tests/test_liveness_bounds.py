@@ -145,7 +145,8 @@ def test_hosts_leave_when_their_master_dies(ray_session):
             except (RayActorError, ray.exceptions.GetTimeoutError):
                 pass
         alive = still
-    assert not alive, f"{len(alive)} of {len(hosts)} hosts still answer {time.monotonic() - t0:.0f} s after their master died"
+    assert not alive, (f"{len(alive)} of {len(hosts)} hosts still answer {time.monotonic() - t0:.0f} s "
+                       f"after their master died")
 
 
 def _listening_off_loopback(pids: set[int]) -> list[tuple[int, str, str]]:
