@@ -155,7 +155,6 @@ class SourceLog:
         self._index_file = INDEX  # the index file parsed (a compaction names a new one)
         self._index_bytes = 0  # how much of it is parsed
         self._index_crc = 0
-        self.index_lines = 0  # lines parsed from it (trimmed segments' too)
         self.refresh()
 
     def refresh(self, _retry: bool = True) -> None:
@@ -184,7 +183,7 @@ class SourceLog:
                 raise SourceLogError(f"{self.dir / MANIFEST} names an invalid segment index {name!r}")
             if name != self._index_file:  # compacted: read the new index from its start
                 self.segments, self._by_stream, self._last_orders = [], {}, {}
-                self._index_file, self._index_bytes, self._index_crc, self.index_lines = name, 0, 0, 0
+                self._index_file, self._index_bytes, self._index_crc = name, 0, 0
             try:
                 self._read_index(m["index_bytes"], m["index_crc32"])
             except FileNotFoundError:
@@ -213,10 +212,8 @@ class SourceLog:
         if len(data) != upto - self._index_bytes or running != crc:
             raise SourceLogError(f"{self.dir / self._index_file} is torn or corrupt: it does not match the "
                                  f"manifest's length and CRC-32 ({upto} bytes)")
-        new = [Segment(**json.loads(line)) for line in data.splitlines()]
-        self._add_segments(new)
+        self._add_segments([Segment(**json.loads(line)) for line in data.splitlines()])
         self._index_bytes, self._index_crc = upto, running
-        self.index_lines += len(new)
 
     def _forget_trimmed(self) -> None:
         """Drop the segments wholly below ``low_water`` from this reader's index (they are never
