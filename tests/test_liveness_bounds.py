@@ -1,5 +1,5 @@
 """Liveness and bounds: a failed job stays failed, hosts leave when their master dies, a long
-job's records stay bounded, and what the project starts listens on loopback only.
+job's records stay bounded, and a local Spark driver listens on loopback only.
 
 The job-state tests drive ``JobMaster`` (master/actor.py) on the plain class behind the Ray
 actor, with stand-in hosts, so the race between a container's failure and the end of the
