@@ -270,7 +270,8 @@ class Job:
 
     def timeline(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The job's recovery timeline: (time, event, details) for faults, detection,
-        per-slice restore, recovery end and each recovered slice's first output."""
+        per-slice restore, recovery end and each recovered slice's first output. The master
+        keeps the latest 1,000 events of each kind (``master.timeline``)."""
         import ray
 
         return ray.get(self.master.recovery_timeline.remote())
@@ -368,7 +369,8 @@ class Job:
         return ray.get(self.master.metrics.remote())
 
     def autoscale_trace(self) -> list[Any]:
-        """The autoscaler's ticks so far, as ``chronostream.autoscale.Decision`` (snapshot + actions)."""
+        """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as
+        ``chronostream.autoscale.Decision`` (snapshot + actions)."""
         import ray
 
         from chronostream.autoscale import Decision
@@ -472,7 +474,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
         ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
         source_pace_s: float = 0.0, background_niceness: int = 0,
-        shm_transport: bool = True, resume: bool = False) -> Job | CompletedJob:
+        shm_transport: bool = True, resume: bool = False, master_lost_s: float = 0.0) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
@@ -540,7 +542,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``/dev/shm`` (an Arrow IPC stream the receiver maps without a copy)
     instead of through Ray's object store, which cost the sender 2-4 ms a
     push here (``containers/shm_transport.py``); hosts on different nodes,
-    and machines without a writable ``/dev/shm``, always use Ray.
+    and machines without a writable ``/dev/shm``, always use Ray. Hosts are
+    detached actors: one whose master's actor is dead (the driver that owned
+    it died) and that has not heard from it for ``master_lost_s`` seconds
+    (0: ``max(3 x heartbeat, 60 s)``) exits itself.
 
     Files (Ray executor): the job's catalog and its hosts' stores live under ``workdir``
     (default: a new directory in the system's temporary directory, mode 0700). A ``workdir``
@@ -565,7 +570,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
                          ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
                          source_pace_s=source_pace_s, background_niceness=background_niceness,
-                         shm_transport=shm_transport)
+                         shm_transport=shm_transport, master_lost_s=master_lost_s)
     if executor not in ("serial", "local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:

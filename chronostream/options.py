@@ -46,6 +46,10 @@ class JobOptions:
     # Epoch messages' parts of 100 KB or more between hosts of one node travel as files in
     # /dev/shm instead of through Ray's object store (containers/shm_transport.py).
     shm_transport: bool = True
+    # A host whose master is gone for good (its actor dead: the driver that owned it died, or it
+    # was killed) and unheard of this long exits itself (0: ``max(3 x heartbeat_s, 60 s)``);
+    # a master that restarts is waited for, however long.
+    master_lost_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
@@ -59,9 +63,15 @@ class JobOptions:
                      "source_poll_s", "ship_piece_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("checkpoint_interval_s", "full_gc_interval_s", "migration_warm_up_s", "source_pace_s"):
+        for name in ("checkpoint_interval_s", "full_gc_interval_s", "migration_warm_up_s", "source_pace_s",
+                     "master_lost_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def master_lost_after_s(self) -> float:
+        """How long a host waits, its master's actor dead, before it exits (``master_lost_s``)."""
+        return self.master_lost_s or max(3 * self.heartbeat_s, 60.0)
 
     @property
     def checkpointing(self) -> bool:

@@ -11,6 +11,7 @@ Layout::
 
     log_dir/manifest.json                       # small; replaced atomically
     log_dir/segments.jsonl                      # the segment index: one line per segment, append-only
+                                                # (compacted: segments-<hex>.jsonl, named by the manifest)
     log_dir/segments/<stream>/<first_order>-<id>.arrow
 
 Crash safety: a segment is written and fsynced under a temporary name and
@@ -51,7 +52,10 @@ complete (every row with a smaller ``_order`` is in a listed segment);
 Retention: ``SourceLogWriter.trim(order)`` raises the manifest's
 ``low_water`` (it never falls) and then deletes the segments whose rows
 are all below it; a reader asked for rows below ``low_water`` raises
-``SourceLogError`` naming both orders, never a silently shorter input. A
+``SourceLogError`` naming both orders, never a silently shorter input.
+A reader forgets trimmed segments, and ``trim`` compacts the index on disk
+(``compact_index``) once its trimmed lines reach ``COMPACT_MIN_LINES`` and
+outnumber the live ones: both stay proportional to the live segments. A
 running job says how far its log may be trimmed (``Job.source_log_floor``:
 the first order a recovery or migration of its source slices could read
 again).
@@ -65,6 +69,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -84,6 +89,12 @@ INDEX = "segments.jsonl"
 MANIFEST_CRC = "manifest_crc32"
 #: The manifest format written (3: with ``MANIFEST_CRC``; 1 and 2, without, are still read).
 VERSION = 3
+#: A compacted index is ``segments-<hex>.jsonl``; the manifest's ``index_file`` names the current one.
+_INDEX_NAME = re.compile(r"segments(-[0-9a-f]{1,32})?\.jsonl")
+#: ``trim`` compacts the index once its trimmed lines reach this many and outnumber the live
+#: ones: the index on disk then holds at most about twice the live segments' lines (and
+#: this many more), each compaction costs O(live segments), paid for by as many trims.
+COMPACT_MIN_LINES = 4096
 
 
 class SourceLogError(ChronoStreamError):
@@ -227,17 +238,21 @@ class SourceLog:
     >>> import shutil; shutil.rmtree(d)
     """
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, keep_trimmed: bool = False) -> None:
+        """``keep_trimmed``: list the segments below ``low_water`` too (the writer's view, which
+        deletes their files); a reader forgets them, so its index holds the live segments only."""
         self.dir = Path(log_dir)
+        self._keep_trimmed = keep_trimmed
         self._seen: tuple[int, int, int] | None = None  # (inode, mtime, size) of the manifest last parsed
         self.segments: list[Segment] = []
         self._by_stream: dict[str, list[Segment]] = {}
         self._last_orders: dict[str, list[int]] = {}  # per stream, its segments' last orders (for bisect)
-        self._index_bytes = 0  # how much of segments.jsonl is parsed
+        self._index_file = INDEX  # the index file parsed (a compaction names a new one)
+        self._index_bytes = 0  # how much of it is parsed
         self._index_crc = 0
         self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self, _retry: bool = True) -> None:
         """Re-read the manifest (a consistent snapshot: it is replaced atomically).
 
         A tailing source calls this every few milliseconds, so an unchanged
@@ -258,11 +273,24 @@ class SourceLog:
             self.segments, self._by_stream, self._last_orders = [], {}, {}
             self._add_segments([_segment(self.dir, str(self.dir / MANIFEST), s) for s in m["segments"]])
         else:
-            self._read_index(m["index_bytes"], m["index_crc32"])
+            name = m.get("index_file", INDEX)
+            if not isinstance(name, str) or not _INDEX_NAME.fullmatch(name):
+                raise SourceLogError(f"{self.dir / MANIFEST} names an invalid segment index {name!r}")
+            if name != self._index_file:  # compacted: read the new index from its start
+                self.segments, self._by_stream, self._last_orders = [], {}, {}
+                self._index_file, self._index_bytes, self._index_crc = name, 0, 0
+            try:
+                self._read_index(m["index_bytes"], m["index_crc32"])
+            except FileNotFoundError:
+                if not _retry:  # (a compaction replaced it since the manifest was read: once more)
+                    raise SourceLogError(f"{self.dir / name}, the segment index, is missing") from None
+                return self.refresh(_retry=False)
         self._seen = seen
         self.sealed: bool = m["sealed"]
         self.high_water: int = m["high_water"]
         self.low_water: int = m.get("low_water", 0)  # rows below it may be trimmed
+        if not self._keep_trimmed:
+            self._forget_trimmed()
         try:
             self._schemas = {k: _schema_from_str(v["schema"]) for k, v in m["streams"].items()}
         except (ValueError, pa.ArrowException):
@@ -275,23 +303,33 @@ class SourceLog:
             return
         if upto < self._index_bytes:
             raise SourceLogError(f"{self.dir}: the segment index shrank ({self._index_bytes} -> {upto} bytes)")
-        try:
-            with open(self.dir / INDEX, "rb") as f:
-                f.seek(self._index_bytes)
-                data = f.read(upto - self._index_bytes)
-        except FileNotFoundError:
-            raise SourceLogError(f"{self.dir / INDEX} is missing; the manifest lists {upto} bytes of it") from None
+        # (a missing file raises FileNotFoundError: ``refresh`` reads the manifest once more, as a
+        # compaction may have replaced the index since, then says the index is missing)
+        with open(self.dir / self._index_file, "rb") as f:
+            f.seek(self._index_bytes)
+            data = f.read(upto - self._index_bytes)
         running = zlib.crc32(data, self._index_crc)
         if len(data) != upto - self._index_bytes or running != crc:
-            raise SourceLogError(f"{self.dir / INDEX} is torn or corrupt: it does not match the manifest's "
+            raise SourceLogError(f"{self.dir / self._index_file} is torn or corrupt: it does not match the manifest's "
                                  f"length and CRC-32 ({upto} bytes)")
-        where = str(self.dir / INDEX)
+        where = str(self.dir / self._index_file)
         try:
             entries = [json.loads(line) for line in data.splitlines()]
         except ValueError:
             raise SourceLogError(f"{where} is damaged: a line is not JSON") from None
         self._add_segments([_segment(self.dir, where, d) for d in entries])
         self._index_bytes, self._index_crc = upto, running
+
+    def _forget_trimmed(self) -> None:
+        """Drop the segments wholly below ``low_water`` from this reader's index (they are never
+        read again, and their files go): a long-lived reader holds the live segments only."""
+        cut = {st: bisect.bisect_left(lasts, self.low_water) for st, lasts in self._last_orders.items()}
+        if not any(cut.values()):
+            return
+        for st, n in cut.items():
+            if n:
+                del self._by_stream[st][:n], self._last_orders[st][:n]
+        self.segments = [seg for seg in self.segments if seg.last_order >= self.low_water]
 
     def _add_segments(self, new: list[Segment]) -> None:
         self.segments.extend(new)
@@ -404,8 +442,9 @@ class SourceLogWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._kept: dict[str, collections.deque[Segment]] = {}  # per stream, segments not yet trimmed, in order
         path = self.dir / MANIFEST
+        self._trimmed_lines = 0  # lines of the index file for segments below low_water (compact_index)
         if path.exists():
-            log = SourceLog(self.dir)  # verifies the index against the manifest
+            log = SourceLog(self.dir, keep_trimmed=True)  # verifies the index against the manifest
             if log.sealed:
                 raise SourceLogError(f"the source log {self.dir} is sealed; it takes no more rows")
             m = _parse_manifest(path, path.read_bytes())
@@ -418,14 +457,18 @@ class SourceLogWriter:
             else:
                 # Keep exactly what the manifest published: an index tail written by a writer
                 # that crashed before publishing is cut off.
-                with open(self.dir / INDEX, "r+b") as f:
+                with open(self.dir / m.get("index_file", INDEX), "r+b") as f:
                     f.truncate(m["index_bytes"])
                     os.fsync(f.fileno())
+                for stale in self.dir.glob("segments*.jsonl"):  # (a compaction cut short)
+                    if stale.name != m.get("index_file", INDEX):
+                        stale.unlink(missing_ok=True)
             self._last_order = {s.stream: s.last_order for s in log.segments}
             low = m.get("low_water", 0)
             for seg in log.segments:  # (their files are confined to the log: _segment)
                 if seg.last_order >= low or (self.dir / seg.file).exists():  # (a trim may have been cut short)
                     self._kept.setdefault(seg.stream, collections.deque()).append(seg)
+            self._trimmed_lines = sum(1 for seg in log.segments if seg.last_order < low)
         else:
             m = {"version": VERSION, "sealed": False, "high_water": 0, "streams": {}, "index_bytes": 0,
                  "index_crc32": 0}
@@ -529,12 +572,12 @@ class SourceLogWriter:
         if new_segments:
             lines = b"".join(_index_line(s) for s in new_segments)
             try:
-                with open(self.dir / INDEX, "ab") as f:
+                with open(self.dir / self.manifest.get("index_file", INDEX), "ab") as f:
                     f.write(lines)
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as exc:
-                raise SourceLogError(f"cannot write {self.dir / INDEX}: {exc.strerror or exc}") from exc
+                raise SourceLogError(f"cannot write {self.dir / self.manifest.get('index_file', INDEX)}: {exc.strerror or exc}") from exc
             self.manifest["index_bytes"] += len(lines)
             self.manifest["index_crc32"] = zlib.crc32(lines, self.manifest["index_crc32"])
         if high_water is not None:
@@ -577,7 +620,26 @@ class SourceLogWriter:
                 _confined(self.dir, segs[0].file, str(self.dir / INDEX)).unlink(missing_ok=True)
                 segs.popleft()
                 deleted += 1
+        self._trimmed_lines += deleted
+        if self._trimmed_lines >= max(COMPACT_MIN_LINES, sum(len(q) for q in self._kept.values())):
+            self.compact_index()
         return deleted
+
+    def compact_index(self) -> None:
+        """Rewrite the segment index without the trimmed segments' lines (``trim`` calls this
+        when they reach ``COMPACT_MIN_LINES`` and outnumber the live ones). The new index gets
+        a new name and is fsynced before the manifest names it: a crash leaves the old index
+        or the new one published, never a mix; a reader that read the old manifest reads it
+        again (``SourceLog.refresh``). The old file goes after the publication."""
+        live = sorted((seg for segs in self._kept.values() for seg in segs), key=lambda seg: seg.first_order)
+        data = b"".join(_index_line(seg) for seg in live)
+        old = self.manifest.get("index_file", INDEX)
+        name = f"segments-{uuid.uuid4().hex[:16]}.jsonl"
+        _fsync_write(self.dir / name, data)
+        self.manifest.update(index_file=name, index_bytes=len(data), index_crc32=zlib.crc32(data))
+        self._publish()
+        (self.dir / old).unlink(missing_ok=True)
+        self._trimmed_lines = 0
 
     def seal(self) -> None:
         """Mark the log complete: its high water becomes one past its largest order."""

@@ -36,11 +36,19 @@ _T = "__cs_t"  # event time, as int64 or float64, for merging several streams
 
 
 def spark_session(master: str = "local[2]", app: str = "chronostream") -> Any:
-    """A SparkSession suited to feeding and validating on this machine (Arrow on, no UI)."""
+    """A SparkSession suited to feeding and validating on this machine (Arrow on, no UI).
+
+    A ``local`` master's driver (its RPC endpoint and block manager) binds to loopback
+    only: nothing on the network reaches it. A cluster master keeps Spark's own binding
+    (secure that cluster: ``spark.authenticate``, docs/guide.md)."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master(master).appName(app)
+    builder = SparkSession.builder.master(master).appName(app)
+    if master == "local" or master.startswith("local["):
+        builder = (builder.config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.driver.host", "127.0.0.1"))
+    session = (builder
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", "4")

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from chronostream.dag import JobPlan
 from chronostream.errors import StoreFullError
@@ -196,6 +196,7 @@ class ResourceContainer:
         self._peer_node: dict[str, str] = {}
         self._shm_files: dict[Any, list[str]] = {}
         self._store_full_said = False  # a backup flush refused for room was logged (once per episode)
+        self._master_heard = time.monotonic()  # last sign of the master (``_watch_master``)
 
     def _take_job(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
         self.host_id = host_id
@@ -281,6 +282,7 @@ class ResourceContainer:
         self.gc_pacing = CollectorPacing(options.full_gc_interval_s)
         self.gc_pacing.install()
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeats()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_master()))
         self._node_id = ray.get_runtime_context().get_node_id()
         if options.shm_transport and shm_available():
             self._shm = ShmSender(shm_job_tag(self.master), self.host_id or 0)
@@ -731,6 +733,34 @@ class ResourceContainer:
             except Exception:  # noqa: BLE001 - the master may be restarting
                 pass
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _watch_master(self) -> None:
+        """Exit when the master is gone for good. A host is a detached actor: nothing else ends
+        it when the driver that owned the master dies (``kill -9``) or the master is killed.
+        The host pings the master; once a ping says its actor is dead (``ActorDiedError``: a
+        restarting master's calls wait, an unreachable one's raise ``ActorUnavailableError``)
+        and nothing was heard from it for ``JobOptions.master_lost_after_s``, the host
+        releases its stores and exits."""
+        bound = self.opts.master_lost_after_s
+        every = min(max(self.heartbeat_s, 0.1), bound / 4)
+        self._master_heard = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.wait_for(self.master.ping.remote(), timeout=bound)
+                self._master_heard = time.monotonic()
+                continue
+            except ActorDiedError:
+                pass  # dead for good
+            except Exception:  # noqa: BLE001 - slow, restarting or unreachable for now: not gone
+                continue
+            silent = time.monotonic() - self._master_heard
+            if silent >= bound:
+                log.warning("host %s: its master is dead and silent for %.0f s; exiting", self.host_id, silent)
+                try:
+                    await asyncio.wait_for(self.stop(cleanup=True), timeout=10)
+                finally:
+                    os._exit(0)
 
     # -- recovery ------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ plane never waits on the master. Every recovery step is logged and kept in
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import shutil
@@ -45,6 +46,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
 from master.results import SinkPartRefs, memory_sink_ids
+from master.timeline import Timeline
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
@@ -54,6 +56,13 @@ log = logging.getLogger("chronostream.master")
 #: How long a restarted master that found a source table's reference on no live host waits for
 #: the client's ``Job`` handle to hand it back before the recovery fails naming the stage.
 SOURCE_REFS_CLIENT_WAIT_S = 30.0
+
+#: Autoscaler ticks the master keeps (``autoscale_trace``): each holds a full per-slice
+#: snapshot, so a long job keeps only the latest ones (an hour at the 2 s default interval).
+DECISIONS_KEPT = 1800
+
+#: Job states no transition leaves (``JobMaster._set_state``).
+TERMINAL_STATES = frozenset({"failed", "finished", "stopped"})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -99,7 +108,7 @@ class JobMaster:
         self.error: BaseException | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
-        self.timeline: list[tuple[float, str, dict[str, Any]]] = []
+        self.timeline = Timeline()  # bounded per kind (master.timeline), as is its catalog copy
         self.recovery_lock = asyncio.Lock()
         self.next_id = 0
         self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
@@ -110,7 +119,9 @@ class JobMaster:
         self.gc_dropped = 0
         self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
         self.policy: Any = None  # an autoscaling policy (chronostream.autoscale), or None
-        self.decisions: list[Decision] = []  # every autoscaler tick: the snapshot and the actions
+        # The latest autoscaler ticks (snapshot and actions), at most DECISIONS_KEPT.
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.decisions_made = 0  # every tick since this master process started
         self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
         self._unsettled_request: str | None = None
         self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
@@ -160,7 +171,7 @@ class JobMaster:
         self.state, self.done = prog["state"], set(prog["done"])
         self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
         self.sink_groups = self.catalog.load_sink_groups()
-        self.timeline = self.catalog.load_events()
+        self.catalog.forget_events(self.timeline.extend(self.catalog.load_numbered_events()))
         now = time.monotonic()
         for h in sorted(self.alive):
             try:
@@ -218,10 +229,27 @@ class JobMaster:
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
 
+    def _set_state(self, state: str, **info: Any) -> bool:
+        """The one place the job's state changes; the change is saved and kept in the timeline
+        (``job_<state>``, with ``info``). A terminal state (failed, finished, stopped) is final:
+        a report that arrives after one (a deploy that finishes awaiting its hosts after a
+        container failed, say) changes nothing and is kept as ``state_kept``. Returns whether
+        the state changed."""
+        if self.state in TERMINAL_STATES or state == self.state:
+            if state != self.state:
+                self._event("state_kept", state=self.state, refused=state)
+            return False
+        self.state = state
+        if state in TERMINAL_STATES:
+            self.finished_at = time.time()
+        self._save_progress()
+        self._event(f"job_{state}", **info)
+        return True
+
     def _event(self, kind: str, **info: Any) -> None:
         event = (time.time(), kind, info)
-        self.timeline.append(event)
-        self.catalog.add_event(len(self.timeline), event)
+        seq, dropped = self.timeline.add(event)
+        self.catalog.add_event(seq, event, () if dropped is None else (dropped,))
         log.info("%s %s", kind, info)
 
     async def _new_or_found_host(self, host_id: int, node: str | None = None) -> Any:
@@ -350,10 +378,11 @@ class JobMaster:
         self._note_backup_copies()
         self.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
-        self.state = "running"
         self._save_layout()
-        self._save_progress()
-        self._event("job_running", containers=len(self.host_of), nodes=len(set(self.nodes.values())))
+        # A container may have failed (or every container finished) while the hosts' start was
+        # awaited: a failed job stays failed, and a finish that came early is taken now.
+        if self._set_state("running", containers=len(self.host_of), nodes=len(set(self.nodes.values()))):
+            self._check_finished()
         self._ensure_watching()
         if self.policy is not None:
             self._in_background(self._autoscale())
@@ -1449,10 +1478,11 @@ class JobMaster:
         for st in (await self.statistics()).values():
             if st is not None and st.latency:
                 total = total.merge(LatencyHistogram.from_plain(st.latency))
-        return {"snapshot": snap.to_plain(), "latency_total": total.summary(), "decisions": len(self.decisions)}
+        return {"snapshot": snap.to_plain(), "latency_total": total.summary(), "decisions": self.decisions_made}
 
     async def autoscale_trace(self) -> list[dict[str, Any]]:
-        """Every autoscaler tick so far (plain ``Decision``s): replay them with ``autoscale.simulate``."""
+        """The latest autoscaler ticks (plain ``Decision``s, at most ``DECISIONS_KEPT``): replay
+        them with ``autoscale.simulate``."""
         return [d.to_plain() for d in self.decisions]
 
     async def _autoscale(self) -> None:
@@ -1471,6 +1501,7 @@ class JobMaster:
                 self._event("autoscale_error", error=f"{type(exc).__name__}: {exc}")
                 continue
             self.decisions.append(Decision(snap, tuple(actions)))
+            self.decisions_made += 1
             for a in actions:
                 self._event("autoscale_decision", action=a.describe(), t=snap.t)
                 try:
@@ -1495,19 +1526,20 @@ class JobMaster:
     # -- reports from hosts ------------------------------------------------------------
 
     def _fail(self, container_id: int | None, error: BaseException) -> None:
-        if self.state in ("failed", "stopped"):
+        if self.state in TERMINAL_STATES:
             return
         where = ""
-        if container_id is not None and container_id in self.placement.stage_of:
+        if container_id is not None and self.placement is not None and container_id in self.placement.stage_of:
             where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
-        self.state = "failed"
         self.error = error
-        self.finished_at = time.time()
-        self._save_progress()
-        self._event("job_failed", where=where.strip(), error=str(error))
+        self._set_state("failed", where=where.strip(), error=str(error))
         for h in self.alive:
             if self.handles.get(h) is not None:
                 self.handles[h].stop.remote()
+
+    async def ping(self) -> str:
+        """The job's state: a host's sign that its master lives (``ResourceContainer._watch_master``)."""
+        return self.state
 
     async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:
         """Liveness and progress from a host."""
@@ -1527,10 +1559,7 @@ class JobMaster:
         live = [c for ids in self.placement.containers.values() for c in ids]
         if self.state == "running" and live and all(c in self.done for c in live) \
                 and not self.recovery_lock.locked():
-            self.state = "finished"
-            self.finished_at = time.time()
-            self._save_progress()
-            self._event("job_finished")
+            self._set_state("finished")
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
         """A container hit an error it cannot handle."""
@@ -1556,7 +1585,7 @@ class JobMaster:
             "elapsed_s": (self.finished_at or time.time()) - self.started_at if self.started_at else 0.0,
             "epochs": self.plan.num_epochs,
             "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
-            "recoveries": sum(1 for _, k, _ in self.timeline if k == "recovery_end"),
+            "recoveries": self.timeline.count("recovery_end"),
             "gc_dropped": self.gc_dropped,
             "stale_backups_dropped": self.stale_backups_dropped,
             # (the client's Job handle answers with give_source_refs)
@@ -1713,8 +1742,7 @@ class JobMaster:
         """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
         directory (``_remove_job_files``)."""
         if self.state == "running":
-            self.state = "stopped"
-            self.finished_at = time.time()
+            self._set_state("stopped")
         self._save_progress()
         for task in self._background:
             task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")

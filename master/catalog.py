@@ -32,6 +32,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import lmdb
@@ -340,14 +341,28 @@ class MasterCatalog:
                                    np.frombuffer(index, dtype=np.int64).reshape(-1, 3)))
         return groups
 
-    def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]]) -> None:
-        """One timeline event (kept in order by ``seq``)."""
+    def add_event(self, seq: int, event: tuple[float, str, dict[str, Any]], forget: Iterable[int] = ()) -> None:
+        """One timeline event (kept in order by ``seq``); the events numbered ``forget`` go
+        (the timeline's bound, ``master.timeline``)."""
         if self.closed:
             return  # the job was stopped: late reports are not kept
         put_all(self.env, [(b"event:%012d" % seq, _pack(list(event)))], store="master catalog")
+        self.forget_events(forget)
+
+    def forget_events(self, seqs: Iterable[int]) -> None:
+        """Delete the timeline events numbered ``seqs``."""
+        seqs = list(seqs)
+        if seqs and not self.closed:
+            with self.env.begin(write=True) as txn:
+                for seq in seqs:
+                    txn.delete(b"event:%012d" % seq)
 
     def load_events(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The saved timeline."""
+        return [event for _, event in self.load_numbered_events()]
+
+    def load_numbered_events(self) -> list[tuple[int, tuple[float, str, dict[str, Any]]]]:
+        """The saved timeline, each event with its number."""
         out = []
         with self.env.begin() as txn:
             cur = txn.cursor()
@@ -356,7 +371,7 @@ class MasterCatalog:
                     if not key.startswith(b"event:"):
                         break
                     t, kind, info = _unpack(value)
-                    out.append((t, kind, info))
+                    out.append((int(key[len(b"event:"):]), (t, kind, info)))
         return out
 
     def close(self) -> None:
