@@ -958,6 +958,17 @@ class ResourceContainer:
         dropped = sum(core.drop_handed_sink_parts(parts) for core in self.cores.values())
         log.debug("host %s: dropped %d memory-sink parts the master holds", self.host_id, dropped)
 
+    async def take_released_sink_parts(self, container_id: int, slices: list[int]) -> PackedSinkParts:
+        """The memory-sink and dead-letter parts container ``container_id`` holds of ``slices``,
+        which a migration just moved to another container (``ContainerCore.take_sink_parts_of``),
+        packed for the master; it stores them, then calls ``drop_sink_parts``."""
+        core = self.cores.get(container_id)
+        return pack_sink_parts(core.take_sink_parts_of(slices) if core is not None else {})
+
+    async def drop_sink_parts(self, keys: dict[int, list[tuple[int, int]]]) -> None:
+        """The master stored these (slice, epoch) parts by sink id: let their rows go here."""
+        self._drop_handed_sink_parts({k: [tuple(x) for x in ks] for k, ks in keys.items()})
+
     async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""
         out: dict[int, dict[tuple[int, int], pa.Table]] = {}
