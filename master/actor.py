@@ -1678,12 +1678,12 @@ class JobMaster:
         if gone:
             lost = [{"stage": self.plan.stages[self.placement.stage_of[c]].name, "slices": self.placement.slices_of(c),
                      "container": c, "host": host, "before_epoch": None} for c in gone]
-            why = (f"containers {unfinished} had not finished (job {self.state}): their memory-sink rows since "
-                   f"their last checkpoint are lost" if unfinished else
+            why = (f"they had not finished (job {self.state}): their rows since their last checkpoint "
+                   f"died with it" if unfinished else
                    "without checkpoints a container keeps its rows until they are read; run with "
                    "checkpoint_every=K to hand them to the master as the job goes")
-            raise SinkRowsLost(f"host {host} died after the job's end holding memory-sink rows: {why}: "
-                               f"{SinkRowsLost.describe(lost)}", lost) from error
+            raise SinkRowsLost(f"host {host} died after the job's end holding the memory-sink rows of containers "
+                               f"{gone}: {why}; lost: {SinkRowsLost.describe(lost)}", lost) from error
         if host in self.alive:
             self.alive.discard(host)
             self._event("host_lost_after_end", host=host, containers=on_it)
