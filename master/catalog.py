@@ -164,7 +164,17 @@ class MasterCatalog:
         put_all(self.env, [(b"lost_sink_parts", _pack(lost))])
 
     def load_lost_sink_parts(self) -> list[dict[str, Any]]:
-        """What ``save_lost_sink_parts`` saved last (none lost: [])."""
+        """What ``save_lost_sink_parts`` saved last (none lost: []).
+
+        >>> import tempfile, shutil
+        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
+        >>> cat.load_lost_sink_parts()
+        []
+        >>> cat.save_lost_sink_parts([{"stage": "c", "slices": [0], "container": 3, "host": 3, "before_epoch": 13}])
+        >>> cat.load_lost_sink_parts()[0]["before_epoch"]
+        13
+        >>> cat.close(); shutil.rmtree(d)
+        """
         return list(self._get(b"lost_sink_parts", []))
 
     def save_gc_marks(self, marks: dict[int, int]) -> None:
