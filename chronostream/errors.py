@@ -66,9 +66,8 @@ class SinkRowsLost(RecoveryError):
     """Rows a memory sink accepted died with the host that held them and nothing re-makes
     them; ``job.results`` raises it rather than return a short table.
 
-    ``lost`` lists one dict per lost range: ``stage``, ``slices``, ``container``, ``host`` and
-    ``before_epoch`` (the parts of those slices' epochs before it are gone; None: those the master
-    had not taken, epochs unknown).
+    ``lost`` lists one dict per container whose rows are gone: ``stage``, ``slices``,
+    ``container``, ``host``.
     """
 
     def __init__(self, message: str, lost: list[dict] | None = None) -> None:
@@ -80,12 +79,10 @@ class SinkRowsLost(RecoveryError):
 
     @staticmethod
     def describe(lost: list[dict]) -> str:
-        """``stage 'count' slices [0] (container 3 on host 3, epochs before 13)``, joined by "; ".
+        """``stage 'count' slices [0, 3] (container 3 on host 3)``, joined by "; ".
 
-        >>> SinkRowsLost.describe([{"stage": "c", "slices": [0], "container": 3, "host": 3, "before_epoch": 13}])
-        "stage 'c' slices [0] (container 3 on host 3, epochs before 13)"
+        >>> SinkRowsLost.describe([{"stage": "c", "slices": [0, 3], "container": 3, "host": 3}])
+        "stage 'c' slices [0, 3] (container 3 on host 3)"
         """
-        return "; ".join(
-            f"stage {d['stage']!r} slices {d['slices']} (container {d['container']} on host {d['host']}, "
-            + ("the parts the master had not taken" if d.get("before_epoch") is None else f"epochs before {d['before_epoch']}") + ")"
-            for d in lost)
+        return "; ".join(f"stage {d['stage']!r} slices {d['slices']} (container {d['container']} on host {d['host']})"
+                         for d in lost)

@@ -112,8 +112,8 @@ class SinkWriter:
     def take_parts_of(self, slices: set[int]) -> dict[tuple[int, int], pa.Table]:
         """Memory sinks: every (slice, epoch) part held of ``slices``, taken or not, now counted
         as taken (``take_parts`` does not offer them again). The runtime hands them to the
-        master once a migration moved the slices away: their new container re-makes none of
-        them, so they must not die with this one. Other sinks: nothing."""
+        master before a migration snapshot of the slices ships: what is restored from it
+        re-makes none of them. Other sinks: nothing."""
         return {}
 
     def drop_handed(self, keys: Iterable[tuple[int, int]]) -> int:

@@ -797,11 +797,20 @@ class ResourceContainer:
     async def migration_snapshot(self, container_id: int, slices: list[int], to_host_id: int,
                                  to_host: Any) -> dict[str, Any]:
         """Warm-up: ship full checkpoints of a hosted container's ``slices`` (and their carried
-        outputs) to ``to_host``'s backup store. Taken between two epochs."""
+        outputs) to ``to_host``'s backup store. Taken between two epochs.
+
+        As for a checkpoint (``_ship_checkpoint``), the slices' memory-sink and dead-letter
+        parts up to the snapshot's epoch go to the master before it ships: whatever is restored
+        from it (the migration's destination, or a recovery that finds it in that store) makes
+        only the epochs after, so those rows must not live only in this process."""
         core = self.cores[container_id]
         async with self.conds[container_id]:  # captured between two epochs
             captured = core.migration_capture(slices)
             epoch = core.next_epoch - 1
+            parts = core.take_sink_parts_of(slices)
+        if parts:
+            await self.master.store_sink_parts.remote(pack_sink_parts(parts))
+            self._drop_handed_sink_parts(parts)
         blobs = await asyncio.to_thread(encode_snapshot, captured)
         if to_host_id == self.host_id:
             await self.receive_backups(blobs)
@@ -957,17 +966,6 @@ class ResourceContainer:
         host is asked: a compaction since the take may have moved the parts to another one."""
         dropped = sum(core.drop_handed_sink_parts(parts) for core in self.cores.values())
         log.debug("host %s: dropped %d memory-sink parts the master holds", self.host_id, dropped)
-
-    async def take_released_sink_parts(self, container_id: int, slices: list[int]) -> PackedSinkParts:
-        """The memory-sink and dead-letter parts container ``container_id`` holds of ``slices``,
-        which a migration just moved to another container (``ContainerCore.take_sink_parts_of``),
-        packed for the master; it stores them, then calls ``drop_sink_parts``."""
-        core = self.cores.get(container_id)
-        return pack_sink_parts(core.take_sink_parts_of(slices) if core is not None else {})
-
-    async def drop_sink_parts(self, keys: dict[int, list[tuple[int, int]]]) -> None:
-        """The master stored these (slice, epoch) parts by sink id: let their rows go here."""
-        self._drop_handed_sink_parts({k: [tuple(x) for x in ks] for k, ks in keys.items()})
 
     async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""

@@ -410,8 +410,9 @@ class ContainerCore:
 
     def take_sink_parts_of(self, slices: Iterable[int]) -> dict[int, SinkParts]:
         """Every memory-sink and dead-letter part this container holds of ``slices``, by sink id
-        (``SinkWriter.take_parts_of``): the parts of slices it released to another container,
-        for the master to keep (``drop_handed_sink_parts`` then lets their rows go here)."""
+        (``SinkWriter.take_parts_of``), for the master to keep before a migration snapshot of
+        them ships (``drop_handed_sink_parts`` then lets their rows go here). Call it between
+        two epochs, with the snapshot's capture."""
         wanted = set(slices)
         out = {k: w.take_parts_of(wanted) for k, w in self._all_writers().items()}
         return {k: parts for k, parts in out.items() if parts}

@@ -56,17 +56,6 @@ class PackedSinkParts:
         """The number of parts."""
         return sum(len(index) for _, _, index in self.groups)
 
-    def keys(self) -> dict[int, list[tuple[int, int]]]:
-        """Sink id -> the (slice, epoch) keys of its parts (what ``drop_handed_sink_parts`` takes).
-
-        >>> pack_sink_parts({0: {(0, 1): pa.table({"x": [1]}), (2, 3): pa.table({"x": [2]})}}).keys()
-        {0: [(0, 1), (2, 3)]}
-        """
-        out: dict[int, list[tuple[int, int]]] = {}
-        for sink_id, _table, index in self.groups:
-            out.setdefault(sink_id, []).extend(map(tuple, index[:, :2].tolist()))
-        return out
-
     def unpack(self) -> dict[int, SinkParts]:
         """Sink id -> (slice, epoch) -> rows (zero-copy slices of the packed tables)."""
         out: dict[int, SinkParts] = {}

@@ -45,7 +45,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of, warm_up_goals)
 from master.placement import Placement, initial_placement
-from master.results import SinkPartRefs, memory_sink_ids, refuse_lost, rows_lost_with_source
+from master.results import SinkPartRefs, memory_sink_ids
 from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
@@ -96,9 +96,6 @@ class JobMaster:
         # Memory-sink rows handed over (``store_sink_parts``), as they were packed, in the order
         # they came: a read hands them on as they are (``sink_part_refs``), no copy joins them.
         self.sink_groups: list[tuple[int, pa.Table, np.ndarray]] = []
-        # Memory-sink rows known lost (``master.results.rows_lost_with_source``): a read of a
-        # sink they belong to raises ``SinkRowsLost`` naming them.
-        self.lost_sink_parts: list[dict[str, Any]] = []
         self.state = "created"
         self.error: BaseException | None = None
         self.started_at = 0.0
@@ -158,7 +155,6 @@ class JobMaster:
         self.state, self.done = prog["state"], set(prog["done"])
         self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
         self.sink_groups = self.catalog.load_sink_groups()
-        self.lost_sink_parts = self.catalog.load_lost_sink_parts()
         self.timeline = self.catalog.load_events()
         now = time.monotonic()
         for h in sorted(self.alive):
@@ -1339,36 +1335,9 @@ class JobMaster:
                 await self.handles[t.host].set_extra_window.remote(t.new_id, 0)
             except RayActorError:
                 pass
-        if not t.handover:  # (a compaction's parts moved in process with the slices)
-            await self._take_released_sink_parts(t)
         self.placement.rehost(t.source, t.new_id, t.slices)
         t.advance(MigrationPhase.DONE, None if dst is None else dst["next_epoch"], released_at=t.released_at,
                   pause_ms=t.pause_ms)
-
-    async def _take_released_sink_parts(self, t: Transfer) -> None:
-        """The master takes the moved slices' memory-sink and dead-letter parts from the source
-        container, before the placement moves: the destination makes only those from its resume
-        epoch on, so the source's would otherwise die with its host (the source has released the
-        slices, or at least has made every part before the destination's resume epoch: those
-        after are the destination's too). A source that died first: its rows of the slices are
-        recorded lost (``rows_lost_with_source``) and reads of their sinks raise."""
-        host = self.host_of[t.source]
-        try:
-            if host not in self.alive or self.handles.get(host) is None:
-                raise RayActorError()
-            packed = await self.handles[host].take_released_sink_parts.remote(t.source, t.slices)
-            if len(packed):
-                await self.store_sink_parts(packed)
-                await self.handles[host].drop_sink_parts.remote(packed.keys())
-            return
-        except RayActorError:
-            pass
-        lost = rows_lost_with_source(self.plan, t.stage_id, t.slices, t.source, host, t.resume, t.snapshot,
-                                     self.opts.checkpointing)
-        if lost is not None:
-            self.lost_sink_parts.append(lost)
-            self.catalog.save_lost_sink_parts(self.lost_sink_parts)
-            self._event("sink_rows_lost", **lost)
 
     async def _settle_migration(self, transfers: list[Transfer]) -> None:
         """A host died or a phase got stuck: finish transfers whose destination runs the slices
@@ -1396,13 +1365,9 @@ class JobMaster:
                 continue
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
             dst_ok = t0.host is not None and t0.host not in dead
-            # A source that died in DUAL still owns the slices: undone, its recovery re-makes them
-            # with every memory-sink row they made there (finished, the destination would lack
-            # those of the epochs before its resume epoch).
-            src_ok = all(self.host_of[t.source] not in dead for t in live)
             # A compaction completes only once handed over; undone before, the sources keep their slices.
             finish = t0.phase is P.RELEASING or (handed_over.get(t0.new_id, False) if t0.handover
-                                                 else t0.phase is P.DUAL and dst_ok and src_ok)
+                                                 else t0.phase is P.DUAL and dst_ok)
             if finish:
                 for t in live:  # (a handover the catalog had not seen reach DUAL yet)
                     if t.phase is P.REBUILDING:
@@ -1644,7 +1609,6 @@ class JobMaster:
         never pass through the master's process. A host found dead here is settled as after
         the job's end (``_lost_after_end``: raises when rows died with it)."""
         ids = memory_sink_ids(self.plan, sink_name)
-        refuse_lost(self.plan, sink_name, ids, self.lost_sink_parts)
         # The groups as they came (a part in two of them: the later one's, as the client reads
         # them in order); each group's table is whole, so the put writes its rows once.
         own = [g for g in self.sink_groups if g[0] in ids]
@@ -1668,7 +1632,8 @@ class JobMaster:
         raise ``SinkRowsLost``, naming them, when a container on it had not finished (its rows
         since its last checkpoint died with it) or the job ran without checkpoints (its rows
         lived only there). Containers that left the placement (slices migrated away) handed the
-        master their slices' parts at the move (``_take_released_sink_parts``)."""
+        master every row their slices' new owners do not re-make: those up to the checkpoint or
+        snapshot the new owners were restored from (``ResourceContainer.migration_snapshot``)."""
         if self.state == "running":
             raise error  # the watch loop recovers it (its output logs may still be replayed)
         live = {c for ids in self.placement.containers.values() for c in ids}
@@ -1677,7 +1642,7 @@ class JobMaster:
         gone = unfinished or (on_it if not self.opts.checkpointing else [])
         if gone:
             lost = [{"stage": self.plan.stages[self.placement.stage_of[c]].name, "slices": self.placement.slices_of(c),
-                     "container": c, "host": host, "before_epoch": None} for c in gone]
+                     "container": c, "host": host} for c in gone]
             why = (f"they had not finished (job {self.state}): their rows since their last checkpoint "
                    f"died with it" if unfinished else
                    "without checkpoints a container keeps its rows until they are read; run with "

@@ -4,9 +4,8 @@ Stored in one lmdb environment under the job's work directory: the
 placement (containers per stage, slice -> container, stage of each
 container), which host runs each container, the live hosts and their
 nodes, the next free id, the containers that finished, the memory-sink rows
-handed over at checkpoints and those known lost, the GC marks, the job's
-state and its timeline, and the job's launch (plan, options, policy:
-``master.launch``, checksummed). Values are
+handed over at checkpoints, the GC marks, the job's state and its timeline, and the job's launch (plan,
+options, policy: ``master.launch``, checksummed). Values are
 msgpack (sink rows: one key per packed group, ``containers.sink_parts``, its
 rows as Arrow IPC). Each ``save_*`` call is one lmdb
 transaction. Knows no Ray.
@@ -155,27 +154,6 @@ class MasterCatalog:
     def load_progress(self) -> dict[str, Any]:
         """The saved job state (see ``save_progress``)."""
         return self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
-
-    def save_lost_sink_parts(self, lost: list[dict[str, Any]]) -> None:
-        """The memory-sink rows known lost (``chronostream.errors.SinkRowsLost``'s ``lost``):
-        a restarted master still refuses to return a short result."""
-        if self.closed:
-            return
-        put_all(self.env, [(b"lost_sink_parts", _pack(lost))])
-
-    def load_lost_sink_parts(self) -> list[dict[str, Any]]:
-        """What ``save_lost_sink_parts`` saved last (none lost: []).
-
-        >>> import tempfile, shutil
-        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
-        >>> cat.load_lost_sink_parts()
-        []
-        >>> cat.save_lost_sink_parts([{"stage": "c", "slices": [0], "container": 3, "host": 3, "before_epoch": 13}])
-        >>> cat.load_lost_sink_parts()[0]["before_epoch"]
-        13
-        >>> cat.close(); shutil.rmtree(d)
-        """
-        return list(self._get(b"lost_sink_parts", []))
 
     def save_gc_marks(self, marks: dict[int, int]) -> None:
         """The highest GC mark per producer stage, saved *before* the hosts are told to trim to

@@ -35,7 +35,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
                               stage_id_of)
 from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
-from master.results import memory_sink_ids, refuse_lost, rows_lost_with_source, sink_table
+from master.results import memory_sink_ids, sink_table
 from master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
                              lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
                              recovery_slack, restore_floor, restore_order)
@@ -124,7 +124,6 @@ class LocalCluster:
                 self.cores[c] = self._core(c, None, peers.get(c))
         self.in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
-        self.lost_sink_parts: list[dict[str, Any]] = []  # rows known lost (``results`` raises)
         self.checkpointed: set[tuple[int, int]] = set()
         self.timeline: list[tuple[float, str, dict[str, Any]]] = []
         self.sent = 0
@@ -385,6 +384,11 @@ class LocalCluster:
                           for s in t.slices}
                 missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
                 if missing:
+                    # The slices' sink parts up to the snapshot go to the master first, as at a
+                    # checkpoint (``ResourceContainer.migration_snapshot``).
+                    taken = src.take_sink_parts_of(missing)
+                    add_sink_parts(self.sink_parts, taken)
+                    src.drop_handed_sink_parts(taken)
                     for b in src.migration_snapshot(missing):
                         store.put(b)
                 t.snapshot = missing
@@ -522,19 +526,6 @@ class LocalCluster:
                     producer.forget_released(t.source)
             if dst is not None:
                 t.pause_ms = migration_pauses(t.released_at, src.epoch_done_at, dst.epoch_done_at)
-        if not t.handover:  # (a compaction's parts moved in process with the slices)
-            # The moved slices' sink parts of the epochs before the destination's resume epoch
-            # live only in the source: the master takes them (``JobMaster._take_released_sink_parts``).
-            if src is not None:
-                taken = src.take_sink_parts_of(t.slices)
-                add_sink_parts(self.sink_parts, taken)
-                src.drop_handed_sink_parts(taken)
-            else:
-                lost = rows_lost_with_source(self.plan, t.stage_id, t.slices, t.source, self.hosts[t.source],
-                                             t.resume, t.snapshot, self.fault_tolerant)
-                if lost is not None:
-                    self.lost_sink_parts.append(lost)
-                    self._event("sink_rows_lost", **lost)
         self.placement.rehost(t.source, t.new_id, t.slices)
         t.advance(MigrationPhase.DONE, None if dst is None else dst.next_epoch, released_at=t.released_at,
                   pause_ms=t.pause_ms)
@@ -558,13 +549,10 @@ class LocalCluster:
                 continue
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
             dst_dead = t0.host in dead
-            # A source that died in DUAL still owns the slices: undone, its recovery re-makes them
-            # with every memory-sink row they made there (see ``JobMaster._settle_migration``).
-            src_dead = any(self.hosts[t.source] in dead for t in live)
             if t0.handover and t0.phase is not P.RELEASING:
                 self._abort_handover(live, f"hosts {sorted(dead)} died before the handover")
                 continue
-            if t0.phase in (P.DUAL, P.RELEASING) and (not (dst_dead or src_dead) or t0.phase is P.RELEASING):
+            if t0.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t0.phase is P.RELEASING):
                 if t0.phase is P.DUAL:
                     self._release_routes(live)
                     for t in live:
@@ -700,7 +688,6 @@ class LocalCluster:
     def results(self, sink_name: str) -> pa.Table:
         """A memory sink's rows: parts handed over at checkpoints plus the live cores' own."""
         ids = memory_sink_ids(self.plan, sink_name)
-        refuse_lost(self.plan, sink_name, ids, self.lost_sink_parts)
         parts = {i: dict(self.sink_parts.get(i, {})) for i in ids}
         for core in self.cores.values():
             add_sink_parts(parts, core.sink_parts(ids))

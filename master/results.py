@@ -1,9 +1,7 @@
 """Reading a memory sink back: which sink a name means, and one table of its parts.
 
 Owns: resolving a sink name (a query's sink or the job's dead-letter sink)
-to the id its writers use, the record of memory-sink rows known lost (a
-migrated slice's rows that died with its old host before the master took
-them: ``rows_lost_with_source``, refused by ``refuse_lost``), and assembling the (slice, epoch) parts that
+to the id its writers use, and assembling the (slice, epoch) parts that
 the master holds (handed over at checkpoints) and the live containers hold
 into the table ``job.results`` returns. Both drivers (``master.local`` in
 process, ``master.actor`` on Ray) gather the parts their own way and call
@@ -24,7 +22,6 @@ from typing import Any
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
-from chronostream.errors import SinkRowsLost
 from chronostream.sinks import dead_letter_table, sort_output
 from containers.core import SinkParts, dead_letter_sink_id, is_dead_letter_sink_id
 from containers.sink_parts import PackedSinkParts, add_sink_parts
@@ -72,51 +69,6 @@ def memory_sink_ids(plan: JobPlan, sink_name: str) -> list[int]:
         names = [s.name for s in plan.sinks] + ([dead.name] if dead is not None else [])
         raise KeyError(f"no sink named {sink_name!r}; sinks: {names}")
     return [sink.sink_id]
-
-
-def rows_lost_with_source(plan: JobPlan, stage_id: int, slices: list[int], container: int, host: int,
-                          resume: dict[int, int], snapshot: list[int], checkpointing: bool) -> dict[str, Any] | None:
-    """The memory-sink rows a finished migration loses when its source container died before the
-    master took the moved slices' parts from it (``SinkRowsLost``'s ``lost`` entry), or None.
-
-    The destination makes the slices' parts from its resume epoch on; the source held those
-    of the epochs before. With checkpoints the source handed the master its parts up to each
-    checkpoint before shipping it, so a destination restored from a backup misses none; one
-    restored from a snapshot of the source (``snapshot``: newer than any backup) misses those
-    after the source's last checkpoint. ``resume`` unknown (a restarted master): every epoch
-    before the move.
-
-    >>> import chronostream as cs
-    >>> from chronostream.dag import compile_query
-    >>> q = cs.Query()
-    >>> _ = q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
-    >>> plan = compile_query(q)[0]
-    >>> rows_lost_with_source(plan, 1, [0], 3, 3, {0: 13}, [0], False)
-    {'stage': 'w.aggregate', 'slices': [0], 'container': 3, 'host': 3, 'before_epoch': 13}
-    >>> rows_lost_with_source(plan, 1, [0], 3, 3, {0: 13}, [], True) is None
-    True
-    """
-    gone = sorted(s for s in slices if (not checkpointing or s in snapshot) and resume.get(s, 1) > 0)
-    if not gone:
-        return None
-    known = [resume[s] for s in gone if s in resume]
-    return {"stage": plan.stages[stage_id].name, "slices": gone, "container": container, "host": host,
-            "before_epoch": max(known) if len(known) == len(gone) else None}
-
-
-def refuse_lost(plan: JobPlan, sink_name: str, ids: list[int], lost: list[dict[str, Any]]) -> None:
-    """Raise ``SinkRowsLost`` when rows of the sink (its ids: ``memory_sink_ids``) are among the
-    ``lost``: a stage's lost parts are those of the sinks its streams feed and its dead letters."""
-    names = {st.name: st.stage_id for st in plan.stages}
-    hit = []
-    for d in lost:
-        sid = names.get(d["stage"])
-        writes = {k for stream in plan.streams if stream.stage_id == sid for k in stream.sinks}
-        if sid is None or (writes | {dead_letter_sink_id(sid)}) & set(ids):
-            hit.append(d)
-    if hit:
-        raise SinkRowsLost(f"memory sink {sink_name!r} lost rows it had accepted: the host holding them died "
-                           f"and nothing re-makes them: {SinkRowsLost.describe(hit)}", hit)
 
 
 def sink_table(parts: dict[int, SinkParts], source_dead_letters: list[dict]) -> pa.Table:
