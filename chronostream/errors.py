@@ -86,3 +86,29 @@ class RecoveryError(ChronoStreamError):
     The message names the stage, the slice and what is missing. The job
     fails rather than produce output that differs from a failure-free run.
     """
+
+
+class SinkRowsLost(RecoveryError):
+    """Rows a memory sink accepted died with the host that held them and nothing re-makes
+    them; ``job.results`` raises it rather than return a short table.
+
+    ``lost`` lists one dict per container whose rows are gone: ``stage``, ``slices``,
+    ``container``, ``host``.
+    """
+
+    def __init__(self, message: str, lost: list[dict] | None = None) -> None:
+        self.lost = list(lost or [])
+        super().__init__(message)
+
+    def __reduce__(self):  # keep the attributes across Ray's pickling
+        return (SinkRowsLost, (self.args[0], self.lost))
+
+    @staticmethod
+    def describe(lost: list[dict]) -> str:
+        """``stage 'count' slices [0, 3] (container 3 on host 3)``, joined by "; ".
+
+        >>> SinkRowsLost.describe([{"stage": "c", "slices": [0, 3], "container": 3, "host": 3}])
+        "stage 'c' slices [0, 3] (container 3 on host 3)"
+        """
+        return "; ".join(f"stage {d['stage']!r} slices {d['slices']} (container {d['container']} on host {d['host']})"
+                         for d in lost)

@@ -109,6 +109,13 @@ class SinkWriter:
     def take_in(self, given: Any) -> None:
         """Hold what another writer's ``give_parts`` handed over."""
 
+    def take_parts_of(self, slices: set[int]) -> dict[tuple[int, int], pa.Table]:
+        """Memory sinks: every (slice, epoch) part held of ``slices``, taken or not, now counted
+        as taken (``take_parts`` does not offer them again). The runtime hands them to the
+        master before a migration snapshot of the slices ships: what is restored from it
+        re-makes none of them. Other sinks: nothing."""
+        return {}
+
     def drop_handed(self, keys: Iterable[tuple[int, int]]) -> int:
         """Memory sinks: let go of the rows of these (slice, epoch) parts, taken before
         (``take_parts``) and now held by the master for good (it stored them in its catalog).
@@ -195,6 +202,12 @@ class _MemoryWriter(SinkWriter):
         self.untaken.update(dict.fromkeys(k for k in parts if k in untaken))
         self.written_at.update(written_at)
         self.handed |= handed
+
+    def take_parts_of(self, slices: set[int]) -> dict[tuple[int, int], pa.Table]:
+        out = {k: t for k, t in self.parts.items() if k[0] in slices}  # (per part, not per row)
+        for k in out:
+            self.untaken.pop(k, None)
+        return out
 
     def take_parts(self, upto_epoch: int) -> dict[tuple[int, int], pa.Table]:
         due = [k for k in self.untaken if k[1] <= upto_epoch]

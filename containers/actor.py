@@ -846,11 +846,20 @@ class ResourceContainer:
     async def migration_snapshot(self, container_id: int, slices: list[int], to_host_id: int,
                                  to_host: Any) -> dict[str, Any]:
         """Warm-up: ship full checkpoints of a hosted container's ``slices`` (and their carried
-        outputs) to ``to_host``'s backup store. Taken between two epochs."""
+        outputs) to ``to_host``'s backup store. Taken between two epochs.
+
+        As for a checkpoint (``_ship_checkpoint``), the slices' memory-sink and dead-letter
+        parts up to the snapshot's epoch go to the master before it ships: whatever is restored
+        from it (the migration's destination, or a recovery that finds it in that store) makes
+        only the epochs after, so those rows must not live only in this process."""
         core = self.cores[container_id]
         async with self.conds[container_id]:  # captured between two epochs
             captured = core.migration_capture(slices)
             epoch = core.next_epoch - 1
+            parts = core.take_sink_parts_of(slices)
+        if parts:
+            await self.master.store_sink_parts.remote(pack_sink_parts(parts))
+            self._drop_handed_sink_parts(parts)
         blobs = await asyncio.to_thread(encode_snapshot, captured)
         if to_host_id == self.host_id:
             await self.receive_backups(blobs)

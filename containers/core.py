@@ -408,6 +408,15 @@ class ContainerCore:
         out, self.outgoing_sink_parts = self.outgoing_sink_parts, {}
         return out
 
+    def take_sink_parts_of(self, slices: Iterable[int]) -> dict[int, SinkParts]:
+        """Every memory-sink and dead-letter part this container holds of ``slices``, by sink id
+        (``SinkWriter.take_parts_of``), for the master to keep before a migration snapshot of
+        them ships (``drop_handed_sink_parts`` then lets their rows go here). Call it between
+        two epochs, with the snapshot's capture."""
+        wanted = set(slices)
+        out = {k: w.take_parts_of(wanted) for k, w in self._all_writers().items()}
+        return {k: parts for k, parts in out.items() if parts}
+
     def drop_handed_sink_parts(self, keys: dict[int, Iterable[tuple[int, int]]]) -> int:
         """Let go of the rows of memory-sink parts (by sink id) the master now holds for good: it
         stored them in its catalog, which a restarted master reads back. Parts taken for the

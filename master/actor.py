@@ -26,6 +26,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.dag import JobPlan
+from chronostream.errors import SinkRowsLost
 from chronostream.logs import configure_from_env
 from chronostream.stall_probe import start_from_env as start_stall_probe
 from containers.actor import ResourceContainer, shm_job_tag
@@ -1670,24 +1671,26 @@ class JobMaster:
         recovers the host). With checkpoints, every container on it that
         reported done had handed the master every memory-sink row it made (its last epoch is a
         checkpoint; ``ContainerCore.hand_over_last_sink_parts`` covers the rest). Forget the host;
-        raise, naming them, when a container on it had not finished (its rows since its last
-        checkpoint died with it) or the job ran without checkpoints (its rows lived only there).
-        Containers that left the placement (slices migrated away) handed theirs over, or their
-        slices' new owners re-made them."""
+        raise ``SinkRowsLost``, naming them, when a container on it had not finished (its rows
+        since its last checkpoint died with it) or the job ran without checkpoints (its rows
+        lived only there). Containers that left the placement (slices migrated away) handed the
+        master every row their slices' new owners do not re-make: those up to the checkpoint or
+        snapshot the new owners were restored from (``ResourceContainer.migration_snapshot``)."""
         if self.state == "running":
             raise error  # the watch loop recovers it (its output logs may still be replayed)
         live = {c for ids in self.placement.containers.values() for c in ids}
         on_it = sorted(c for c, h in self.host_of.items() if h == host and c in live)
         unfinished = [c for c in on_it if c not in self.done]
-        if unfinished:
-            raise RuntimeError(f"host {host} died holding containers {unfinished}, which had not finished "
-                               f"(job {self.state}): their memory-sink rows since their last checkpoint "
-                               f"are lost") from error
-        if not self.opts.checkpointing and on_it:
-            raise RuntimeError(f"host {host} died after the job's end holding the memory-sink rows of "
-                               f"containers {on_it}: without checkpoints a container keeps its rows "
-                               f"until they are read; run with checkpoint_every=K to hand them to the "
-                               f"master as the job goes") from error
+        gone = unfinished or (on_it if not self.opts.checkpointing else [])
+        if gone:
+            lost = [{"stage": self.plan.stages[self.placement.stage_of[c]].name, "slices": self.placement.slices_of(c),
+                     "container": c, "host": host} for c in gone]
+            why = (f"they had not finished (job {self.state}): their rows since their last checkpoint "
+                   f"died with it" if unfinished else
+                   "without checkpoints a container keeps its rows until they are read; run with "
+                   "checkpoint_every=K to hand them to the master as the job goes")
+            raise SinkRowsLost(f"host {host} died after the job's end holding the memory-sink rows of containers "
+                               f"{gone}: {why}; lost: {SinkRowsLost.describe(lost)}", lost) from error
         if host in self.alive:
             self.alive.discard(host)
             self._event("host_lost_after_end", host=host, containers=on_it)

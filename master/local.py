@@ -384,6 +384,11 @@ class LocalCluster:
                           for s in t.slices}
                 missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
                 if missing:
+                    # The slices' sink parts up to the snapshot go to the master first, as at a
+                    # checkpoint (``ResourceContainer.migration_snapshot``).
+                    taken = src.take_sink_parts_of(missing)
+                    add_sink_parts(self.sink_parts, taken)
+                    src.drop_handed_sink_parts(taken)
                     for b in src.migration_snapshot(missing):
                         store.put(b)
                 t.snapshot = missing

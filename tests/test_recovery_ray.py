@@ -16,6 +16,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial, inject, run_with_faults
+from chronostream.errors import SinkRowsLost
 from master.recovery import RECOVERY_STEPS
 from campaigns import campaign_schedule, seeded_campaign
 from queries import rekey_pipeline, running_sum
@@ -326,12 +327,16 @@ def test_with_checkpoints_the_hosts_let_go_of_the_rows_the_master_holds(ray_sess
 
 def test_without_checkpoints_a_host_dead_after_the_end_makes_results_name_it_and_its_containers(ray_session):
     """Without checkpoints a container keeps its rows until they are read: results() says which
-    host and containers took them, and how to keep them, rather than Ray's ActorDiedError."""
+    host and containers took them, and how to keep them, rather than Ray's ActorDiedError.
+    Regression (issue 59, silent row loss after a migration and a kill): the error is the
+    project's ``SinkRowsLost`` (a ``RecoveryError``), not a bare ``RuntimeError``."""
     job, hit = run_then_kill_a_host(checkpoint_every=0)
     try:
-        with pytest.raises(Exception, match=rf"host {hit['host']} died after the job's end .*"
-                                            rf"containers \[{hit['container']}\].*checkpoint_every"):
+        with pytest.raises(SinkRowsLost, match=rf"host {hit['host']} died after the job's end .*"
+                                               rf"containers \[{hit['container']}\].*checkpoint_every"
+                                               rf".*stage 'running_sum' slices \[") as err:
             job.results("sums")
+        assert [d["container"] for d in err.value.lost] == [hit["container"]]
     finally:
         job.stop()
 
