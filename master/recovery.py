@@ -228,7 +228,7 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     other hosts first and goes on over ``job_hosts`` to ``backup_factor``
     copies (2 containers with the default factor 2: one copy on the other
     host of the stage, one on another stage's), so its hosts dying together
-    leave a copy. (Until the thirty-fourth session it kept one copy.)
+    leave a copy.
 
     >>> import numpy as np
     >>> from master.placement import Placement

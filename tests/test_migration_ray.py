@@ -209,7 +209,7 @@ def test_a_moved_slices_seeded_backup_chain_recovers_it_when_its_new_host_dies(r
 def test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full(ray_session):
     """``ensure_ray`` starts Ray without the 2 s wait before a filesystem allocation, which
     stalled every container of a job when a seed did not fit the store (``RAY_SYSTEM_CONFIG``).
-    Read from the node this session started (a private Ray attribute: no public API exposes it)."""
+    Read from the node the test run's Ray started (a private Ray attribute: no public API exposes it)."""
     node = ray_session._private.worker._global_node
     assert node._ray_params._system_config["oom_grace_period_s"] == 0
 
@@ -391,7 +391,7 @@ def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_sessio
 
 def run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
     """``chronostream ARGS`` in a new process (as a user's shell runs it), its output captured;
-    a control command is given this session's Ray cluster by address (``auto`` would refuse to
+    a control command is given the test run's Ray cluster by address (``auto`` would refuse to
     choose when another Ray cluster runs on the machine)."""
     import subprocess
     import sys
