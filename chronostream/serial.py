@@ -19,7 +19,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, JobPlan, Map, MapBatches,
                               Query, compile_query)
-from chronostream.errors import EventError
+from chronostream.errors import EventError, QueryError
 from chronostream.hashing import slice_of_scalar
 from chronostream.operators import Operator, OperatorContext
 from chronostream.readers import LogReader, LogSource
@@ -91,12 +91,13 @@ class _SerialRun:
             for ev, sub in events:
                 try:
                     if isinstance(step, Map):
-                        out.append((step.fn(ev), sub))
+                        out.append((_storable(step.fn(ev)), sub))
                     elif isinstance(step, Filter):
                         if step.fn(ev):
                             out.append((ev, sub))
                     elif isinstance(step, FlatMap):
-                        out.extend((e, _sub_child(sub, k)) for k, e in enumerate(list(step.fn(ev))))
+                        made = [_storable(e) for e in step.fn(ev)]
+                        out.extend((e, _sub_child(sub, k)) for k, e in enumerate(made))
                     elif isinstance(step, MapBatches):
                         out.append((_one_row(step.fn(pa.Table.from_pylist([ev]))), sub))
                     elif isinstance(step, FilterBatches):
@@ -104,7 +105,7 @@ class _SerialRun:
                         if pa.array(mask)[0].as_py():
                             out.append((ev, sub))
                     elif isinstance(step, FlatMapBatches):
-                        t, _parents = step.fn(pa.Table.from_pylist([ev]))
+                        t, _parents = step.call(pa.Table.from_pylist([ev]))
                         out.extend((e, _sub_child(sub, k)) for k, e in enumerate(_rows(t)))
                     else:
                         raise TypeError(f"unknown transform {step!r}")
@@ -132,6 +133,10 @@ class _SerialRun:
                     if sp.key is None:
                         target = slice_of_scalar([order], cst.num_slices)
                     else:
+                        missing = [c for c in sp.key if c not in ev]
+                        if missing:  # a key column the build could not check (its schema was unknown)
+                            raise QueryError(f"stage {st.name!r}, stream {sp.name!r} -> stage {cst.name!r}: key "
+                                             f"column(s) {missing} not in the stream's columns {list(ev)}")
                         target = slice_of_scalar([ev[c] for c in sp.key], cst.num_slices)
                     idx = next(i.index for i in cst.inputs if i.stream_id == sid)
                     pending[consumer][target].append((sub, idx, slice_id, seq, in_name, ev))
@@ -248,6 +253,21 @@ def _read_log_source(spec: LogSource, poll_s: float = 0.05) -> tuple[pa.Table, i
         time.sleep(poll_s)
         reader.refresh()
     return reader.rows(0, reader.end_order()), reader.end_order()
+
+
+def _storable(value: Any) -> Any:
+    """``value`` (an event a per-event function made), once its text is known to encode as
+    UTF-8, as the runtime's Arrow conversion needs: a lone surrogate raises
+    ``UnicodeEncodeError`` here, in the event's own step, as it does in the runtime."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for v in value.values():
+            _storable(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _storable(v)
+    return value
 
 
 def _rows(t: pa.Table | pa.RecordBatch) -> list[dict]:
