@@ -233,6 +233,11 @@ class _SerialRun:
         for out_name in self.plan.stages[stage_id].outputs:
             produced: list[tuple[dict, int]] = []
             for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
+                try:
+                    _storable(e)
+                except UnicodeEncodeError as exc:  # fails the job, as the runtime's _events_table
+                    raise EventError(self.plan.stages[stage_id].name, slice_id, order,
+                                     f"produced an event that cannot be stored: {exc}", e) from None
                 produced.append((e, s if k < 0 else _sub_child(s, k)))
             for b in ctx.batches[out_name]:
                 t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])

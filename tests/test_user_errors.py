@@ -165,6 +165,25 @@ def test_a_lone_surrogate_goes_to_the_dead_letters(executor, where):
     assert sorted(job.results("c")["card"].to_pylist()) == ["a", "a", "b", "b", "c"]
 
 
+class Unstorable(cs.Operator):
+    """Produces a lone surrogate for amount 2."""
+
+    def consume(self, stream_id: str, event: dict) -> None:
+        self.produce("out", {"card": "\ud800" if event["amount"] == 2 else event["card"]})
+
+
+@pytest.mark.parametrize("executor", ["serial", "local"])
+def test_an_operator_producing_a_lone_surrogate_fails_naming_the_event(executor):
+    """Regression (issue 59, errors: surrogate): an operator that produces a string holding a
+    lone surrogate fails the job with an ``EventError`` naming its stage and the order of the
+    event it derives from (a raw ``UnicodeEncodeError`` before)."""
+    q = cs.Query(epoch_events=4)
+    q.source("pay", payments(6)).key_by("card").apply(Unstorable, slices=2, name="op").sink(name="c")
+    with pytest.raises(cs.EventError, match="cannot be stored") as err:
+        cs.run(q, executor=executor, containers=1)
+    assert (err.value.stage, err.value.order) == ("op", 2)
+
+
 # --- sink names ----------------------------------------------------------------------------
 
 
@@ -199,7 +218,7 @@ def test_a_failed_ray_job_prints_its_error_once(ray_session, capfd):
     q = cs.Query(epoch_events=20)
     q.source("pay", payments(200), slices=2).map(
         lambda e: {**e, "r": 1 // (e["amount"] - 150)}).key_by("card").count(slices=2).sink(name="c")
-    job = cs.run(q, containers=1, source_pace_s=0.05)
+    job = cs.run(q, containers=1)
     try:
         with pytest.raises(cs.QueryError, match=r"no stage 'no-such-stage'.*'pay'"):
             job.scale_out("no-such-stage")
