@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from chronostream.dag import JobPlan, Query, compile_query
-from chronostream.errors import JobFailed, WorkdirError
+from chronostream.errors import JobFailed, QueryError, WorkdirError
 from chronostream.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.sinks import ParquetSink, dead_letter_table, read_parquet_sink
@@ -293,11 +293,13 @@ class Job:
         released (docs/design.md section 7f). Returns what moved, with each
         slice's release epoch and the pause its output saw (``pause_ms``).
         """
+        self._check_stage(stage)
         return self._control(self.master.scale_out.remote(stage, n, "requested", uuid.uuid4().hex))
 
     def scale_in(self, stage: str, n: int = 1) -> dict[str, Any]:
         """Drain ``n`` of ``stage``'s hosts (those running the fewest slices) by migrating their
         slices to the others, then release them."""
+        self._check_stage(stage)
         return self._control(self.master.scale_in.remote(stage, n, "requested", uuid.uuid4().hex))
 
     def compact(self, stage: str) -> dict[str, Any]:
@@ -311,6 +313,7 @@ class Job:
         state. Returns what moved, as ``scale_out`` does; no transfers when
         every host runs one container of the stage.
         """
+        self._check_stage(stage)
         return self._control(self.master.compact.remote(stage, "requested", uuid.uuid4().hex))
 
     def migrate(self, stage: str, slices: int | list[int], to_container: int | None = None,
@@ -319,6 +322,7 @@ class Job:
 
         (``baseline="stop_copy"`` is the stop-copy-restart comparison of ``benchmarks.migration``.)
         """
+        self._check_stage(stage)
         return self._control(self.master.migrate.remote(stage, [slices] if isinstance(slices, int) else slices,
                                                         to_container, "requested", baseline, uuid.uuid4().hex))
 
@@ -335,6 +339,14 @@ class Job:
         """Take ``threads`` threads from ``container`` (at least one stays)."""
         now = self._control(self.master.threads_of.remote(container))
         return self._control(self.master.set_threads.remote(container, max(1, now - threads)))
+
+    def _check_stage(self, stage: str | int) -> None:
+        """Refuse a stage this job does not have before asking the master (``QueryError``)."""
+        names = [s.name for s in self.plan.stages]
+        if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < len(names):
+            return
+        if stage not in names:
+            raise QueryError(f"this job has no stage {stage!r}; its stages are {names}")
 
     def _control(self, ref: Any) -> Any:
         import ray
@@ -560,6 +572,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     >>> cs.run(q, executor="serial").results("c")["count"].to_pylist()
     [1, 2]
     """
+    from master.placement import containers_per_stage
+
     plan, sources = compile_query(query)
     options = JobOptions(max_inflight_epochs=max_inflight_epochs, heartbeat_timeout_s=heartbeat_timeout_s,
                          output_log=output_log, checkpoint_every=checkpoint_every,
@@ -573,6 +587,8 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                          shm_transport=shm_transport, master_lost_s=master_lost_s)
     if executor not in ("serial", "local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
+    # Checked for every executor, the serial one too (it runs no containers), before Ray starts.
+    per_stage = containers_per_stage(plan, containers)
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
         if isinstance(spec, ParquetSink):
             spec.prepare()  # an earlier run's files would be read back with this one's
@@ -580,11 +596,9 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         res: SerialResult = _SerialRun(plan, sources).run()
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
         return CompletedJob(plan, res.results, dl, dead_from_sink=False)
-    from master.placement import containers_per_stage, initial_placement
-
-    per_stage = containers_per_stage(plan, containers)
     if executor == "local":
         from master.local import collect, run_local
+        from master.placement import initial_placement
 
         cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed, spill_state=spill_state)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),

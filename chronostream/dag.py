@@ -13,7 +13,8 @@ routes them by key to the consumer slices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, is_dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
@@ -93,6 +94,17 @@ class FlatMapBatches:
     fn: Callable[[pa.Table], tuple[pa.Table, Any]]
     fan_out = True
 
+    def call(self, table: pa.Table) -> tuple[pa.Table | pa.RecordBatch, Any]:
+        """``fn(table)``, checked to be a ``(table, parent_indices)`` pair (a bare table would
+        otherwise fail in the caller's unpacking with no word of what was expected)."""
+        result = self.fn(table)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2
+                and isinstance(result[0], (pa.Table, pa.RecordBatch))):
+            got = type(result).__name__ if not isinstance(result, (tuple, list)) else \
+                f"a {len(result)}-{type(result).__name__} of {[type(x).__name__ for x in result]}"
+            raise TypeError(f"flat_map_batches function must return (table, parent_indices), got {got}")
+        return result[0], result[1]
+
 
 Transform = Map | Filter | FlatMap | MapBatches | FilterBatches | FlatMapBatches
 
@@ -144,17 +156,43 @@ class Stream:
     """
 
     def __init__(self, query: "Query", stage: StageNode, output: str,
-                 chain: tuple = (), key: tuple[str, ...] | None = None, name: str | None = None) -> None:
+                 chain: tuple = (), key: tuple[str, ...] | None = None, name: str | None = None,
+                 columns: tuple[str, ...] | None = None) -> None:
         self.query = query
         self.stage = stage
         self.output = output
         self.chain = chain
         self.key = key
         self.name = name or (stage.name if output == "out" else f"{stage.name}.{output}")
+        #: The stream's user column names when known while the query is built (a source's
+        #: table or log schema, through filters, keyings and maps given a ``schema``; an
+        #: aggregate's output): column names are checked against them at build time. None
+        #: after a transform whose output columns only its function knows.
+        self.columns = columns
 
-    def _derive(self, step: Any = None, key: tuple[str, ...] | None = None, name: str | None = None) -> "Stream":
+    def _derive(self, step: Any = None, key: tuple[str, ...] | None = None, name: str | None = None,
+                columns: tuple[str, ...] | None | bool = True) -> "Stream":
+        """A stream with ``step`` appended to the chain. ``columns`` True: derived from the step
+        (kept by filters and keyings, a map's ``schema``, else unknown)."""
         chain = self.chain + ((step,) if step is not None else ())
-        return Stream(self.query, self.stage, self.output, chain, key, name or self.name)
+        if columns is True:
+            if step is None or isinstance(step, (Filter, FilterBatches)):
+                columns = self.columns
+            elif isinstance(step, (Map, FlatMap)) and step.schema is not None:
+                columns = tuple(step.schema.names)
+            else:
+                columns = None
+        return Stream(self.query, self.stage, self.output, chain, key, name or self.name, columns)
+
+    def _check_columns(self, what: str, columns: Sequence[str]) -> None:
+        """Refuse (``QueryError``) column names the stream is known not to have."""
+        if self.columns is None:
+            return
+        missing = [c for c in columns if c not in self.columns]
+        if missing:
+            raise QueryError(f"{what}: no column{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(repr(c) for c in missing)} in stream {self.name!r}; "
+                             f"its columns are {list(self.columns)}")
 
     # stateless, per event (user Python per event)
     def map(self, fn: Callable[[dict], dict], schema: pa.Schema | None = None) -> "Stream":
@@ -199,10 +237,12 @@ class Stream:
         """
         if callable(key):
             fn = key
-            return self._derive(Map(lambda e, _fn=fn, _n=name: {**e, _n: _fn(e)}), key=(name,))
+            columns = None if self.columns is None else tuple(dict.fromkeys((*self.columns, name)))
+            return self._derive(Map(lambda e, _fn=fn, _n=name: {**e, _n: _fn(e)}), key=(name,), columns=columns)
         cols = (key,) if isinstance(key, str) else tuple(key)
         if not cols:
             raise QueryError("key_by needs at least one column")
+        self._check_columns(f"key_by({key!r})", cols)
         return self._derive(None, key=cols)
 
     # stateful
@@ -229,8 +269,13 @@ class Stream:
                 specs.append((agg, c))
         if not specs:
             raise QueryError(f"aggregate() needs at least one of {AGGREGATES}")
-        return self.query.operator(KeyedAggregate, {"in": self}, list(self.key), specs,
-                                   slices=slices, name=name or f"{self.name}.aggregate")
+        stage = name or f"{self.name}.aggregate"
+        for agg, c in specs:
+            if c is not None:
+                self._check_columns(f"stage {stage!r}: {agg}={c!r}", [c])
+        out = self.query.operator(KeyedAggregate, {"in": self}, list(self.key), specs, slices=slices, name=stage)
+        out.columns = tuple(dict.fromkeys([*self.key, *(KeyedAggregate.output_name(a, c) for a, c in specs)]))
+        return out
 
     def window(self, windows: WindowSpec | Sequence[WindowSpec], *, count: bool = False,
                sum: str | Sequence[str] = (), mean: str | Sequence[str] = (), min: str | Sequence[str] = (),
@@ -272,8 +317,15 @@ class Stream:
             for c in ([cols] if isinstance(cols, str) else cols):
                 specs.append((agg, c))
         normalized, lateness = plan_windows(windows, specs, allowed_lateness)
+        stage = name or f"{self.name}.window"
+        for agg, c in specs:
+            if c is not None:
+                self._check_columns(f"stage {stage!r}: {agg}={c!r}", [c])
+        for w in normalized:
+            if w.time is not None:
+                self._check_columns(f"stage {stage!r}: window time={w.time!r}", [w.time])
         try:
-            check_hot_limit(name or f"{self.name}.window", hot_entries, what="window")
+            check_hot_limit(stage, hot_entries, what="window")
         except ValueError as exc:
             raise QueryError(str(exc)) from None
         # Windows emitted on close also emit those still open at the end of the input.
@@ -303,9 +355,25 @@ class Stream:
         return self.aggregate(mean=[column], slices=slices, name=name)
 
     def sink(self, sink: Sink | None = None, name: str | None = None) -> Sink:
-        """Send this stream to ``sink`` (default: a ``MemorySink`` named ``name``)."""
+        """Send this stream to ``sink`` (default: a ``MemorySink`` named ``name``, else the
+        stream's name) and return the sink spec the query holds. ``name`` given with a ``sink``
+        names that sink (a copy of the spec). Sink names are unique in a query
+        (``Job.results(name)`` reads one): a taken name raises ``QueryError``."""
         if sink is None:
             sink = MemorySink(name or self.name)
+        elif name is not None and sink.name != name:
+            if is_dataclass(sink):
+                sink = replace(sink, name=name)
+            else:
+                sink = copy.copy(sink)
+                sink.name = name
+        taken = {s.name for _, s in self.query.sinks}
+        if self.query.dead_letter_sink is not None:
+            taken.add(self.query.dead_letter_sink.name)
+        if sink.name in taken:
+            raise QueryError(f"stream {self.name!r}: a sink named {sink.name!r} already exists in this query "
+                             f"(sink names are unique: results() reads a sink by name); name this one with "
+                             f".sink(..., name=...)")
         self.query.sinks.append((self, sink))
         return sink
 
@@ -359,7 +427,7 @@ class Query:
             raise QueryError(f"source {name!r}: order_by column {order_by!r} not in {table.schema.names}")
         node = StageNode(name, "source", slices, ("out",), source=SourceData(name, table, order_by, dead))
         self.stages.append(node)
-        return Stream(self, node, "out")
+        return Stream(self, node, "out", columns=tuple(table.schema.names))
 
     def source_log(self, log_dir: str, stream: str, *, follow: bool = False,
                    slices: int = DEFAULT_SOURCE_SLICES, name: str | None = None) -> Stream:
@@ -374,11 +442,11 @@ class Query:
         if any(s.name == name for s in self.stages):
             raise QueryError(f"a stage named {name!r} already exists")
         log = SourceLog(log_dir)
-        log.schema(stream)  # raises a clear error for an unknown stream
+        schema = log.schema(stream)  # raises a clear error for an unknown stream
         spec = LogSource(str(log_dir), stream, None if follow else log.high_water)
         node = StageNode(name, "source", slices, ("out",), log=spec)
         self.stages.append(node)
-        return Stream(self, node, "out")
+        return Stream(self, node, "out", columns=tuple(c for c in schema.names if not c.startswith("_")))
 
     def operator(self, operator: type[Operator], inputs: Mapping[str, Stream], *args: Any,
                  outputs: Sequence[str] = ("out",), slices: int | None = None, name: str | None = None,
@@ -405,7 +473,9 @@ class Query:
                          factory=(operator, tuple(args), dict(kwargs)), inputs=dict(inputs),
                          output_schemas=dict(output_schemas or getattr(operator, "output_schemas", {}) or {}))
         self.stages.append(node)
-        streams = {o: Stream(self, node, o) for o in outputs}
+        streams = {o: Stream(self, node, o, columns=tuple(c for c in node.output_schemas[o].names
+                                                          if not c.startswith("_"))
+                             if node.output_schemas.get(o) is not None else None) for o in outputs}
         return streams[outputs[0]] if len(outputs) == 1 else streams
 
     def dead_letters(self, sink: Sink | None = None) -> Sink:

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from chronostream.errors import EventError
 from chronostream.hashing import binary_fingerprint, hash_columns
 from chronostream.keyindex import KeyIndex, KeyIndexGroup
 from chronostream.slot_arrays import (ARENA_MAX_BYTES, SPREAD_MIN, SlotArena, SpreadGrowth, doubled_capacity,
@@ -75,7 +76,7 @@ class OperatorContext:
             events, schema = self.events[name], schemas.get(name)
             if not events:
                 continue
-            self.sealed[name].append(_events_table(events, self.lineage[name], schema))
+            self.sealed[name].append(_events_table(events, self.lineage[name], schema, [(self, len(events))]))
             if schema is None:
                 self._raw[name].append((events, self.lineage[name]))
             self.events[name], self.lineage[name] = [], []
@@ -103,7 +104,8 @@ class OperatorContext:
             if schema is None or not sum(counts):
                 continue
             table = _events_table(list(itertools.chain.from_iterable(c.events[name] for c in ctxs)),
-                                  list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs)), schema)
+                                  list(itertools.chain.from_iterable(c.lineage[name] for c in ctxs)), schema,
+                                  list(zip(ctxs, counts)))
             at = 0
             for c, k in zip(ctxs, counts):
                 if k:
@@ -117,7 +119,8 @@ class OperatorContext:
         events, sealed = self.events[name], self.sealed[name]
         if not events and not sealed:
             return None
-        pieces = sealed + ([_events_table(events, self.lineage[name], schema)] if events else [])
+        pieces = sealed + ([_events_table(events, self.lineage[name], schema, [(self, len(events))])]
+                           if events else [])
         if len(pieces) == 1:
             return pieces[0]
         if schema is None and any(not t.schema.equals(pieces[0].schema) for t in pieces[1:]):
@@ -128,7 +131,8 @@ class OperatorContext:
                 raise RuntimeError(f"stage {self.stage!r} slice {self.slice_id}: output {name!r} got events "
                                    "after it was settled, of other inferred types; its settled events are "
                                    "gone, so it cannot be inferred again whole")
-            return _events_table([e for ev, _ in raw for e in ev], [x for _, lin in raw for x in lin], None)
+            every = [e for ev, _ in raw for e in ev]
+            return _events_table(every, [x for _, lin in raw for x in lin], None, [(self, len(every))])
         return pa.concat_tables(pieces)
 
     def begin_event(self, order: int, sub: int) -> None:
@@ -248,15 +252,39 @@ class OperatorContext:
         return out
 
 
-def _events_table(events: list[dict], lineage: list[tuple[int, int, int]], schema: pa.Schema | None) -> pa.Table:
-    """Produced events as a table with their ``_order``/``_sub`` columns (see ``produce``)."""
-    table = pa.Table.from_pylist(events, schema=schema)
+def _events_table(events: list[dict], lineage: list[tuple[int, int, int]], schema: pa.Schema | None,
+                  owners: Sequence[tuple["OperatorContext", int]] = ()) -> pa.Table:
+    """Produced events as a table with their ``_order``/``_sub`` columns (see ``produce``).
+
+    An event whose text cannot be stored (a lone surrogate in a string) fails with an
+    ``EventError`` naming the stage, slice and order it derives from; ``owners``: the
+    contexts that produced the events, in order, each with how many it produced."""
+    try:
+        table = pa.Table.from_pylist(events, schema=schema)
+    except UnicodeEncodeError as exc:
+        _raise_unstorable(events, lineage, schema, owners, exc)
     lin = np.array(lineage, dtype=np.int64).reshape(-1, 3)
     table = table.append_column(ORDER, pa.array(lin[:, 0], pa.int64()))
     keep = lin[:, 2] < 0  # produce_update(): one-to-one, lineage unchanged
     sub = lin[:, 1].copy()
     sub[~keep] = extend_sub_order(lin[~keep, 1], lin[~keep, 2])
     return table.append_column(SUB, pa.array(sub, pa.int64()))
+
+
+def _raise_unstorable(events: list[dict], lineage: list[tuple[int, int, int]], schema: pa.Schema | None,
+                      owners: Sequence[tuple["OperatorContext", int]], exc: UnicodeEncodeError) -> None:
+    """Raise an ``EventError`` for the first of ``events`` that cannot be stored (only called
+    once their bulk conversion failed: one conversion per event finds it)."""
+    ends = np.cumsum([k for _, k in owners])
+    for j, e in enumerate(events):
+        try:
+            pa.Table.from_pylist([e], schema=schema)
+        except UnicodeEncodeError as one:
+            at = int(np.searchsorted(ends, j, side="right"))
+            stage, slice_id = (owners[at][0].stage, owners[at][0].slice_id) if at < len(owners) else ("?", -1)
+            raise EventError(stage, slice_id, lineage[j][0], f"produced an event that cannot be stored: {one}",
+                             e) from None
+    raise exc
 
 
 class Operator:

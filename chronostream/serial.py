@@ -26,7 +26,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, JobPlan, Map, MapBatches,
                               Query, batch_table, compile_query)
-from chronostream.errors import EventError
+from chronostream.errors import EventError, QueryError
 from chronostream.hashing import slice_of_scalar
 from chronostream.operators import Operator, OperatorContext
 from chronostream.readers import LogReader, LogSource
@@ -107,13 +107,14 @@ class _SerialRun:
             for ev, sub, schema in events:
                 try:
                     if isinstance(step, Map):
-                        out.append((_conform(step.fn(ev), step.schema), sub, step.schema))
+                        out.append((_conform(_storable(step.fn(ev)), step.schema), sub, step.schema))
                     elif isinstance(step, Filter):
                         if step.fn(ev):
                             out.append((ev, sub, schema))
                     elif isinstance(step, FlatMap):
+                        made = [_storable(e) for e in step.fn(ev)]
                         out.extend((_conform(e, step.schema), _sub_child(sub, k), step.schema)
-                                   for k, e in enumerate(list(step.fn(ev))))
+                                   for k, e in enumerate(made))
                     elif isinstance(step, MapBatches):
                         t = batch_table(step, step.fn(_one_table(ev, schema)))
                         out.append((_one_row(t), sub, _user_schema(t)))
@@ -122,7 +123,7 @@ class _SerialRun:
                         if pa.array(mask)[0].as_py():
                             out.append((ev, sub, schema))
                     elif isinstance(step, FlatMapBatches):
-                        t, _parents = step.fn(_one_table(ev, schema))
+                        t, _parents = step.call(_one_table(ev, schema))
                         t = batch_table(step, t)
                         out.extend((e, _sub_child(sub, k), _user_schema(t)) for k, e in enumerate(_rows(t)))
                     else:
@@ -155,6 +156,10 @@ class _SerialRun:
                     if sp.key is None:
                         target = slice_of_scalar([order], cst.num_slices)
                     else:
+                        missing = [c for c in sp.key if c not in ev]
+                        if missing:  # a key column the build could not check (its schema was unknown)
+                            raise QueryError(f"stage {st.name!r}, stream {sp.name!r} -> stage {cst.name!r}: key "
+                                             f"column(s) {missing} not in the stream's columns {list(ev)}")
                         target = slice_of_scalar([ev[c] for c in sp.key], cst.num_slices)
                     idx = next(i.index for i in cst.inputs if i.stream_id == sid)
                     pending[consumer][target].append((sub, idx, slice_id, seq, in_name, ev, schema))
@@ -257,6 +262,11 @@ class _SerialRun:
             produced: list[Event] = []
             declared = stage.output_schemas.get(out_name)
             for e, (_o, s, k) in zip(ctx.events[out_name], ctx.lineage[out_name]):
+                try:
+                    _storable(e)
+                except UnicodeEncodeError as exc:  # fails the job, as the runtime's _events_table
+                    raise EventError(stage.name, slice_id, order,
+                                     f"produced an event that cannot be stored: {exc}", e) from None
                 produced.append((_conform(e, declared), s if k < 0 else _sub_child(s, k), declared))
             for b in ctx.batches[out_name]:
                 t = b if isinstance(b, pa.Table) else pa.Table.from_batches([b])
@@ -303,6 +313,21 @@ def _sink_table(rows: list[dict], schema: pa.Schema | None) -> pa.Table:
         return pa.Table.from_pylist(rows)
     system = [pa.field(c, pa.int64()) for c in (ORDER, SUB, SLICE, SEQ)]
     return pa.Table.from_pylist(rows, schema=pa.schema([*schema, *system]))
+
+
+def _storable(value: Any) -> Any:
+    """``value`` (an event a per-event function made), once its text is known to encode as
+    UTF-8, as the runtime's Arrow conversion needs: a lone surrogate raises
+    ``UnicodeEncodeError`` here, in the event's own step, as it does in the runtime."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for v in value.values():
+            _storable(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _storable(v)
+    return value
 
 
 def _rows(t: pa.Table | pa.RecordBatch) -> list[dict]:

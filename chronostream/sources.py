@@ -57,16 +57,37 @@ def to_table(name: str, data: Any, schema: pa.Schema | None, dead_letter: bool) 
             raise EventError(name, 0, i, f"source rows must be dicts, got {type(r).__name__}", r)
     if schema is None:
         good = [r for r in rows if isinstance(r, dict)]
+        dead = [_dead(name, i, r, "not a dict") for i, r in enumerate(rows) if not isinstance(r, dict)]
         try:
-            table = pa.Table.from_pylist(good)
-            return table, [_dead(name, i, r, "not a dict") for i, r in enumerate(rows) if not isinstance(r, dict)]
+            return pa.Table.from_pylist(good), dead
+        except UnicodeEncodeError:
+            pass  # a row's text cannot be stored (a lone surrogate): that row's error, found below
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise QueryError(
+                f"source {name!r}: rows have inconsistent types ({exc}); declare schema= to find the offending row"
+            ) from None
+        # Slow path, only when the bulk conversion failed: find each row that cannot be stored.
+        good = []
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                continue
+            try:
+                pa.Table.from_pylist([r])
+                good.append(r)
+            except UnicodeEncodeError as exc:
+                if not dead_letter:
+                    raise EventError(name, 0, i, f"row cannot be stored: {exc}", r) from None
+                dead.append(_dead(name, i, r, str(exc)))
+        dead.sort(key=lambda d: d["source_row"])
+        try:
+            return pa.Table.from_pylist(good), dead
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise QueryError(
                 f"source {name!r}: rows have inconsistent types ({exc}); declare schema= to find the offending row"
             ) from None
     try:
         return pa.Table.from_pylist(rows, schema=schema), []
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, AttributeError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, AttributeError, UnicodeEncodeError):
         pass
     # Slow path, only when the bulk conversion failed: find each offending row.
     good_rows: list[dict] = []
@@ -81,7 +102,8 @@ def to_table(name: str, data: Any, schema: pa.Schema | None, dead_letter: bool) 
                 raise TypeError(f"fields do not match the schema (missing {missing}, unexpected {extra})")
             pa.Table.from_pylist([r], schema=schema)
             good_rows.append(r)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, AttributeError, OverflowError) as exc:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, AttributeError, OverflowError,
+                UnicodeEncodeError) as exc:
             if not dead_letter:
                 raise EventError(name, 0, i, f"row violates the declared schema {schema}: {exc}", r) from None
             dead.append(_dead(name, i, r, str(exc)))

@@ -41,7 +41,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from chronostream.dag import JobPlan
-from chronostream.errors import StoreFullError
+from chronostream.errors import ChronoStreamError, StoreFullError
 from chronostream.logs import configure_from_env
 from chronostream.options import JobOptions
 from chronostream.stall_probe import start_from_env as start_stall_probe
@@ -587,8 +587,12 @@ class ResourceContainer:
             for dq in inflight.values():  # (never acknowledged now: their receivers unlink the files)
                 for _dst, ref in dq:
                     self._shm_files.pop(ref, None)
-            # With the traceback: the master only gets the exception's message.
-            log.error("container %s failed: %s", cid, exc, exc_info=exc)
+            # The runtime's own errors (a poison event, a lost backup) reach the user whole, as
+            # the job's ``JobFailed``: their traceback only at INFO (``CHRONOSTREAM_LOG``), so the
+            # driver shows the error once. Anything else is a fault of the runtime: its traceback
+            # is all there is to go on, the master only gets the message.
+            log.log(logging.INFO if isinstance(exc, ChronoStreamError) else logging.ERROR,
+                    "container %s failed: %s", cid, exc, exc_info=exc)
             try:
                 await self.master.container_failed.remote(cid, exc)
             except Exception:  # noqa: BLE001

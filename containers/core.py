@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.dag import JobPlan
-from chronostream.errors import RecoveryError
+from chronostream.errors import QueryError, RecoveryError
 from chronostream.metrics import LatencyHistogram, SliceMetrics
 from chronostream.readers import SourceReader, make_reader
 from chronostream.sinks import SinkWriter
@@ -578,8 +578,8 @@ class ContainerCore:
             for consumer, _name in sp.consumers:
                 try:
                     parts = route(combined, sp.key, self.routes[consumer], self.key_codes.get(consumer, False))
-                except KeyError as exc:
-                    raise KeyError(f"stage {self.stage.name!r}, stream {sp.name!r} -> stage "
+                except KeyError as exc:  # a key column the build could not check (its schema was unknown)
+                    raise QueryError(f"stage {self.stage.name!r}, stream {sp.name!r} -> stage "
                                    f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
                 for c, part in parts.items():
                     messages[c][sid] = part

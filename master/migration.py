@@ -54,12 +54,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from chronostream.errors import QueryError
+from chronostream.errors import ChronoStreamError, QueryError
 
 log = logging.getLogger("chronostream.migration")
 
 
-class MigrationError(RuntimeError):
+class MigrationError(ChronoStreamError, RuntimeError):
     """A migration request that cannot be carried out, or a phase that got stuck."""
 
 

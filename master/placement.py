@@ -95,11 +95,18 @@ def containers_per_stage(plan: JobPlan, containers: int | dict[str, int]) -> dic
     number for every stage is capped quietly (a one-slice source is common); a number
     asked for a stage by name that exceeds its slices warns, naming both.
     """
-    if isinstance(containers, int):
+    if isinstance(containers, int) and not isinstance(containers, bool):
+        if containers < 1:
+            raise QueryError(f"containers={containers!r}: every stage needs at least 1 container")
         return {s.stage_id: containers for s in plan.stages}
+    if not isinstance(containers, dict):
+        raise QueryError(f"containers= takes a number or {{stage name: number}}, got {containers!r}")
     unknown = set(containers) - {s.name for s in plan.stages}
     if unknown:
         raise QueryError(f"containers= names unknown stages {sorted(unknown)}; stages: {[s.name for s in plan.stages]}")
+    bad = {k: v for k, v in containers.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise QueryError(f"containers={bad!r}: a stage needs a whole number of containers, at least 1")
     for s in plan.stages:
         if containers.get(s.name, 1) > s.num_slices:
             warnings.warn(f"containers={{{s.name!r}: {containers[s.name]}}}: stage {s.name!r} has "

@@ -79,7 +79,8 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler, carry: tu
                 except Exception as exc:  # noqa: BLE001
                     on_error(table, i, exc)
             p = np.array(parents, dtype=np.int64)
-            out = pa.Table.from_pylist(out_rows, schema=step.schema)
+            out, kept = _rows_table(out_rows, p, step.schema, table, on_error)
+            p = p if kept is None else p[kept]
             return _with_lineage(out, order[p], sub[p], _carried(table, carry, p))
         out_rows, parents, ks = [], [], []
         for i, r in enumerate(rows):
@@ -92,9 +93,11 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler, carry: tu
             parents.extend([i] * len(produced))
             ks.extend(range(len(produced)))
         p = np.array(parents, dtype=np.int64)
-        out = pa.Table.from_pylist(out_rows, schema=step.schema)
-        return _with_lineage(out, order[p], extend_sub_order(sub[p], np.array(ks, dtype=np.int64)),
-                             _carried(table, carry, p))
+        k = np.array(ks, dtype=np.int64)
+        out, kept = _rows_table(out_rows, p, step.schema, table, on_error)
+        if kept is not None:
+            p, k = p[kept], k[kept]
+        return _with_lineage(out, order[p], extend_sub_order(sub[p], k), _carried(table, carry, p))
     try:
         return _apply_batch_step(table, step, order, sub, carry)
     except Exception:  # noqa: BLE001 - user code: find the poison rows one by one
@@ -125,7 +128,7 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
     if isinstance(step, FilterBatches):
         return table.filter(step.fn(user))
     if isinstance(step, FlatMapBatches):
-        out, parent = step.fn(user)
+        out, parent = step.call(user)
         out = batch_table(step, out)
         p = np.asarray(parent, dtype=np.int64)
         if len(p) != out.num_rows:
@@ -140,3 +143,40 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
         k = np.arange(len(p)) - start_pos[seg] if len(p) else np.zeros(0, np.int64)
         return _with_lineage(out, order[p], extend_sub_order(sub[p], k), _carried(table, carry, p))
     raise TypeError(f"unknown transform {step!r}")
+
+
+#: What converting a user function's rows to Arrow raises for a row that cannot be stored (a
+#: lone surrogate in a string is a ``UnicodeEncodeError``, a value of the wrong type for a
+#: given schema an Arrow error).
+_ROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeEncodeError, TypeError, OverflowError)
+
+
+def _rows_table(rows: list[dict], parents: np.ndarray, schema: pa.Schema | None, table: pa.Table,
+                on_error: ErrorHandler) -> tuple[pa.Table, np.ndarray | None]:
+    """The rows a per-event function made (row ``j`` from input row ``parents[j]``) as a table,
+    and which rows it keeps (None: all).
+
+    When the bulk conversion fails, each row is converted alone (only then, to find the
+    culprits): an input event with a row that cannot be stored is in error (``on_error``
+    once, as if the function had raised on it) and none of its rows is kept. A failure no
+    single row explains (rows of mixed types) is raised as it is.
+    """
+    try:
+        return pa.Table.from_pylist(rows, schema=schema), None
+    except _ROW_ERRORS as exc:
+        first = exc
+    bad: dict[int, BaseException] = {}
+    for r, parent in zip(rows, parents.tolist()):
+        if parent in bad:
+            continue
+        try:
+            pa.Table.from_pylist([r], schema=schema)
+        except _ROW_ERRORS as exc:
+            bad[parent] = exc
+    if not bad:
+        raise first
+    for parent, exc in bad.items():
+        on_error(table, parent, exc)
+    kept = ~np.isin(parents, np.fromiter(bad, dtype=np.int64, count=len(bad)))
+    return pa.Table.from_pylist([r for r, g in zip(rows, kept.tolist()) if g], schema=schema), kept
+
