@@ -40,7 +40,7 @@ RAY_NAMESPACE = "chronostream"
 #: long before it allocates the object from the filesystem instead. Its default, 2 s, stalled
 #: every container of a job: a 100 MB migration seed or checkpoint put waited 2.0-2.3 s, and
 #: every push between containers waited behind it (``benchmarks.migration`` 100 MB rows, 2 runs
-#: of 3; docs/design.md section 7c).
+#: of 3; docs/design.md section 5).
 RAY_SYSTEM_CONFIG = {"oom_grace_period_s": 0}
 
 

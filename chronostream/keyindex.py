@@ -498,7 +498,7 @@ class _PlaceTable:
     A lookup's hits read theirs with one fancy index per block (one block below ``BLOCK``
     places), where Arrow columns in the key copy cost two takes, a concatenation and a take
     back per chunk. Blocks of ``BLOCK`` places, never one growing array: doubling a single
-    array copies all of it inside one epoch, a stall that grows with the state (section 8 of
+    array copies all of it inside one epoch, a stall that grows with the state (section 3a of
     docs/design.md); here an append copies at most the last block while it doubles.
 
     >>> t = _PlaceTable()

@@ -41,7 +41,7 @@ class JobOptions:
     source_pace_s: float = 0.0  # sources wait this long after each epoch, from the first (demos and tests)
     # A host's background threads (backup store, checkpoint encoding, restores, replays, shipments)
     # run this many nice levels below its epoch loops (Linux; 0: the same priority). Off by default:
-    # 4 showed no gain on the 1 GB migration delay (docs/design.md section 7c).
+    # 4 showed no gain on the 1 GB migration delay (docs/design.md section 3a).
     background_niceness: int = 0
     # Epoch messages' parts of 100 KB or more between hosts of one node travel as files in
     # /dev/shm instead of through Ray's object store (containers/shm_transport.py).
