@@ -43,13 +43,12 @@ sends every message through Ray's object store (``shm_transport=False``).
     python -m benchmarks.slices --json --ray --counts 1,64 --repeat 3 --words 10000000 --rekey
 
 ``--chained`` puts a stateless step after the count (``map_batches`` adding
-a column): a group runs it once over the group's output. Until 2026-11-27
-such a stage always ran slice by slice, as the ``alone_*`` figures do.
+a column): a group runs it once over the group's output; the ``alone_*``
+figures run such a stage slice by slice.
 ``--per-event`` counts with a per-event operator (``WordTally``: registered
 state, one ``produce`` an event): a group admits, merges and turns the rows
 into dicts once, runs each slice's loop over its share, then builds, chains and
-numbers one output table (the schema is declared; slices/group.py). Until
-2026-11-27 per-event stages always ran slice by slice.
+numbers one output table (the schema is declared; slices/group.py).
 
     python -m benchmarks.slices --json --per-event --words 200000 --epoch 1024
 
