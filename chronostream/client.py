@@ -7,6 +7,7 @@ lazily so the core package never imports it at module load (no cycle).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -15,7 +16,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 
@@ -51,7 +52,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ``$CHRONOSTREAM_OBJECT_STORE_BYTES`` (default 1 GiB); a cluster you connect to keeps its own.
     Without an address this always starts a Ray of its own: Ray's own default would join the
     latest cluster started on the machine (``/tmp/ray/ray_current_cluster``), another
-    program's, or fail with a ``ValueError`` when that file names one that died.
+    program's, or fail with a ``ValueError`` when that file names one that died. A Ray started
+    here is a single-machine node on 127.0.0.1: nothing of it listens beyond loopback.
     """
     import ray
 
@@ -61,10 +63,39 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
         return
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
-             logging_level="WARNING", namespace=RAY_NAMESPACE,
-             object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
-             log_to_driver=True, _system_config=dict(RAY_SYSTEM_CONFIG))
+    with _ray_on_loopback():
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+                 logging_level="WARNING", namespace=RAY_NAMESPACE,
+                 object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
+                 log_to_driver=True, _system_config=dict(RAY_SYSTEM_CONFIG))
+
+
+#: Ray's switch between a node reachable from other machines (its default on Linux: servers on
+#: every interface, the node's address the machine's) and a single-machine node on 127.0.0.1.
+_RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _ray_on_loopback() -> Iterator[None]:
+    """While Ray starts in this process: its node takes 127.0.0.1 as its address, so the GCS,
+    the raylet and the workers listen on loopback only. ``ray.init(_node_ip_address=
+    "127.0.0.1")`` cannot ask for this: Ray replaces a loopback address by the machine's
+    unless its cluster switch is off, which it reads once at import (the driver) and from the
+    environment (the processes it starts). Both are restored afterwards, so a cluster this
+    process joins later, or a subprocess it starts, is as Ray makes it."""
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_RAY_CLUSTER_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_CLUSTER_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_RAY_CLUSTER_SWITCH, None)
+        else:
+            os.environ[_RAY_CLUSTER_SWITCH] = saved_env
 
 
 def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = None) -> dict[str, Any]:

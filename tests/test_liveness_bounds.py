@@ -9,6 +9,7 @@ deploy is taken in a fixed order.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import types
 
@@ -186,6 +187,25 @@ def test_a_local_spark_session_listens_on_loopback_only(spark):
     listening = [c for c in psutil.net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN and c.pid in pids]
     assert listening, "the Spark driver listens on nothing?"
+    assert _listening_off_loopback(pids) == []
+
+
+def test_a_ray_the_project_starts_listens_on_loopback_only(ray_session):
+    """Regression (issue 59, exposure): the Ray ``cs.ensure_ray`` starts (the test session's: GCS,
+    raylet, workers and the warm hosts, all descendants of this process) listens on loopback
+    only; Ray's default on Linux is every interface."""
+    import psutil
+
+    @ray_session.remote
+    def one() -> int:
+        return 1
+
+    assert ray_session.get(one.remote()) == 1  # (a worker is up)
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ  # (restored after the start)
+    pids = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [c for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 3, "the GCS, the raylet and the workers listen on nothing?"
     assert _listening_off_loopback(pids) == []
 
 
