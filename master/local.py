@@ -36,6 +36,7 @@ from master.migration import (MigrationError, MigrationPhase, Transfer, backed_u
 from master.backups import chains_by_slice, stale_backups
 from master.placement import Placement
 from master.results import memory_sink_ids, sink_table
+from master.timeline import Timeline
 from master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
                              lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
                              recovery_slack, restore_floor, restore_order)
@@ -125,7 +126,7 @@ class LocalCluster:
         self.in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
         self.checkpointed: set[tuple[int, int]] = set()
-        self.timeline: list[tuple[float, str, dict[str, Any]]] = []
+        self.timeline = Timeline()  # bounded per kind, as the Ray master's
         self.sent = 0
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
         self.source_floors: dict[str, int] = {}  # source stage -> first order a restore may read (grows)
@@ -151,7 +152,7 @@ class LocalCluster:
         return self.spills[host]
 
     def _event(self, kind: str, **info: Any) -> None:
-        self.timeline.append((time.time(), kind, info))
+        self.timeline.add((time.time(), kind, info))
 
     # -- running ---------------------------------------------------------------
 
