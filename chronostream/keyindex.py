@@ -685,11 +685,15 @@ class KeyIndexGroup:
         for i, m in enumerate(self.members):
             if m is None or m._group is not self:
                 continue
-            m._group = None
             if m._pending and len(m) == self._sizes[i] and m._runs.only_main():
                 rows = order[cut[i]:cut[i + 1]]
                 m._runs = _SortedRuns(hashes[rows], [slot[rows]])
                 m._pending = []
+            # Last: a member whose ``_group`` is None settles without the lock (``_settle``), so
+            # its thread must not see None before its arrays are in place. (Cleared first, a
+            # member settling meanwhile read its pending keys while this replaced them: an
+            # IndexError between two reads of ``_pending``, or the member left empty.)
+            m._group = None
 
     def matches(self, members: Sequence[KeyIndex]) -> bool:
         """True when ``members`` are this group's members, unchanged since its last call."""

@@ -409,6 +409,82 @@ def test_members_of_one_group_settled_by_two_threads_at_once_each_keep_every_key
     assert failed == {}
 
 
+def test_a_member_settling_while_another_thread_hands_it_its_arrays_waits_for_the_hand_back():
+    """The interleaving behind the race above, forced: thread A settles member 0, whose group
+    hands every member its arrays; thread B settles member 1 just as A reaches member 1, then
+    reads its pending keys while A hands member 1 its arrays. B must wait for the hand-back
+    (the group's lock) and find member 1 settled; a member that looked settled before the
+    hand-back replaced its arrays (``_group`` cleared first) let B read a half-handed-back
+    state: pending keys gone between two reads (an IndexError), or member 1 left empty."""
+    import threading
+
+    members = [KeyIndex() for _ in range(2)]
+    group = KeyIndexGroup(members)
+    for b in range(3):
+        keys = pa.array([f"k{b}-{i}" for i in range(200)])
+        group.slots(slice_of([keys], 2), [keys], hash_columns([keys]))
+    sizes = [len(m) for m in members]
+    assert min(sizes) > 0
+    m1, old_runs = members[1], members[1]._runs
+    go_b, b_parked, a_done = threading.Event(), threading.Event(), threading.Event()
+    b_thread: list[threading.Thread] = []
+
+    class Lock:  # the group's lock, telling when thread B is about to wait for it
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread() in b_thread:
+                b_parked.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    group._lock = Lock(group._lock)
+    only_main, merged = old_runs.only_main, old_runs.merged
+
+    def hand_back_reaches_member_1():  # (thread A, in the hand-back, before member 1's writes)
+        go_b.set()
+        assert b_parked.wait(10)
+        return only_main()
+
+    def member_1_merges():  # (thread B, settling member 1 on its own: held until A is done)
+        if threading.current_thread() in b_thread:
+            b_parked.set()
+            assert a_done.wait(10)
+        return merged()
+
+    old_runs.only_main, old_runs.merged = hand_back_reaches_member_1, member_1_merges
+    errors: list[str] = []
+
+    def settle_a() -> None:
+        try:
+            members[0].sorted_hashes()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"A: {exc!r}")
+        finally:
+            a_done.set()
+
+    def settle_b() -> None:
+        try:
+            assert go_b.wait(10)
+            m1.sorted_hashes()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"B: {exc!r}")
+
+    b_thread.append(threading.Thread(target=settle_b))
+    a = threading.Thread(target=settle_a)
+    b_thread[0].start()
+    a.start()
+    a.join()
+    b_thread[0].join()
+    assert errors == []
+    for i, (m, n) in enumerate(zip(members, sizes)):
+        hashes, slots = m.sorted_hashes()
+        assert (len(np.unique(hashes)), sorted(slots.tolist())) == (n, list(range(n))), f"member {i}"
+
+
 @pytest.mark.parametrize("block", [None, 512])
 def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys(block, monkeypatch):
     """The group finds a hit's member and slot by the key's place in its key copy (numpy blocks
