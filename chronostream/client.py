@@ -8,6 +8,7 @@ lazily so the core package never imports it at module load (no cycle).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import sys
@@ -61,7 +62,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
+        # A node on loopback (one this project started) is joined on loopback: Ray would
+        # otherwise look for it at the machine's address, where nothing of it listens.
+        with _ray_on_loopback() if _on_loopback(address) else contextlib.nullcontext():
+            ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
         return
     with _ray_on_loopback():
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
@@ -73,6 +77,27 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 #: Ray's switch between a node reachable from other machines (its default on Linux: servers on
 #: every interface, the node's address the machine's) and a single-machine node on 127.0.0.1.
 _RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether the Ray cluster at ``address`` (``host:port``, or ``auto``: the latest started on
+    this machine) is on a loopback address. A Ray client address (``ray://``) is not."""
+    from ray._private.services import get_ray_address_from_environment
+
+    if address == "auto":
+        try:
+            address = get_ray_address_from_environment("auto", None) or ""
+        except (ConnectionError, ValueError):  # (no cluster to find: ray.init says so itself)
+            return False
+    if "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager

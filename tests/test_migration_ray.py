@@ -14,6 +14,7 @@ import pytest
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial, run_with_faults
 from chronostream.dag import compile_query
+from chronostream.errors import QueryError
 from master.migration import MigrationError
 from queries import running_sum
 
@@ -355,7 +356,7 @@ def test_copies_a_scale_out_left_off_the_chain_are_dropped_while_the_job_runs(ra
 def test_bad_scaling_requests_are_refused_with_a_clear_error(ray_session):
     job = cs.run(query(2000), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
-        with pytest.raises(MigrationError, match="no stage named 'nope'"):
+        with pytest.raises(QueryError, match="no stage 'nope'; its stages are"):
             job.scale_out("nope")
         with pytest.raises(MigrationError, match="cannot remove 1"):
             job.scale_in("stats", 1)
