@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m chronostream demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q chronostream slices containers master tests
+	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.throughput --json

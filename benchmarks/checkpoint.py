@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from benchmarks.common import AGGREGATE_BYTES_PER_KEY, emit, median, parser
-from chronostream.operators import KeyedAggregate, OperatorContext
-from containers.checkpointing import SliceCheckpointer
+from chronostream.slices.operators import KeyedAggregate, OperatorContext
+from chronostream.containers.checkpointing import SliceCheckpointer
 
 
 

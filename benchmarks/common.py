@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from chronostream.sourcelog import SourceLogWriter
+from chronostream.slices.sourcelog import SourceLogWriter
 
 #: State bytes per key of the built-in aggregate over one int column, as the benchmarks that size
 #: state in MB count it: count and int sum/min/max (8 bytes each; an int column has no float

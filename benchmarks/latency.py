@@ -51,7 +51,7 @@ from benchmarks.common import (
     write_all,
 )
 from chronostream.datasets import payments
-from chronostream.sourcelog import SourceLogWriter
+from chronostream.slices.sourcelog import SourceLogWriter
 
 WINDOWS = {"5m": 300, "1h": 3600, "7d": 7 * 86_400}
 

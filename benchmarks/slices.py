@@ -107,10 +107,10 @@ import pyarrow.compute as pc
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.datasets import split_words, topic_text, zipf_text
-from chronostream.sorting import take_permuted
-from chronostream.types import ORDER, SUB
-from containers.core import ContainerCore
-from containers.routing import by_consumer_slice, consumer_slices
+from chronostream.slices.sorting import take_permuted
+from chronostream.slices.types import ORDER, SUB
+from chronostream.containers.core import ContainerCore
+from chronostream.containers.routing import by_consumer_slice, consumer_slices
 from examples.topk import split_category_words, topk_query
 
 COUNTS = (1, 2, 4, 8, 16, 64)

@@ -53,10 +53,10 @@ import pyarrow as pa
 import chronostream as cs
 from benchmarks.common import emit, median, parser
 from chronostream.dag import compile_query
-from chronostream.options import JobOptions
-from containers.gc_pacing import CollectorPacing
-from master.local import LocalCluster
-from master.placement import containers_per_stage, initial_placement
+from chronostream.containers.options import JobOptions
+from chronostream.containers.gc_pacing import CollectorPacing
+from chronostream.master.local import LocalCluster
+from chronostream.master.placement import containers_per_stage, initial_placement
 
 SLICES = 4
 

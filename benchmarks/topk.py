@@ -53,7 +53,7 @@ from benchmarks.common import (
     write_all,
 )
 from chronostream.datasets import topic_text
-from chronostream.sourcelog import SourceLogWriter
+from chronostream.slices.sourcelog import SourceLogWriter
 from examples.topk import split_category_words, topk_query
 
 STATEFUL = ("counts", "rank")

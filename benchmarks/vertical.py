@@ -32,8 +32,8 @@ import pyarrow as pa
 
 import chronostream as cs
 from benchmarks.common import emit, median, parser
-from chronostream.state import KeyValueState
-from containers.threads import SliceThreads
+from chronostream.slices.state import KeyValueState
+from chronostream.containers.threads import SliceThreads
 
 SLICES = list(range(8))
 BYTES_PER_ENTRY = 120  # an int key and a two-int list value in CPython dicts (measured: ~110-130 B)
@@ -88,8 +88,8 @@ class PerEventSum(cs.Operator):
 
 def job_seconds(kind: str, threads: int, n: int) -> float:
     from chronostream.dag import compile_query
-    from master.local import LocalCluster
-    from master.placement import containers_per_stage, initial_placement
+    from chronostream.master.local import LocalCluster
+    from chronostream.master.placement import containers_per_stage, initial_placement
 
     rng = np.random.default_rng(1)
     table = pa.table({"k": rng.integers(0, 100_000, n), "v": rng.integers(0, 100, n)})

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+from chronostream.client import run
+from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
 #: Kinds the schedule waits on: a recovery, the master's restart, or a rescaling's call.
 SETTLING_KINDS = ("kill", "kill_two", "kill_master", "kill_master_in_recovery", "kill_in_recovery", "scale_out",
@@ -79,7 +81,6 @@ class Fault:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; kinds: {KINDS}")
         if self.kind in ("kill_master_in_recovery", "kill_in_recovery"):
-            from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
             if self.step not in RECOVERY_STEPS:
                 raise ValueError(f"unknown recovery step {self.step!r}; steps: {RECOVERY_STEPS}")
@@ -451,12 +452,10 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
             mergeable.discard(stage)
         index = rng.randrange(containers)
         if kind == "kill_master_in_recovery":  # (drawn only for this kind: other schedules stay as they were)
-            from master.recovery import RECOVERY_STEPS
 
             faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS)))
             continue
         if kind == "kill_in_recovery":  # (drawn only for this kind, as above)
-            from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
             faults.append(Fault(kind, e, stage, index, step=rng.choice(RECOVERY_STEPS),
                                 role=rng.choice((roles or {}).get(stage, RECOVERY_ROLES))))
@@ -594,7 +593,6 @@ def compare_with_serial(job: Any, query: Any) -> tuple[dict[str, str], dict[str,
 def compare_outputs(outputs: dict[str, pa.Table], query: Any) -> tuple[dict[str, str], dict[str, int]]:
     """Each sink's rows (``outputs``: sink name -> table) vs the serial executor's: (mismatch
     descriptions, row counts)."""
-    from chronostream.client import run
 
     expected = run(query, executor="serial")
     mismatches, rows = {}, {}
@@ -631,7 +629,6 @@ def run_with_faults(query: Any, faults: list[Fault], *, timeout_s: float = 600.0
         assert not report.not_landed(), report.format_landings()
         print(report.format_timeline())
     """
-    from chronostream.client import run
 
     job = run(query, **run_kw)
     report = ChaosReport(faults=sorted(faults, key=lambda f: f.at_epoch))

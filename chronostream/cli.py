@@ -20,6 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import chronostream as cs
+from chronostream.chaos import Fault, random_faults, run_with_faults
+from chronostream.client import Job, jobs, keep_warm_hosts
+from chronostream.demo import run_demo
+from chronostream.master.migration import MigrationError
+from chronostream.master.policies import BUILTIN, read_trace, simulate
+from chronostream.slices.errors import ChronoStreamError
+from chronostream.spark import spark_session, validate
 
 if TYPE_CHECKING:
     from chronostream.chaos import Fault
@@ -55,7 +62,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _parse_kill(spec: str) -> "Fault":
-    from chronostream.chaos import Fault
 
     stage, _, epoch = spec.partition("@")
     if not stage or not epoch.isdigit():
@@ -65,7 +71,6 @@ def _parse_kill(spec: str) -> "Fault":
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     """Run a query with faults, compare every sink with the serial executor, print the timeline."""
-    from chronostream.chaos import Fault, random_faults, run_with_faults
 
     faults = [_parse_kill(k) for k in args.kill]
     try:  # (before the query runs: a typo costs no job)
@@ -106,7 +111,6 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a Parquet sink directory against expected rows (Parquet) with Spark."""
-    from chronostream.spark import spark_session, validate
 
     spark = spark_session(args.master)
     expected = spark.read.parquet(args.expected)
@@ -118,7 +122,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _attach(args: argparse.Namespace) -> "cs.Job":
-    from chronostream.client import Job
 
     return Job.attach(args.job, args.address)
 
@@ -133,8 +136,6 @@ def cmd_control(args: argparse.Namespace) -> int:
     """
     import ray
 
-    from chronostream.errors import ChronoStreamError
-    from master.migration import MigrationError
 
     try:
         return _control(args)
@@ -148,7 +149,6 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def _control(args: argparse.Namespace) -> int:
-    from chronostream.client import jobs
 
     if args.command == "jobs":
         print(json.dumps(jobs(args.address)))
@@ -178,7 +178,6 @@ def _control(args: argparse.Namespace) -> int:
 
 def cmd_warm_hosts(args: argparse.Namespace) -> int:
     """``warm-hosts N``: resize the cluster's pool of spare hosts; print its counts as JSON."""
-    from chronostream.client import keep_warm_hosts
 
     if args.n < 0:
         print(f"chronostream warm-hosts: N must be >= 0, got {args.n}", file=sys.stderr)
@@ -190,7 +189,6 @@ def cmd_warm_hosts(args: argparse.Namespace) -> int:
 
 def cmd_autoscale_sim(args: argparse.Namespace) -> int:
     """Replay a metrics trace (``Job.autoscale_trace`` written with ``write_trace``) through a policy."""
-    from chronostream.autoscale import BUILTIN, read_trace, simulate
 
     params = {}
     for kv in args.param:
@@ -209,6 +207,7 @@ def cmd_autoscale_sim(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``chronostream`` command."""
     parser = argparse.ArgumentParser(prog="chronostream", description="Elastic stateful stream processing on Ray")
+    parser.add_argument("--version", action="version", version=f"chronostream {cs.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the demo job on the 2013 NYC flights and validate it")
     d.add_argument("--containers", type=int, default=2, help="containers per stage (default 2)")
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     w.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for the spares to be ready")
     a = sub.add_parser("autoscale-sim", help="replay a recorded metrics trace through an autoscaling policy")
-    a.add_argument("trace", help="a JSON-lines trace (chronostream.autoscale.write_trace)")
+    a.add_argument("trace", help="a JSON-lines trace (chronostream.master.policies.write_trace)")
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
     a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
@@ -292,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return cmd_validate(args)
     if args.command == "demo":
-        from chronostream.demo import run_demo
 
         return run_demo(containers=args.containers, rows=args.rows, out=Path(args.out), kill=not args.no_kill,
                         scale=not args.no_scale)

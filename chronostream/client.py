@@ -22,11 +22,21 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from chronostream.dag import JobPlan, Query, compile_query
-from chronostream.errors import JobFailed, QueryError, WorkdirError
-from chronostream.options import JobOptions
+from chronostream.slices.errors import JobFailed, QueryError, WorkdirError
+from chronostream.containers.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
-from chronostream.sinks import ParquetSink, dead_letter_table, read_parquet_sink
+from chronostream.slices.sinks import ParquetSink, dead_letter_table, read_parquet_sink
 from chronostream.source_ref_keeper import ray_keeper
+from chronostream.containers.actor import shm_job_tag
+from chronostream.containers.shm_transport import remove_job_files
+from chronostream.master.actor import JobMaster
+from chronostream.master.catalog import catalog_identity
+from chronostream.master.host_pool import keep_warm_hosts as resize_pool
+from chronostream.master.launch import JobLaunch, plan_fingerprint
+from chronostream.master.local import collect, run_local
+from chronostream.master.placement import containers_per_stage, initial_placement
+from chronostream.master.policies import Decision
+from chronostream.master.results import packed_sink_table
 
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
@@ -138,7 +148,6 @@ def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = Non
     """
     import ray
 
-    from master.host_pool import keep_warm_hosts as resize_pool
 
     if size < 0:
         raise ValueError(f"keep_warm_hosts: size must be >= 0, got {size}")
@@ -294,7 +303,6 @@ class Job:
         import ray
         from ray.exceptions import ObjectLostError, OwnerDiedError
 
-        from master.results import packed_sink_table
 
         def read() -> pa.Table:
             where = ray.get(self.master.sink_part_refs.remote(sink_name))
@@ -438,10 +446,9 @@ class Job:
 
     def autoscale_trace(self) -> list[Any]:
         """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as
-        ``chronostream.autoscale.Decision`` (snapshot + actions)."""
+        ``chronostream.master.policies.Decision`` (snapshot + actions)."""
         import ray
 
-        from chronostream.autoscale import Decision
 
         return [Decision.from_plain(d) for d in ray.get(self.master.autoscale_trace.remote())]
 
@@ -469,8 +476,6 @@ class Job:
         """
         import ray
 
-        from containers.actor import shm_job_tag
-        from containers.shm_transport import remove_job_files
 
         if self._ref_keeper is not None:
             self._ref_keeper.stop()
@@ -581,7 +586,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
 
     Elasticity (Ray executor): ``job.scale_out``, ``job.scale_in``,
     ``job.migrate``, ``job.scale_up``, ``job.scale_down`` rescale the running
-    job; ``autoscale=`` a policy (``chronostream.autoscale``) lets the master
+    job; ``autoscale=`` a policy (``chronostream.master.policies``) lets the master
     decide every ``autoscale_interval_s`` from ``job.metrics()``. A
     migration first waits (up to ``migration_warm_up_s``, pausing nothing)
     for the destination's chained backups to reach the source's current
@@ -628,7 +633,6 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     >>> cs.run(q, executor="serial").results("c")["count"].to_pylist()
     [1, 2]
     """
-    from master.placement import containers_per_stage
 
     plan, sources = compile_query(query)
     options = JobOptions(max_inflight_epochs=max_inflight_epochs, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -653,17 +657,12 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
         return CompletedJob(plan, res.results, dl, dead_from_sink=False)
     if executor == "local":
-        from master.local import collect, run_local
-        from master.placement import initial_placement
 
         cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed, spill_state=spill_state)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
     import ray
 
-    from master.actor import JobMaster
-    from master.catalog import catalog_identity
-    from master.launch import JobLaunch, plan_fingerprint
 
     workdir, made = _job_workdir(workdir)
     key = os.path.basename(workdir.rstrip("/")).removeprefix("chronostream-") + "-" + uuid.uuid4().hex[:8]

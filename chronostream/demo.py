@@ -23,6 +23,8 @@ import pyarrow.compute as pc
 
 import chronostream as cs
 from chronostream.datasets import flights
+from chronostream.chaos import Fault, apply_schedule
+from chronostream.spark import feed, spark_session, validate, with_order
 
 
 def build_query(log_dir: Path, out_dir: Path, slices: int = 32, name: str = "route_delays",
@@ -42,7 +44,6 @@ def expected_route_delays(flights_df):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from chronostream.spark import with_order
 
     ordered = with_order(flights_df, ["sched_ts"]).where(F.col("dep_delay").isNotNull())
     w = Window.partitionBy("origin", "dest").orderBy("_order").rowsBetween(Window.unboundedPreceding, 0)
@@ -106,8 +107,6 @@ def _migration_lines(timeline: list) -> list[tuple[str, str]]:
 def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), kill: bool = True,
              scale: bool = True, pace_s: float = 0.12) -> int:
     """Run the demo; print progress and a summary table; return the exit code (1 = invalid)."""
-    from chronostream.chaos import Fault, apply_schedule
-    from chronostream.spark import feed, spark_session, validate
 
     print("ChronoStream demo: running departure-delay statistics per route, 2013 NYC flights")
     if kill:

@@ -26,13 +26,13 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, JobPlan, Map, MapBatches,
                               Query, batch_table, compile_query)
-from chronostream.errors import EventError, QueryError
-from chronostream.hashing import slice_of_scalar
-from chronostream.operators import Operator, OperatorContext
-from chronostream.readers import LogReader, LogSource
-from chronostream.sinks import MemorySink, sort_output
-from chronostream.sources import source_orders
-from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
+from chronostream.slices.errors import EventError, QueryError
+from chronostream.slices.hashing import slice_of_scalar
+from chronostream.slices.operators import Operator, OperatorContext
+from chronostream.slices.readers import LogReader, LogSource
+from chronostream.slices.sinks import MemorySink, sort_output
+from chronostream.slices.sources import source_orders
+from chronostream.slices.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB, SUB_FANOUT_BITS
 
 
 class SerialResult:

@@ -29,8 +29,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from chronostream.sourcelog import ORDER, STREAM_SEQ, SourceLogWriter
-from chronostream.types import SEQ, SLICE
+from chronostream.slices.sourcelog import ORDER, STREAM_SEQ, SourceLogWriter
+from chronostream.slices.types import SEQ, SLICE
 
 _T = "__cs_t"  # event time, as int64 or float64, for merging several streams
 

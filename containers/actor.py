@@ -40,23 +40,23 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
-from chronostream.dag import JobPlan
-from chronostream.errors import ChronoStreamError, StoreFullError
-from chronostream.logs import configure_from_env
-from chronostream.options import JobOptions
-from chronostream.stall_probe import start_from_env as start_stall_probe
-from containers.backup_store import BackupStore
-from containers.frame_assembly import FrameAssembly
-from containers.gc_pacing import CollectorPacing
-from containers.spill import SpillStore
-from containers.thread_priority import background_pool, set_background_niceness, thread_niceness
-from containers.core import (END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot,
+from chronostream.slices.plan import JobPlan
+from chronostream.containers.logs import configure_from_env
+from chronostream.containers.options import JobOptions
+from chronostream.containers.stall_probe import start_from_env as start_stall_probe
+from chronostream.containers.backup_store import BackupStore
+from chronostream.containers.frame_assembly import FrameAssembly
+from chronostream.containers.gc_pacing import CollectorPacing
+from chronostream.containers.spill import SpillStore
+from chronostream.containers.thread_priority import background_pool, set_background_niceness, thread_niceness
+from chronostream.containers.core import (END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot,
                              hand_over)
-from containers.output_log import OutputLog
-from containers.routing import OutputRoute
-from containers.shm_transport import ShmSender, discard, shm_available, shm_paths, unpack
-from containers.sink_parts import PackedSinkParts, pack_sink_parts
-from slices.checkpoint import RestorePoint
+from chronostream.containers.output_log import OutputLog
+from chronostream.containers.routing import OutputRoute
+from chronostream.containers.shm_transport import ShmSender, discard, shm_available, shm_paths, unpack
+from chronostream.containers.sink_parts import PackedSinkParts, pack_sink_parts
+from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, capture, decode, decode_outputs, encode
+from chronostream.slices.errors import ChronoStreamError, RecoveryError, StoreFullError
 
 log = logging.getLogger("chronostream.container")
 
@@ -142,7 +142,7 @@ class ResourceContainer:
     def __init__(self, host_id: int | None, master: Any, workdir: str, heartbeat_s: float = 0.5) -> None:
         """``host_id`` None: a warm spare (``master.host_pool``), a host of no job until ``adopt``."""
         configure_from_env()
-        # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
+        # CHRONOSTREAM_STALL_MS: see chronostream.containers.stall_probe
         self._stall_probe = start_stall_probe("spare host" if host_id is None else f"host {host_id}")
         self.host_id: int | None = None
         self.container_id: int | None = None
@@ -419,8 +419,6 @@ class ResourceContainer:
     async def _fetch_backup(self, stage_id: int, slice_id: int, holders: list[tuple[int, Any]]) -> "_Fetched":
         """The ``RestorePoint`` of the newest verified checkpoint of a slice among ``holders``
         (own store first, no transfer), with the holders refused and the bytes read."""
-        from chronostream.errors import RecoveryError
-        from slices.checkpoint import CheckpointCorrupt, decode, decode_outputs
 
         rejected = []
         for h, actor in holders:
@@ -1114,7 +1112,6 @@ class ResourceContainer:
 
     async def backup_bytes(self, stage_id: int, slice_id: int, with_outputs: bool = False):
         """The merged, verified full backup of a peer's slice, encoded (and its carried-outputs frames)."""
-        from slices.checkpoint import encode
 
         store = self.backup_store
         data, outs = await self._in_store_thread(
@@ -1152,7 +1149,6 @@ class ResourceContainer:
 
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes | np.ndarray:
         """A full checkpoint of a hosted slice now (does not start a new delta); ``from_wire`` reads it."""
-        from slices.checkpoint import capture, encode
 
         core = self.cores[self.container_id if container_id is None else container_id]
         return to_wire(encode(capture(core.slices[slice_id], delta=False, epoch=core.next_epoch - 1, clear=False)))

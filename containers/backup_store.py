@@ -32,9 +32,9 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from chronostream.errors import StoreFullError
-from containers.lmdb_store import delete_prefix, put_all, release_written_pages
-from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
+from chronostream.slices.errors import StoreFullError
+from chronostream.containers.lmdb_store import delete_prefix, put_all, release_written_pages
+from chronostream.slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, decode, decode_outputs, encode, is_outputs,
                                merge_chain, verify)
 
 log = logging.getLogger("chronostream.backups")

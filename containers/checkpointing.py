@@ -33,9 +33,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from containers.thread_priority import background_pool
-from slices.checkpoint import CarriedOutputs, SliceCheckpoint, capture, encode, encode_outputs
-from slices.slice import SliceRuntime
+from chronostream.containers.thread_priority import background_pool
+from chronostream.slices.checkpoint import CarriedOutputs, SliceCheckpoint, capture, encode, encode_outputs
+from chronostream.slices.slice import SliceRuntime
 
 log = logging.getLogger("chronostream.checkpoint")
 

@@ -32,21 +32,22 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import JobPlan
-from chronostream.errors import QueryError, RecoveryError
-from chronostream.metrics import LatencyHistogram, SliceMetrics
-from chronostream.readers import SourceReader, make_reader
-from chronostream.sinks import SinkWriter
-from chronostream.types import ORDER, SEQ
-from containers.backup_store import BackupStore
-from containers.checkpointing import SliceCheckpointer
-from containers.output_log import OutputLog
-from containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
-from containers.sink_parts import SinkParts, add_sink_parts  # noqa: F401 - SinkParts: re-exported
-from containers.spill import SpillStore
-from containers.threads import SliceThreads, ThreadControlTable
-from slices.group import process_inputs, process_parts, reads_key_codes, runs_grouped
-from slices.slice import SliceRuntime
+from chronostream.slices.plan import JobPlan
+from chronostream.slices.errors import QueryError, RecoveryError
+from chronostream.containers.metrics import LatencyHistogram, SliceMetrics
+from chronostream.slices.readers import SourceReader, make_reader
+from chronostream.slices.sinks import SinkWriter
+from chronostream.slices.types import ORDER, SEQ
+from chronostream.containers.backup_store import BackupStore
+from chronostream.containers.checkpointing import SliceCheckpointer
+from chronostream.containers.output_log import OutputLog
+from chronostream.containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
+from chronostream.containers.sink_parts import SinkParts, add_sink_parts  # noqa: F401 - SinkParts: re-exported
+from chronostream.containers.spill import SpillStore
+from chronostream.containers.threads import SliceThreads, ThreadControlTable
+from chronostream.slices.group import process_inputs, process_parts, reads_key_codes, runs_grouped
+from chronostream.slices.slice import SliceRuntime
+from chronostream.slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs, restore
 
 log = logging.getLogger("chronostream.container")
 
@@ -603,7 +604,6 @@ class ContainerCore:
     def _carried(self, slice_id: int, full: bool, epoch: int, prev_epoch: int):
         """The outputs a checkpoint of ``slice_id`` carries: since the low-water mark (full) or
         since the previous checkpoint (delta), read back from the output log."""
-        from slices.checkpoint import CarriedOutputs
 
         sids = self._logged_streams()
         if self.output_log is None or not sids:
@@ -646,7 +646,6 @@ class ContainerCore:
         after them (``SliceCheckpointer.seed``), not a full one.
         Returns the first epoch this core processes.
         """
-        from slices.checkpoint import restore
 
         if set(points) != set(self.slices):
             raise ValueError(f"container {self.container_id}: checkpoints for {sorted(points)}, "
@@ -771,7 +770,6 @@ class ContainerCore:
     def migration_capture(self, slices: list[int]) -> list[tuple[Any, Any]]:
         """The CAPTURE half of ``migration_snapshot`` (between two epochs; ``encode_snapshot`` may
         run later, elsewhere: the capture holds frozen copies)."""
-        from slices.checkpoint import CarriedOutputs, capture
 
         out = []
         epoch = self.next_epoch - 1
@@ -1062,7 +1060,6 @@ def hand_over(sources: list[ContainerCore], dest: ContainerCore, epoch: int) -> 
 
 def encode_snapshot(captured: list[tuple[Any, Any]]) -> list[bytes]:
     """Bytes of a ``migration_capture``: each checkpoint frame, then its carried outputs."""
-    from slices.checkpoint import encode, encode_outputs
 
     blobs = []
     for ck, carried in captured:

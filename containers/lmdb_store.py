@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import lmdb
 
-from chronostream.errors import StoreFullError
+from chronostream.slices.errors import StoreFullError
 
 #: Free disk every lmdb store leaves (``ensure_room``), above twice what a transaction writes.
 STORE_DISK_RESERVE = 4 << 20

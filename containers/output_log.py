@@ -18,9 +18,9 @@ import lmdb
 import numpy as np
 import pyarrow as pa
 
-from chronostream.arrow_ipc import read_stream, stream_buffer
-from chronostream.types import ORDER, SEQ
-from containers.lmdb_store import delete_prefix, put_all
+from chronostream.slices.arrow_ipc import read_stream, stream_buffer
+from chronostream.slices.types import ORDER, SEQ
+from chronostream.containers.lmdb_store import delete_prefix, put_all
 
 _KEY = struct.Struct(">IIq")  # stream id, producer slice, first out_seq (big-endian sorts right)
 _INITIAL_MAP_SIZE = 1 << 30

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from chronostream.hashing import binary_fingerprint, slices_codes_and_hashes
-from chronostream.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
-from chronostream.types import KEY_HASHES_META, ORDER, SUB, key_codes_column
+from chronostream.slices.hashing import binary_fingerprint, slices_codes_and_hashes
+from chronostream.slices.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
+from chronostream.slices.types import KEY_HASHES_META, ORDER, SUB, key_codes_column
 
 #: A part sent to one container: rows sorted by consumer slice, and that slice per row.
 RoutedPart = tuple[pa.Table, np.ndarray]

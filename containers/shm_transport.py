@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from chronostream.arrow_ipc import write_stream
+from chronostream.slices.arrow_ipc import write_stream
 
 log = logging.getLogger("chronostream.container")
 

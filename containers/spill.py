@@ -2,11 +2,11 @@
 
 Owns: one lmdb environment per host process (``<workdir>/spill``) and the
 per-state ``SpillTier`` views a ``KeyValueState`` spills its cold values to
-(``chronostream.state``: ``spill``/``promote``). Which values go cold is the
+(``chronostream.slices.state``: ``spill``/``promote``). Which values go cold is the
 state library's call (a long queue's middle chunks: immutable, read only
 when a window's head reaches them); this module only stores bytes under
 ``<stage>/<slice>/<state>/`` + the key's encoding, values encoded alike
-(``chronostream.codec``: plain data, dates and times, Decimal, Arrow values).
+(``chronostream.slices.codec``: plain data, dates and times, Decimal, Arrow values).
 
 Must not touch: checkpoints. The spill store is a cache of the slice's own
 memory, never a source of truth across processes: a checkpoint reads every
@@ -35,8 +35,8 @@ from typing import Any, Iterable, Iterator
 
 import lmdb
 
-from chronostream import codec
-from chronostream.errors import StateEncodingError, StoreFullError
+from chronostream.slices import codec
+from chronostream.slices.errors import StateEncodingError, StoreFullError
 
 #: Virtual size reserved for the map (sparse: only written pages use disk).
 SPILL_MAP_SIZE = 1 << 36

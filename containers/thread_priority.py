@@ -34,7 +34,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from chronostream.options import JobOptions
+from chronostream.containers.options import JobOptions
 
 log = logging.getLogger("chronostream.container")
 

@@ -25,30 +25,30 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from chronostream.dag import JobPlan
-from chronostream.errors import SinkRowsLost
-from chronostream.logs import configure_from_env
-from chronostream.stall_probe import start_from_env as start_stall_probe
-from containers.actor import ResourceContainer, shm_job_tag
-from containers.shm_transport import remove_job_files
-from containers.core import ContainerStatistics
-from containers.sink_parts import PackedSinkParts
-from chronostream.autoscale import Decision, ScalingAction
-from chronostream.metrics import LatencyHistogram, MetricsSnapshot
-from chronostream.options import JobOptions
-from master.autoscaler import Counters, build_snapshot
-from master.backups import chains_by_slice, fewest_backup_copies, stale_backups
-from master.catalog import CatalogError, MasterCatalog
-from master.host_pool import take_spare
-from master.launch import JobLaunch, plan_fingerprint
-from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
+from chronostream.slices.plan import JobPlan
+from chronostream.slices.errors import SinkRowsLost
+from chronostream.containers.logs import configure_from_env
+from chronostream.containers.stall_probe import start_from_env as start_stall_probe
+from chronostream.containers.actor import ResourceContainer, shm_job_tag
+from chronostream.containers.shm_transport import remove_job_files
+from chronostream.containers.core import ContainerStatistics
+from chronostream.containers.sink_parts import PackedSinkParts
+from chronostream.master.policies import Decision, ScalingAction
+from chronostream.containers.metrics import LatencyHistogram, MetricsSnapshot
+from chronostream.containers.options import JobOptions
+from chronostream.master.autoscaler import Counters, build_snapshot
+from chronostream.master.backups import chains_by_slice, fewest_backup_copies, stale_backups
+from chronostream.master.catalog import CatalogError, MasterCatalog
+from chronostream.master.host_pool import take_spare
+from chronostream.master.launch import JobLaunch, plan_fingerprint
+from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of, warm_up_goals)
-from master.placement import Placement, initial_placement
-from master.results import SinkPartRefs, memory_sink_ids
-from master.timeline import Timeline
-from master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
+from chronostream.master.placement import Placement, initial_placement
+from chronostream.master.results import SinkPartRefs, memory_sink_ids
+from chronostream.master.timeline import Timeline
+from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
                              raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
 
@@ -83,7 +83,7 @@ class JobMaster:
         # with ``deploy`` and is kept in the catalog (``JobLaunch``); the source tables'
         # references are kept by the hosts too (``_source_ref``).
         configure_from_env()
-        self._stall_probe = start_stall_probe("master")  # CHRONOSTREAM_STALL_MS: see chronostream.stall_probe
+        self._stall_probe = start_stall_probe("master")  # CHRONOSTREAM_STALL_MS: see chronostream.containers.stall_probe
         self.job_key = job_key
         self.workdir = workdir
         self.plan: JobPlan = None  # type: ignore[assignment]  # (set by deploy, or from the catalog)
@@ -119,7 +119,7 @@ class JobMaster:
         self._background: list[asyncio.Task] = []
         self.gc_dropped = 0
         self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
-        self.policy: Any = None  # an autoscaling policy (chronostream.autoscale), or None
+        self.policy: Any = None  # an autoscaling policy (chronostream.master.policies), or None
         # The latest autoscaler ticks (snapshot and actions), at most DECISIONS_KEPT.
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.decisions_made = 0  # every tick since this master process started
@@ -1451,7 +1451,7 @@ class JobMaster:
             self._event("host_released", host=h)
         return idle
 
-    # -- metrics and autoscaling (chronostream.metrics, chronostream.autoscale) ------------------
+    # -- metrics and autoscaling (chronostream.containers.metrics, chronostream.master.policies) ------------------
 
     async def metrics_snapshot(self) -> MetricsSnapshot:
         """Per stage: input and processing rates, utilization, backlog, per-slice figures; job

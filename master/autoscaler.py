@@ -4,7 +4,7 @@ Pure functions over plain data (no Ray, no clock: times are arguments).
 The master (``master.actor``) gathers every live container's statistics
 and per-slice metrics, calls ``build_snapshot`` with what it kept from the
 previous call, runs the policy, and keeps each ``Decision`` (snapshot and
-actions) so ``chronostream.autoscale.simulate`` can replay the trace.
+actions) so ``chronostream.master.policies.simulate`` can replay the trace.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from chronostream.metrics import LatencyHistogram, MetricsSnapshot, SliceMetrics, StageMetrics
+from chronostream.containers.metrics import LatencyHistogram, MetricsSnapshot, SliceMetrics, StageMetrics
 
 
 @dataclass

@@ -10,7 +10,7 @@ Pure functions over the placement; no Ray.
 
 from __future__ import annotations
 
-from chronostream.errors import QueryError
+from chronostream.slices.errors import QueryError
 
 
 def chained_backup_peers(m: int, peers: list[int], backup_factor: int) -> list[int]:

@@ -40,11 +40,11 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from chronostream.arrow_ipc import read_stream, stream_buffer
-from chronostream.errors import ChronoStreamError
-from containers.lmdb_store import put_all
-from containers.sink_parts import PackedSinkParts
-from master.placement import Placement
+from chronostream.slices.arrow_ipc import read_stream, stream_buffer
+from chronostream.slices.errors import ChronoStreamError
+from chronostream.containers.lmdb_store import put_all
+from chronostream.containers.sink_parts import PackedSinkParts
+from chronostream.master.placement import Placement
 
 
 def _pack(obj: Any) -> bytes:

@@ -35,7 +35,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from containers.actor import ResourceContainer
+from chronostream.containers.actor import ResourceContainer
 
 log = logging.getLogger("chronostream.host_pool")
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from ray import cloudpickle
 
-from chronostream.dag import JobPlan
-from chronostream.options import JobOptions
+from chronostream.slices.plan import JobPlan
+from chronostream.containers.options import JobOptions
 
 
 @dataclass
@@ -32,7 +32,7 @@ class JobLaunch:
     plan: JobPlan
     containers_per_stage: dict[int, int]
     options: JobOptions | None = None
-    policy: Any = None  # an autoscaling policy (chronostream.autoscale), or None
+    policy: Any = None  # an autoscaling policy (chronostream.master.policies), or None
     source_stages: list[int] = field(default_factory=list)  # stages reading in-memory tables
 
     def pack(self) -> bytes:

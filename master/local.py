@@ -24,23 +24,24 @@ from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
-from chronostream.dag import JobPlan
-from containers.backup_store import BackupStore
-from containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
-from containers.output_log import OutputLog
-from containers.spill import SpillStore
-from master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
+from chronostream.slices.plan import JobPlan
+from chronostream.containers.backup_store import BackupStore
+from chronostream.containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
+from chronostream.containers.output_log import OutputLog
+from chronostream.containers.spill import SpillStore
+from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
                               stage_id_of)
-from master.backups import chains_by_slice, stale_backups
-from master.placement import Placement
-from master.results import memory_sink_ids, sink_table
-from master.timeline import Timeline
-from master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
+from chronostream.master.backups import chains_by_slice, stale_backups
+from chronostream.master.placement import Placement
+from chronostream.master.results import memory_sink_ids, sink_table
+from chronostream.master.timeline import Timeline
+from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
                              lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
                              recovery_slack, restore_floor, restore_order)
-from slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
+from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
+from chronostream.slices.errors import RecoveryError
 
 
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
@@ -678,7 +679,6 @@ class LocalCluster:
                 errors.append(f"host {h}: {exc}")
                 self._event("backup_rejected", stage=stage_id, slice=slice_id, host=h, error=str(exc))
         if holders:
-            from chronostream.errors import RecoveryError
 
             raise RecoveryError(f"no usable backup of stage {self.plan.stages[stage_id].name!r} slice {slice_id}: "
                                 + "; ".join(errors))

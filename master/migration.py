@@ -54,7 +54,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from chronostream.errors import ChronoStreamError, QueryError
+from chronostream.slices.errors import ChronoStreamError, QueryError
+from chronostream.master.recovery import host_backup_peers
 
 log = logging.getLogger("chronostream.migration")
 
@@ -300,7 +301,6 @@ def backup_peers_after(placement: Any, host_of: dict[int, int], transfers: list[
                        node_of: dict[int, str] | None = None) -> dict[int, dict[int, list[int]]]:
     """``master.recovery.host_backup_peers`` of the placement as it will be once every transfer is done:
     what each new container's slices get as backup peers from the start (``backed_up_off_host``)."""
-    from master.recovery import host_backup_peers
 
     after = copy.deepcopy(placement)
     for t in transfers:

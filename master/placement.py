@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from chronostream.dag import JobPlan
-from chronostream.errors import QueryError
-from containers.routing import OutputRoute, place_slices_evenly
+from chronostream.slices.plan import JobPlan
+from chronostream.slices.errors import QueryError
+from chronostream.containers.routing import OutputRoute, place_slices_evenly
 
 
 @dataclass

@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from chronostream.errors import RecoveryError
+from chronostream.slices.errors import RecoveryError
+from chronostream.master.backups import backup_plan, chained_backup_peers
 
 SliceKey = tuple[int, int]  # (stage id, slice id)
 
@@ -236,7 +237,6 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     >>> host_backup_peers(p, {5: 5}, 0, 1, job_hosts=[2, 5, 7, 9])
     {5: {0: [7], 1: [9], 2: [2]}}
     """
-    from master.backups import backup_plan, chained_backup_peers
 
     by_host: dict[int, list[int]] = {}
     for c in placement.containers[stage_id]:

@@ -5,7 +5,7 @@ to the id its writers use, and assembling the (slice, epoch) parts that
 the master holds (handed over at checkpoints) and the live containers hold
 into the table ``job.results`` returns. Both drivers (``master.local`` in
 process, ``master.actor`` on Ray) gather the parts their own way and call
-these. Knows no Ray and does not read Parquet sinks (``chronostream.sinks``).
+these. Knows no Ray and does not read Parquet sinks (``chronostream.slices.sinks``).
 
 >>> parts = {(1, 0): pa.table({"_slice": [1], "_seq": [0]}), (0, 0): pa.table({"_slice": [0], "_seq": [0]})}
 >>> sink_table({0: parts}, []).column("_slice").to_pylist()
@@ -21,10 +21,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from chronostream.dag import JobPlan
-from chronostream.sinks import dead_letter_table, sort_output
-from containers.core import SinkParts, dead_letter_sink_id, is_dead_letter_sink_id
-from containers.sink_parts import PackedSinkParts, add_sink_parts
+from chronostream.slices.plan import JobPlan
+from chronostream.slices.sinks import dead_letter_table, sort_output
+from chronostream.containers.core import SinkParts, dead_letter_sink_id, is_dead_letter_sink_id
+from chronostream.containers.sink_parts import PackedSinkParts, add_sink_parts
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Imports only ``chronostream`` core types; knows nothing of Ray or containers.
 """
 
-from slices.progress import ProgressVector
-from slices.slice import SliceRuntime
+from chronostream.slices.progress import ProgressVector
+from chronostream.slices.slice import SliceRuntime
 
 __all__ = ["ProgressVector", "SliceRuntime"]

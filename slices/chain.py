@@ -13,8 +13,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter, batch_table
-from chronostream.types import ORDER, SUB, extend_sub_order
+from chronostream.slices.plan import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter, batch_table
+from chronostream.slices.types import ORDER, SUB, extend_sub_order
 
 #: Called as on_error(row_index_in_table, exception); returns True to skip the
 #: row (dead letter) or raises.

@@ -15,7 +15,7 @@ Operator state comes in two shapes:
 
 An operator may provide ``checkpoint_state(delta: bool) -> dict`` and
 ``restore_state(parts: dict)``; otherwise its registered key-value states
-are captured; their keys and values are encoded by ``chronostream.codec``
+are captured; their keys and values are encoded by ``chronostream.slices.codec``
 (plain data, dates and times, Decimal, Arrow values). Byte format: ``b"CSCK"``, header length, msgpack header
 (stage, slice, epoch, kind, previous epoch, payload length), the payload,
 and a CRC-32 over all of it. The payload is a msgpack body in which every
@@ -43,11 +43,11 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from chronostream import codec
-from chronostream.arrow_ipc import read_stream, stream_size, write_stream
-from chronostream.errors import StateEncodingError
-from chronostream.operators import canonical_key
-from chronostream.state import KeyValueState
+from chronostream.slices import codec
+from chronostream.slices.arrow_ipc import read_stream, stream_size, write_stream
+from chronostream.slices.errors import StateEncodingError
+from chronostream.slices.state import canonical_key
+from chronostream.slices.state import KeyValueState
 
 MAGIC = b"CSCK"
 VERSION = 2

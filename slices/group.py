@@ -50,12 +50,12 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from chronostream.dag import StagePlan
-from chronostream.operators import OperatorContext
-from chronostream.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
-from chronostream.types import ORDER, SEQ, SLICE, SUB
-from slices.chain import apply_chain
-from slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts, steps_back
+from chronostream.slices.plan import StagePlan
+from chronostream.slices.operators import OperatorContext
+from chronostream.slices.sorting import packed_merge_key, stable_argsort, take_permuted, tie_free_argsort
+from chronostream.slices.types import ORDER, SEQ, SLICE, SUB
+from chronostream.slices.chain import apply_chain
+from chronostream.slices.slice import EVENT_CHUNK, SliceRuntime, event_dicts, steps_back
 
 log = logging.getLogger("chronostream.slices")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from chronostream.types import SEQ, SLICE
+from chronostream.slices.types import SEQ, SLICE
 
 Channel = tuple[int, int]  # (stream id, producer slice)
 

@@ -22,13 +22,13 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from chronostream import codec
-from chronostream.dag import JobPlan, StagePlan
-from chronostream.errors import EventError, RuntimeFault, StateEncodingError
-from chronostream.operators import Operator, OperatorContext
-from chronostream.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB
-from slices.chain import apply_chain
-from slices.progress import ProgressVector
+from chronostream.slices import codec
+from chronostream.slices.plan import JobPlan, StagePlan
+from chronostream.slices.errors import EventError, RuntimeFault, StateEncodingError
+from chronostream.slices.operators import Operator, OperatorContext
+from chronostream.slices.types import END_OF_INPUT, ORDER, SEQ, SLICE, SUB
+from chronostream.slices.chain import apply_chain
+from chronostream.slices.progress import ProgressVector
 
 
 
@@ -221,7 +221,7 @@ class SliceRuntime:
 
     def state_size(self) -> tuple[int, int]:
         """(keys, approximate bytes) of the slice's state: registered states (sizes from a
-        strided sample of up to 32 entries each, encoded by ``chronostream.codec``; spilled entries counted at
+        strided sample of up to 32 entries each, encoded by ``chronostream.slices.codec``; spilled entries counted at
         the sample's size) and an operator's own arrays."""
         keys, nbytes = 0, 0
         if self.ctx is not None:

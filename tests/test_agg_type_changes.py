@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chronostream as cs
-from chronostream import operators
+from chronostream.slices import operators
 from chronostream.dag import compile_query
-from chronostream.hashing import slice_of
-from chronostream.operators import KeyedAggregate, OperatorContext
-from chronostream.types import ORDER, SUB
-from master.local import collect, run_local
-from master.placement import containers_per_stage, initial_placement
-from slices.checkpoint import SliceCheckpoint, merge_chain
+from chronostream.slices.hashing import slice_of
+from chronostream.slices.operators import KeyedAggregate, OperatorContext
+from chronostream.slices.types import ORDER, SUB
+from chronostream.master.local import collect, run_local
+from chronostream.master.placement import containers_per_stage, initial_placement
+from chronostream.slices.checkpoint import SliceCheckpoint, merge_chain
 
 SPECS = [("count", None), ("sum", "p"), ("min", "p"), ("max", "p"), ("mean", "p")]
 EPOCH = 12

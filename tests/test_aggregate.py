@@ -1,4 +1,4 @@
-"""Specification of chronostream.operators.KeyedAggregate: the vectorized path equals the oracle.
+"""Specification of chronostream.slices.operators.KeyedAggregate: the vectorized path equals the oracle.
 
 ``consume_batch`` (numpy, per batch) must give exactly what ``consume_serial``
 (plain Python, one event at a time; used by the serial executor) gives, for
@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import chronostream as cs
-from chronostream.errors import EventError
-from chronostream.operators import KeyedAggregate, OperatorContext
+from chronostream.slices.errors import EventError
+from chronostream.slices.operators import KeyedAggregate, OperatorContext
 
 # Running float sums may overflow to inf or reach inf + -inf = NaN, identically in both paths;
 # numpy warns about it, Python does not.
@@ -249,7 +249,7 @@ def test_int64_sum_overflow_is_refused_like_the_oracle():
 def test_a_delta_lists_each_changed_slot_once_and_only_since_the_last_capture(batches, capture_after):
     """Several batches touching the same keys: the delta holds each changed slot once (no sort or
     unique inside the epoch does it), with its current values; a capture starts the next delta."""
-    from slices.checkpoint import read_table_part
+    from chronostream.slices.checkpoint import read_table_part
 
     op, ctx = make(["k"], [("count", None), ("sum", "i")])
     changed: set[int] = set()
@@ -286,7 +286,7 @@ def test_batches_of_keys_already_listed_add_nothing_to_the_delta_bookkeeping():
 def test_an_int_columns_checkpoint_carries_no_float_variants():
     """sum/min/max of an int column live in int arrays only: the state, its checkpoints and so
     the backups hold count and three int arrays, not three all-zero float arrays beside them."""
-    from slices.checkpoint import read_table_part
+    from chronostream.slices.checkpoint import read_table_part
 
     op, ctx = make(["k"], [("count", None), ("sum", "i"), ("min", "i"), ("max", "i")])
     op.consume_batch("in", pa.Table.from_pylist(with_lineage([{"k": k % 3, "i": k} for k in range(10)])))
@@ -301,7 +301,7 @@ def test_a_variant_first_used_after_the_full_checkpoint_merges_and_restores_exac
     """A value column arrives as ints, then (after a full checkpoint) as floats: the delta brings
     the float arrays the full checkpoint lacks. The chain merged and restored equals the live
     operator, and both go on alike."""
-    from slices.checkpoint import SliceCheckpoint, merge_chain
+    from chronostream.slices.checkpoint import SliceCheckpoint, merge_chain
 
     def checkpoint(op, epoch, delta):
         return SliceCheckpoint(0, 0, epoch, "delta" if delta else "full", epoch - 1 if delta else -1,
@@ -358,7 +358,7 @@ def test_a_restored_aggregate_takes_new_keys_without_reallocating_its_arrays():
 @example([(list(range(50)), False), (list(range(50, 60)), True), (list(range(60, 70)), True)], 1)  # 50 of 64: spread
 def test_arrays_doubled_a_share_per_batch_give_what_a_doubling_at_once_gives(batches, step):
     """Large arrays double ahead of need, a share of the copy per batch, with the writes of the
-    batches meanwhile repeated in the copy (chronostream/slot_arrays.py). Batch after batch, with
+    batches meanwhile repeated in the copy (slices/slot_arrays.py). Batch after batch, with
     delta checkpoints between some, the outputs, the deltas and the state equal an operator whose
     arrays double at once when full; and the spread doubling ran across batches."""
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -366,7 +366,7 @@ def test_arrays_doubled_a_share_per_batch_give_what_a_doubling_at_once_gives(bat
 
 
 def _compare_spread_and_at_once(monkeypatch, batches, step):
-    from chronostream import slot_arrays
+    from chronostream.slices import slot_arrays
 
     spread, sctx = make(["k"], ALL_SPECS[:5])
     at_once, actx = make(["k"], ALL_SPECS[:5])
@@ -403,7 +403,7 @@ def test_a_spread_doubling_replaces_the_arrays_once_it_has_copied_the_slots_in_u
     """The doubled arrays take over as soon as the copy has caught up with the slots in use
     (not when the old ones are full); until then the old arrays stay, and no batch copies all
     of them at once. A slot changed in every batch is in every delta, before and after."""
-    from chronostream import slot_arrays
+    from chronostream.slices import slot_arrays
 
     monkeypatch.setattr(slot_arrays, "SPREAD_MIN", 64)
     monkeypatch.setattr(slot_arrays, "STEP_MIN", 10)

@@ -81,7 +81,7 @@ def test_global_order_interleaves_sources_by_event_time():
 def test_a_single_source_stores_no_order_or_sub_column_and_its_epochs_read_as_before():
     """One source's compiled table holds the user's columns only (its order is its row number);
     the reader gives each epoch's rows ``_order`` and ``_sub`` as a stored column would."""
-    from chronostream.readers import make_reader
+    from chronostream.slices.readers import make_reader
 
     user = pa.table({"t": [5, 1, 4, 1, 3]}).replace_schema_metadata({"mine": "kept"})
     q = cs.Query(epoch_events=2)
@@ -102,7 +102,7 @@ def test_a_single_source_stores_no_order_or_sub_column_and_its_epochs_read_as_be
 
 def test_several_sources_keep_an_order_column_and_no_sub_column():
     """With two sources the interleaved order is stored per source; ``_sub`` is added by the reader."""
-    from chronostream.readers import make_reader
+    from chronostream.slices.readers import make_reader
 
     q = cs.Query(epoch_events=3)
     q.source("a", pa.table({"t": [1, 3, 5]}), order_by="t").sink(name="a")
@@ -280,7 +280,7 @@ def test_asking_a_named_stage_for_more_containers_than_slices_warns_and_caps():
     import warnings
 
     from chronostream.dag import compile_query
-    from master.placement import containers_per_stage, initial_placement
+    from chronostream.master.placement import containers_per_stage, initial_placement
 
     q = cs.Query()
     q.source("w", [{"w": "a"}], slices=1).key_by("w").count(slices=2, name="count").sink(name="c")

@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 
 import chronostream as cs
-from chronostream.autoscale import (CompactionRule, Decision, HotSliceRule, LatencyPolicy, Policies, RatePolicy,
+from chronostream.master.policies import (CompactionRule, Decision, HotSliceRule, LatencyPolicy, Policies, RatePolicy,
                                     ScalingAction, ScheduledPolicy, UtilizationPolicy, read_trace, simulate,
                                     write_trace)
-from chronostream.metrics import MetricsSnapshot, SliceMetrics, StageMetrics
-from chronostream.sourcelog import SourceLogWriter
+from chronostream.containers.metrics import MetricsSnapshot, SliceMetrics, StageMetrics
+from chronostream.slices.sourcelog import SourceLogWriter
 
 
 def stage(util=0.5, rate=1000.0, proc=1000.0, backlog=0, hosts=1, per=()):

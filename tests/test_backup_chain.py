@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from master.placement import Placement
-from master.recovery import host_backup_peers
+from chronostream.master.placement import Placement
+from chronostream.master.recovery import host_backup_peers
 
 
 def placement(containers: dict[int, int], slices: int = 4) -> Placement:

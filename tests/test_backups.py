@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from containers.backup_store import MERGE_COUNT_CAP, MERGE_SHARE, BackupStore, should_merge
-from containers.routing import place_slices_evenly
-from master.backups import backup_plan, chained_backup_peers
-from slices.checkpoint import (CarriedOutputs, CheckpointCorrupt, SliceCheckpoint, decode_outputs, encode,
+from chronostream.containers.backup_store import MERGE_COUNT_CAP, MERGE_SHARE, BackupStore, should_merge
+from chronostream.containers.routing import place_slices_evenly
+from chronostream.master.backups import backup_plan, chained_backup_peers
+from chronostream.slices.checkpoint import (CarriedOutputs, CheckpointCorrupt, SliceCheckpoint, decode_outputs, encode,
                                encode_outputs, read_table_part, table_part)
 
 
@@ -173,7 +173,7 @@ def test_carried_outputs_are_persisted_a_frame_at_a_time_and_a_trim_deletes_only
     """A flush writes the carried-outputs frames that arrived since the last one, each under its own
     key and never again (rewriting a slice's outputs whole copied them at every flush); a trim
     deletes the trimmed frames' keys; a reopened store holds what is left, in order."""
-    import containers.backup_store as backup_store
+    import chronostream.containers.backup_store as backup_store
 
     store = BackupStore(tmp_path)
     store.put(ckpt(3, "full", -1, 30))
@@ -281,11 +281,11 @@ def resident_bytes(path) -> int:
 
 def test_a_flush_past_the_release_size_leaves_the_written_pages_out_of_the_page_cache(tmp_path, monkeypatch):
     """The chains are held in memory: their lmdb copy must not also hold page-cache memory."""
-    monkeypatch.setattr("containers.backup_store.RELEASE_PAGES_BYTES", 1 << 40)
+    monkeypatch.setattr("chronostream.containers.backup_store.RELEASE_PAGES_BYTES", 1 << 40)
     kept = BackupStore(tmp_path / "kept")
     kept.put(big_full(0, 400_000))  # 6.4 MB of slots and values
     kept.flush()
-    monkeypatch.setattr("containers.backup_store.RELEASE_PAGES_BYTES", 1 << 20)
+    monkeypatch.setattr("chronostream.containers.backup_store.RELEASE_PAGES_BYTES", 1 << 20)
     dropped = BackupStore(tmp_path / "dropped")
     dropped.put(big_full(0, 400_000))
     dropped.flush()
@@ -360,8 +360,8 @@ def test_a_whole_chain_folds_into_the_state_its_deltas_describe(streamed, table_
     ways a kv part folds: in one dict, and streamed (a full part above ``STREAM_PART_BYTES``)."""
     import pyarrow as pa
 
-    from slices import checkpoint
-    from slices.checkpoint import _pack, merge_chain, read_table_part, table_part
+    from chronostream.slices import checkpoint
+    from chronostream.slices.checkpoint import _pack, merge_chain, read_table_part, table_part
 
     saved = checkpoint.STREAM_PART_BYTES
     checkpoint.STREAM_PART_BYTES = -1 if streamed else saved
@@ -407,7 +407,7 @@ def test_folding_table_parts_keeps_the_last_row_per_slot_in_slot_order(offset):
     import numpy as np
     import pyarrow as pa
 
-    from slices.checkpoint import _merge_table, read_table_part, table_part
+    from chronostream.slices.checkpoint import _merge_table, read_table_part, table_part
 
     rng = np.random.default_rng(5)
     parts, want = [], {}
@@ -432,8 +432,8 @@ def test_a_chain_on_a_dense_base_folds_by_copy_and_scatter_with_the_general_fold
     general fold (concat and take) gives."""
     import numpy as np
 
-    from slices import checkpoint as codec
-    from slices.checkpoint import _merge_table, read_table_part, table_part
+    from chronostream.slices import checkpoint as codec
+    from chronostream.slices.checkpoint import _merge_table, read_table_part, table_part
 
     rng = np.random.default_rng(11)
     n = 5000
@@ -462,8 +462,8 @@ def test_a_chain_the_dense_fold_cannot_take_is_folded_by_the_general_path(case):
     import numpy as np
     import pyarrow as pa
 
-    from slices import checkpoint as codec
-    from slices.checkpoint import _merge_table, read_table_part, table_part
+    from chronostream.slices import checkpoint as codec
+    from chronostream.slices.checkpoint import _merge_table, read_table_part, table_part
 
     base_slots = np.arange(10)[::-1] if case == "base out of order" else np.arange(10)
     base = _slot_table(base_slots, v=np.arange(10) * 10)
@@ -489,7 +489,7 @@ def test_a_growing_chain_is_persisted_entry_by_entry_and_reopens_whole(tmp_path)
     after a merge or a new full checkpoint the old entries go; a reopened store has the chain."""
     import pyarrow as pa
 
-    from slices.checkpoint import table_part
+    from chronostream.slices.checkpoint import table_part
 
     big = table_part(pa.table({"slot": pa.array(range(60), pa.int64())}))  # 3 deltas weigh less, 4 a quarter
     store = BackupStore(tmp_path, merge_every=3)
@@ -550,7 +550,7 @@ def test_frames_received_as_object_store_views_are_kept_merged_flushed_and_reope
     verifies, chains, merges, persists and restores them like bytes."""
     import pyarrow as pa
 
-    from slices.checkpoint import CarriedOutputs, decode_outputs, encode_outputs
+    from chronostream.slices.checkpoint import CarriedOutputs, decode_outputs, encode_outputs
 
     store = BackupStore(tmp_path, merge_every=2)
     assert store.put(as_object_store_view(ckpt(0, "full", -1, 0))) is None

@@ -19,9 +19,9 @@ import ray
 
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule
-from containers.actor import from_wire
+from chronostream.containers.actor import from_wire
 from queries import running_sum
-from slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
+from chronostream.slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
 
 
 @pytest.mark.parametrize("ship_by_reference_bytes,ship_piece_bytes", [(8 << 20, 64 << 20), (0, 64 << 20),
@@ -126,7 +126,7 @@ def _check_backups_match_live_slices(job: cs.Job, copies: int = 2) -> int:
 
 def _state_of(part: dict):
     """Comparable content of a state part (kv: dict; table: rows by slot)."""
-    from slices.checkpoint import _kv_items, read_table_part
+    from chronostream.slices.checkpoint import _kv_items, read_table_part
 
     if part["shape"] == "kv":
         keys, values, _ = _kv_items(part)

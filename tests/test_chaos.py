@@ -7,7 +7,7 @@ import re
 import pytest
 
 from chronostream.chaos import Fault, random_faults
-from master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
+from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
 
 def test_a_kill_in_a_recovery_names_an_unknown_role_and_the_roles_there_are():

@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chronostream.dag import compile_query
-from chronostream.state import KeyValueState
-from containers.backup_store import BackupStore
-from master.local import build_cores
-from master.placement import containers_per_stage, initial_placement
+from chronostream.slices.state import KeyValueState
+from chronostream.containers.backup_store import BackupStore
+from chronostream.master.local import build_cores
+from chronostream.master.placement import containers_per_stage, initial_placement
 from queries import QUERIES
-from slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, capture, capture_kv, decode, encode, merge,
+from chronostream.slices.checkpoint import (CheckpointCorrupt, SliceCheckpoint, capture, capture_kv, decode, encode, merge,
                                restore, restore_kv)
-from slices.slice import SliceRuntime
+from chronostream.slices.slice import SliceRuntime
 
 keys = st.one_of(st.text(max_size=5), st.integers(-5, 50), st.tuples(st.text(max_size=3), st.integers(0, 9)))
 values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
@@ -104,7 +104,7 @@ def _leaves(obj):
 def test_large_binaries_come_back_as_views_of_the_frame_and_the_rest_as_msgpack(body):
     """Binaries above 64 KiB travel after the msgpack body and decode as views of the frame (no
     copy held under the GIL); everything else decodes to what was framed."""
-    from slices.checkpoint import MAGIC, _BIG, _frame, _unframe, _unpack_payload
+    from chronostream.slices.checkpoint import MAGIC, _BIG, _frame, _unframe, _unpack_payload
 
     frame = _frame(MAGIC, {"v": 2}, body)
     header, payload = _unframe(frame, MAGIC, "test")
@@ -124,7 +124,7 @@ def test_an_attachment_the_header_does_not_describe_is_refused():
 
     import msgpack
 
-    from slices.checkpoint import MAGIC, _frame
+    from chronostream.slices.checkpoint import MAGIC, _frame
 
     frame = bytes(_frame(MAGIC, {"v": 2, "stage": 1, "slice": 2, "epoch": 3, "kind": "full", "prev": -1},
                          {"progress": {}, "next_seq": {}, "state": {"t": {"shape": "table", "ipc": b"x" * 70_000}},
@@ -147,7 +147,7 @@ def test_a_frame_written_by_the_previous_codec_still_decodes():
     import msgpack
     import pyarrow as pa
 
-    from slices.checkpoint import read_table_part, table_part
+    from chronostream.slices.checkpoint import read_table_part, table_part
 
     table = pa.table({"slot": pa.array(range(5000), pa.int64()), "v": pa.array(range(5000), pa.float64())})
     payload = msgpack.packb({"progress": {"0": [4, 5]}, "next_seq": {"0": 9},
@@ -170,7 +170,7 @@ def test_a_frame_written_by_the_previous_codec_still_decodes():
 def _encoded_large_and_joined(ckpt):
     """``ckpt`` encoded as a large frame (asserted to take the numpy-buffer path) and, with that
     path turned off, by the small-frame join."""
-    import slices.checkpoint as codec
+    import chronostream.slices.checkpoint as codec
 
     large = encode(ckpt)
     assert isinstance(large, memoryview) and large.nbytes > codec._BIG_FRAME
@@ -187,7 +187,7 @@ def test_a_frame_above_8_mb_is_a_view_with_the_bytes_a_join_would_give():
     import numpy as np
     import pyarrow as pa
 
-    from slices.checkpoint import frozen_table_part, read_table_part, verify
+    from chronostream.slices.checkpoint import frozen_table_part, read_table_part, verify
 
     n = 1_200_000  # 2 int64 columns: about 19 MB
     table = pa.table({"slot": pa.array(np.arange(n)), "v": pa.array(np.arange(n) * 3)})
@@ -208,7 +208,7 @@ def test_a_large_frame_mixing_tables_written_in_place_and_raw_attachments_equals
     import numpy as np
     import pyarrow as pa
 
-    from slices.checkpoint import frozen_table_part, read_table_part, table_part
+    from chronostream.slices.checkpoint import frozen_table_part, read_table_part, table_part
 
     n = 700_000
     big = pa.table({"slot": pa.array(np.arange(n)), "v": pa.array(np.arange(n) * 7)})
@@ -224,7 +224,7 @@ def test_a_large_frame_mixing_tables_written_in_place_and_raw_attachments_equals
 
 def test_verify_checks_a_frame_and_returns_its_header():
     """verify() is the cheap check a backup holder runs: header back, damage refused, no payload parse."""
-    from slices.checkpoint import verify
+    from chronostream.slices.checkpoint import verify
 
     raw = encode(SliceCheckpoint(3, 1, 12, "delta", 8, {}, {}, {}))
     header = verify(raw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import types
 
-from containers.actor import ResourceContainer
+from chronostream.containers.actor import ResourceContainer
 
 Plain = ResourceContainer.__ray_metadata__.modified_class
 
@@ -71,8 +71,8 @@ def host_with_sink(master_stores: bool):
     were taken for the master; the master stand-in stores them or dies while storing them."""
     import pyarrow as pa
 
-    from chronostream.sinks import MemorySink
-    from containers.core import ContainerCore
+    from chronostream.slices.sinks import MemorySink
+    from chronostream.containers.core import ContainerCore
 
     writer = MemorySink("s").writer("c0")
     for epoch in (1, 2):

@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from chronostream.operators import KeyedAggregate, OperatorContext
-from containers import checkpointing
-from containers.checkpointing import SliceCheckpointer
-from containers.backup_store import BackupStore
-from slices.checkpoint import capture, decode, is_outputs, read_table_part, restore
+from chronostream.slices.operators import KeyedAggregate, OperatorContext
+from chronostream.containers import checkpointing
+from chronostream.containers.checkpointing import SliceCheckpointer
+from chronostream.containers.backup_store import BackupStore
+from chronostream.slices.checkpoint import capture, decode, is_outputs, read_table_part, restore
 from test_recovery_local import BUILDERS, assert_equals_serial, cluster, operator_hosts
 
 

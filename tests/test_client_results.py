@@ -10,8 +10,8 @@ import ray
 from ray.exceptions import OwnerDiedError
 
 from chronostream.client import Job
-from containers.sink_parts import pack_sink_parts
-from master.results import SinkPartRefs
+from chronostream.containers.sink_parts import pack_sink_parts
+from chronostream.master.results import SinkPartRefs
 
 SINK_ID = 0
 ROWS = {(1, 0): pa.table({"_slice": [1], "_seq": [0], "x": [10]}),

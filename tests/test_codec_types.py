@@ -3,7 +3,7 @@
 Python values (what Arrow columns give to Python and what operators keep in
 state: datetimes naive and zoned, dates, times, durations, Decimal, bytes,
 lists, dicts, None, pandas timestamps) go through the shared codec
-(``chronostream.codec``) in checkpoints and the spill store; Arrow tables
+(``chronostream.slices.codec``) in checkpoints and the spill store; Arrow tables
 of every type go through checkpoints' table parts, carried outputs, the
 output log and the codec. A round trip must give the same types and the
 same values. The built-in join keyed on a timestamp column is checkpointed
@@ -27,19 +27,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chronostream as cs
-from chronostream import codec
+from chronostream.slices import codec
 from chronostream.dag import compile_query
-from chronostream.errors import ChronoStreamError, StateEncodingError
-from chronostream.state import KeyValueState
-from containers.backup_store import BackupStore
-from containers.output_log import OutputLog
-from containers.spill import SpillStore
-from master.local import LocalCluster, build_cores
-from master.placement import containers_per_stage, initial_placement
+from chronostream.slices.errors import ChronoStreamError, StateEncodingError
+from chronostream.slices.state import KeyValueState
+from chronostream.containers.backup_store import BackupStore
+from chronostream.containers.output_log import OutputLog
+from chronostream.containers.spill import SpillStore
+from chronostream.master.local import LocalCluster, build_cores
+from chronostream.master.placement import containers_per_stage, initial_placement
 from queries import per_key_sequences
-from slices.checkpoint import (CarriedOutputs, SliceCheckpoint, capture, capture_kv, decode, decode_outputs, encode,
+from chronostream.slices.checkpoint import (CarriedOutputs, SliceCheckpoint, capture, capture_kv, decode, decode_outputs, encode,
                                encode_outputs, frozen_table_part, read_table_part, restore, restore_kv)
-from slices.slice import SliceRuntime
+from chronostream.slices.slice import SliceRuntime
 
 NY = ZoneInfo("America/New_York")
 

@@ -16,10 +16,10 @@ import pytest
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from chronostream.errors import EventError
-from chronostream.types import END_OF_INPUT
-from master.local import LocalCluster
-from master.placement import containers_per_stage, initial_placement
+from chronostream.slices.errors import EventError
+from chronostream.slices.types import END_OF_INPUT
+from chronostream.master.local import LocalCluster
+from chronostream.master.placement import containers_per_stage, initial_placement
 
 EPOCH = 7
 WORDS = [f"w{i:02d}" for i in range(23)]
@@ -277,7 +277,7 @@ def test_a_tailed_log_sealed_after_its_last_full_epoch_runs_the_hooks_in_one_mor
     equal a bounded run's and the serial run's."""
     import threading
 
-    from chronostream.sourcelog import SourceLogWriter
+    from chronostream.slices.sourcelog import SourceLogWriter
     from test_sourcelog import rows
 
     if executor == "ray":

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pytest
 
 import chronostream as cs
-import slices.group
-import slices.slice
-from chronostream.operators import OperatorContext
-from containers.core import ContainerCore
+import chronostream.slices.group
+import chronostream.slices.slice
+from chronostream.slices.operators import OperatorContext
+from chronostream.containers.core import ContainerCore
 
 SCHEMA = pa.schema([("w", pa.string()), ("total", pa.int64())])
 
@@ -64,8 +64,8 @@ def rows(job: cs.Job) -> dict[str, list[dict]]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 5 rows: a 700-event epoch seals and converts many times over."""
-    monkeypatch.setattr(slices.slice, "EVENT_CHUNK", 5)
-    monkeypatch.setattr(slices.group, "EVENT_CHUNK", 5)
+    monkeypatch.setattr(chronostream.slices.slice, "EVENT_CHUNK", 5)
+    monkeypatch.setattr(chronostream.slices.group, "EVENT_CHUNK", 5)
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import ray
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from master.local import build_cores
-from master.placement import containers_per_stage, initial_placement
+from chronostream.master.local import build_cores
+from chronostream.master.placement import containers_per_stage, initial_placement
 from queries import QUERIES, running_sum
-from slices.slice import SliceRuntime
+from chronostream.slices.slice import SliceRuntime
 
 
 def _first_epoch_parts(plan, sources):

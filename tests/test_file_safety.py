@@ -23,10 +23,10 @@ import pyarrow as pa
 import pytest
 
 import chronostream as cs
-from chronostream.sourcelog import SourceLog, SourceLogError, SourceLogWriter
-from containers.shm_transport import ShmPart, ShmSender
-from master.catalog import MasterCatalog
-from master.launch import JobLaunch
+from chronostream.slices.sourcelog import SourceLog, SourceLogError, SourceLogWriter
+from chronostream.containers.shm_transport import ShmPart, ShmSender
+from chronostream.master.catalog import MasterCatalog
+from chronostream.master.launch import JobLaunch
 
 REPO = Path(cs.__file__).resolve().parents[1]  # the code under test (a child process imports it too)
 
@@ -192,20 +192,20 @@ import pyarrow as pa
 kind, path = sys.argv[1], sys.argv[2]
 try:
     if kind == "backup store":
-        from containers.backup_store import BackupStore
-        from slices.checkpoint import SliceCheckpoint, encode
+        from chronostream.containers.backup_store import BackupStore
+        from chronostream.slices.checkpoint import SliceCheckpoint, encode
         store = BackupStore(path)
         for i in range(16):  # 16 MB of checkpoints, flushed one by one, onto an 8 MB disk
             store.put(encode(SliceCheckpoint(1, i, 0, "full", -1, {0: [os.urandom(1 << 20)]}, {0: 1}, {})))
             store.flush()
     elif kind == "output log":
-        from containers.output_log import OutputLog
+        from chronostream.containers.output_log import OutputLog
         log = OutputLog(path)
         for i in range(16):
             log.append_epoch({(0, 1): pa.table({"x": pa.array([os.urandom(1 << 20)], pa.binary()),
                                                 "_seq": pa.array([i], pa.int64())})})
     else:
-        from master.catalog import MasterCatalog
+        from chronostream.master.catalog import MasterCatalog
         cat = MasterCatalog(path)
         for i in range(16):
             cat.add_event(i, (0.0, "blob", {"b": os.urandom(1 << 20)}))
@@ -235,7 +235,7 @@ def test_the_free_disk_guard_refuses_a_write_before_it_starts(tmp_path, monkeypa
     and nothing of the write is stored."""
     import lmdb
 
-    import containers.lmdb_store as lmdb_store
+    import chronostream.containers.lmdb_store as lmdb_store
 
     env = lmdb.open(str(tmp_path), map_size=1 << 20)
     monkeypatch.setattr(lmdb_store, "free_bytes", lambda path: 3 << 20)

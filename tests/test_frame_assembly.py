@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from containers.frame_assembly import FrameAssembly
+from chronostream.containers.frame_assembly import FrameAssembly
 
 
 def send(assembly: FrameAssembly, token, frame: np.ndarray, piece: int, now: float):

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from containers.gc_pacing import CollectorPacing
+from chronostream.containers.gc_pacing import CollectorPacing
 
 
 class FakeClock:

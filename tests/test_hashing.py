@@ -1,4 +1,4 @@
-"""Specification of chronostream.hashing: the one function that maps keys to slices.
+"""Specification of chronostream.slices.hashing: the one function that maps keys to slices.
 
 The hash is a cross-process, cross-machine contract (the serial oracle, the
 local executor and every Ray container must agree on it), so besides the
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronostream.hashing import hash_array, hash_columns, slice_of, slice_of_scalar
+from chronostream.slices.hashing import hash_array, hash_columns, slice_of, slice_of_scalar
 
 MASK = (1 << 64) - 1
 NULL_HASH = 0x9E3779B97F4A7C15

@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError
 import chronostream as cs
 from chronostream.chaos import Fault, run_with_faults
 from chronostream.client import RAY_NAMESPACE
-from master.host_pool import HOST_POOL_NAME
+from chronostream.master.host_pool import HOST_POOL_NAME
 from queries import running_sum
 
 SLOW_SOURCE = Fault("delay", at_epoch=0, stage="payments", seconds=0.05)

@@ -28,12 +28,12 @@ import chronostream as cs
 from chronostream.chaos import Fault, run_with_faults
 from chronostream.dag import compile_query
 from chronostream.datasets import payments
-from chronostream.state import STALE_BATCH, KeyValueState
-from chronostream.statelib import MapState
-from containers.spill import SpillStore
-from master.local import LocalCluster
-from master.placement import containers_per_stage, initial_placement
-from slices.checkpoint import capture_kv, restore_kv
+from chronostream.slices.state import STALE_BATCH, KeyValueState
+from chronostream.slices.statelib import MapState
+from chronostream.containers.spill import SpillStore
+from chronostream.master.local import LocalCluster
+from chronostream.master.placement import containers_per_stage, initial_placement
+from chronostream.slices.checkpoint import capture_kv, restore_kv
 
 _names = itertools.count()
 
@@ -184,7 +184,7 @@ def test_a_full_capture_packs_chunk_by_chunk_to_the_same_bytes_as_one_pack(monke
     """Chunked packing (headers cut and one put in front) gives msgpack's bytes for the whole lists."""
     import msgpack
 
-    from slices import checkpoint
+    from chronostream.slices import checkpoint
 
     monkeypatch.setattr(checkpoint, "KV_CHUNK", 7 if n < 100 else 4096)
     pairs = [(("e", i, str(i)), [i, float(i)]) for i in range(n)]
@@ -214,7 +214,7 @@ def msgpack_bytes(obj) -> bytes:
 def test_a_mostly_cold_state_round_trips_through_a_full_capture(store, monkeypatch, streamed):
     """20,000 entries, 100 in memory: the capture and the restore (entry by entry for a large
     part) give every entry back."""
-    from slices import checkpoint
+    from chronostream.slices import checkpoint
 
     if streamed:
         monkeypatch.setattr(checkpoint, "STREAM_PART_BYTES", -1)
@@ -359,7 +359,7 @@ def test_a_bounded_queue_reads_like_a_deque_per_key(store, ops, limit, chunk):
     """Queues of many keys, each short (no middle chunk to spill): the limit still bounds memory."""
     from collections import deque
 
-    from chronostream.statelib import QueueState
+    from chronostream.slices.statelib import QueueState
 
     q = QueueState(KeyValueState("q", cold=store.tier(2, next(_names), "q")), chunk_size=chunk, hot_entries=limit)
     model: dict[int, deque] = {}
@@ -376,7 +376,7 @@ def test_a_bounded_queue_reads_like_a_deque_per_key(store, ops, limit, chunk):
 
 
 def test_a_list_or_queue_hot_limit_that_is_not_a_positive_int_is_refused():
-    from chronostream.statelib import ListState
+    from chronostream.slices.statelib import ListState
 
     with pytest.raises(ValueError, match="state 'seen': hot_entries must be a positive int"):
         ListState(KeyValueState("seen"), hot_entries=0)
@@ -430,7 +430,7 @@ def test_a_window_with_a_hot_limit_recovers_on_ray(ray_session):
 
 def test_a_full_spill_disk_fails_the_job_naming_stage_and_slice_even_with_dead_letters(monkeypatch):
     """Not the event's fault: every later event would fail too, so no dead letter swallows it."""
-    import containers.spill as spill
+    import chronostream.containers.spill as spill
 
     monkeypatch.setattr(spill, "SPILL_DISK_FLOOR", 1 << 62)
     q = window_query("sliding", 10, n=600)

@@ -1,4 +1,4 @@
-"""KeyIndex (chronostream/keyindex.py): dense slots for distinct keys, found by hash, verified by key."""
+"""KeyIndex (slices/keyindex.py): dense slots for distinct keys, found by hash, verified by key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronostream.keyindex import KeyCollision, KeyIndex, mid_max
+from chronostream.slices.keyindex import KeyCollision, KeyIndex, mid_max
 
 
 @settings(max_examples=80, deadline=None)
@@ -85,7 +85,7 @@ def test_stored_keys_take_what_was_appended_in_few_chunks(sizes, sealed, data):
     per column. Chunks below SEALED keys are each more than twice the next; a chunk of SEALED
     keys or more is never merged again (so no append copies the whole key column): at most
     keys / SEALED + log2(SEALED) + 1 chunks."""
-    from chronostream.keyindex import StoredKeys
+    from chronostream.slices.keyindex import StoredKeys
 
     stored, ref = StoredKeys(), []
     stored.SEALED = sealed
@@ -127,7 +127,7 @@ def test_a_hit_among_the_recent_keys_is_verified_like_any_other():
 def test_a_groups_place_table_gives_back_each_places_member_and_slot_across_blocks(sizes, block, data):
     """Appends of any sizes land in blocks of BLOCK places (one growing array would be copied
     whole when doubled); any places read back what was appended there, as one flat array would."""
-    from chronostream.keyindex import _PlaceTable
+    from chronostream.slices.keyindex import _PlaceTable
 
     table, owners, slots = _PlaceTable(), [], []
     table.BLOCK = block

@@ -16,11 +16,11 @@ import types
 import pytest
 
 import chronostream as cs
-import master.actor as master_actor
+import chronostream.master.actor as master_actor
 from chronostream.dag import compile_query
-from master.actor import JobMaster
-from master.launch import JobLaunch
-from master.placement import containers_per_stage
+from chronostream.master.actor import JobMaster
+from chronostream.master.launch import JobLaunch
+from chronostream.master.placement import containers_per_stage
 
 PlainMaster = JobMaster.__ray_metadata__.modified_class
 
@@ -214,7 +214,7 @@ def test_the_timeline_and_its_catalog_copy_stay_bounded(tmp_path, monkeypatch):
     ``per_kind`` events of each kind, in memory and in its catalog copy, however many come; a
     rare kind (the job's state changes) is never pushed out, and counts cover every event. A
     restarted master reads back the bounded copy."""
-    from master.timeline import Timeline
+    from chronostream.master.timeline import Timeline
 
     m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
     m.timeline = Timeline(per_kind=10)
@@ -238,7 +238,7 @@ def test_the_timeline_and_its_catalog_copy_stay_bounded(tmp_path, monkeypatch):
 def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
     """Regression (issue 59, unbounded growth): the master keeps the latest ``DECISIONS_KEPT``
     autoscaler ticks (each a full per-slice snapshot), not every tick of the job."""
-    from chronostream.options import JobOptions
+    from chronostream.containers.options import JobOptions
 
     monkeypatch.setattr(master_actor, "DECISIONS_KEPT", 5)
     m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
@@ -268,8 +268,8 @@ def test_a_source_log_reader_and_index_hold_only_live_segments(tmp_path, monkeyp
     every live row."""
     import pyarrow as pa
 
-    from chronostream import sourcelog
-    from chronostream.sourcelog import SourceLog, SourceLogWriter
+    from chronostream.slices import sourcelog
+    from chronostream.slices.sourcelog import SourceLog, SourceLogWriter
 
     monkeypatch.setattr(sourcelog, "COMPACT_MIN_LINES", 8)
     w = SourceLogWriter(tmp_path)

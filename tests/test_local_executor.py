@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from master.local import collect, run_local
-from master.placement import containers_per_stage, initial_placement
+from chronostream.master.local import collect, run_local
+from chronostream.master.placement import containers_per_stage, initial_placement
 from queries import QUERIES, orders_and_customers, per_key_sequences
 
 SLICES = 5
@@ -147,7 +147,7 @@ def test_a_checkpointing_local_cluster_removes_its_temporary_directory_when_drop
     import gc
     import tempfile
 
-    from master.local import LocalCluster
+    from chronostream.master.local import LocalCluster
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     plan, sources = compile_query(build("word_count"))

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from chronostream.logs import ENV, configure_from_env
+from chronostream.containers.logs import ENV, configure_from_env
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from master.catalog import CatalogError, MasterCatalog
-from master.launch import JobLaunch
-from master.placement import Placement
+from chronostream.master.catalog import CatalogError, MasterCatalog
+from chronostream.master.launch import JobLaunch
+from chronostream.master.placement import Placement
 
 
 def placement() -> Placement:

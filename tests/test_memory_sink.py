@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from chronostream.sinks import MemorySink
+from chronostream.slices.sinks import MemorySink
 
 
 def rows(*xs: int) -> pa.Table:
@@ -88,7 +88,7 @@ def test_a_compaction_moves_which_parts_the_master_holds_with_the_slices():
 
 
 def test_results_sort_rows_by_slice_then_sequence_only_when_they_are_out_of_order():
-    from chronostream.sinks import sort_output
+    from chronostream.slices.sinks import sort_output
 
     shuffled = pa.table({"_slice": [0, 1, 0], "_seq": [1, 0, 0], "x": [2, 3, 1]})
     assert sort_output(shuffled)["x"].to_pylist() == [1, 2, 3]

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slices.slice import merge_order
+from chronostream.slices.slice import merge_order
 
 
 @st.composite

@@ -21,9 +21,9 @@ import pytest
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial
 from chronostream.dag import compile_query
-from master.local import LocalCluster
-from master.migration import MigrationPhase
-from master.placement import containers_per_stage, initial_placement
+from chronostream.master.local import LocalCluster
+from chronostream.master.migration import MigrationPhase
+from chronostream.master.placement import containers_per_stage, initial_placement
 
 ROWS, KEYS, EPOCHS, SLICES = 1250, 40, 24, 32
 

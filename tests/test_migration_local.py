@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from chronostream.dag import compile_query
-from master.local import LocalCluster
-from master.migration import MigrationError, MigrationPhase
-from master.placement import containers_per_stage, initial_placement
+from chronostream.master.local import LocalCluster
+from chronostream.master.migration import MigrationError, MigrationPhase
+from chronostream.master.placement import containers_per_stage, initial_placement
 from queries import QUERIES
 from test_local_executor import BUILDERS as SHORT
 from test_recovery_local import EPOCH
@@ -57,7 +57,7 @@ def operator_stage(cl: LocalCluster) -> str:
 
 
 def hosts_of(cl: LocalCluster, stage: str) -> dict[int, list[int]]:
-    from master.migration import stage_hosts
+    from chronostream.master.migration import stage_hosts
 
     return stage_hosts(cl.placement, cl.hosts, cl.stage_id(stage))
 
@@ -566,8 +566,8 @@ def _replay_by_filtering_each_epoch(core, stage_id, slices, target, upto):
     import numpy as np
     import pyarrow as pa
 
-    from chronostream.types import ORDER
-    from containers.routing import OutputRoute, route
+    from chronostream.slices.types import ORDER
+    from chronostream.containers.routing import OutputRoute, route
 
     moved = np.array(sorted(slices), dtype=np.int64)
     table = core.routes[stage_id].slice_to_container.copy()

@@ -14,8 +14,8 @@ import pytest
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial, run_with_faults
 from chronostream.dag import compile_query
-from chronostream.errors import QueryError
-from master.migration import MigrationError
+from chronostream.slices.errors import QueryError
+from chronostream.master.migration import MigrationError
 from queries import running_sum
 
 EPOCH = 40
@@ -274,7 +274,7 @@ def test_compaction_after_a_recovery_leaves_one_container_a_host_and_its_backups
 def test_the_compaction_rule_compacts_after_a_recovery_in_the_autoscaler_loop(ray_session):
     """With ``autoscale=CompactionRule()``, the master's loop compacts the stage once a kill left
     two containers on each host; the decision is in the timeline and the output is exact."""
-    from chronostream.autoscale import CompactionRule
+    from chronostream.master.policies import CompactionRule
 
     job = cs.run(query(), containers={"payments": 1, "running_sum": 3, "stats": 1}, checkpoint_every=2,
                  autoscale=CompactionRule(quiet_s=0, cooldown_s=1000), autoscale_interval_s=0.3)

@@ -16,7 +16,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from containers.output_log import OutputLog
+from chronostream.containers.output_log import OutputLog
 
 CHANNELS = [(s, p) for s in (0, 1, 7) for p in (0, 1, 2, 300)]
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slices.progress import ProgressVector
+from chronostream.slices.progress import ProgressVector
 
 
 def batch(rows: list[tuple[int, int]]) -> pa.Table:

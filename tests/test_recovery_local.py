@@ -17,10 +17,10 @@ import pytest
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from chronostream.errors import RecoveryError
-from master.local import LocalCluster
-from master.placement import containers_per_stage, initial_placement
-from master.recovery import BackupsLost
+from chronostream.slices.errors import RecoveryError
+from chronostream.master.local import LocalCluster
+from chronostream.master.placement import containers_per_stage, initial_placement
+from chronostream.master.recovery import BackupsLost
 from test_local_executor import BUILDERS, SLICES, serial_sinks
 
 

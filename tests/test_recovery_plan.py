@@ -6,7 +6,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from master.recovery import BackupsLost, low_water_marks, plan_recovery
+from chronostream.master.recovery import BackupsLost, low_water_marks, plan_recovery
 
 # Dead container 0 of stage 1 had slices 0..3; hosts 1 and 2 hold their backups.
 LOST = {0: (1, [0, 1, 2, 3])}

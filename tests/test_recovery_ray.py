@@ -16,8 +16,8 @@ import pytest
 
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule, compare_with_serial, inject, run_with_faults
-from chronostream.errors import SinkRowsLost
-from master.recovery import RECOVERY_STEPS
+from chronostream.slices.errors import SinkRowsLost
+from chronostream.master.recovery import RECOVERY_STEPS
 from campaigns import campaign_schedule, seeded_campaign
 from queries import rekey_pipeline, running_sum
 
@@ -588,7 +588,7 @@ def test_a_host_dying_while_the_master_is_down_in_a_recovery_is_recovered_right_
     import ray
 
     from chronostream.chaos import apply_schedule, compare_with_serial
-    from master.catalog import MasterCatalog
+    from chronostream.master.catalog import MasterCatalog
 
     q = query()
     job = cs.run(q, containers={"payments": 1, "running_sum": 3, "stats": 2}, checkpoint_every=2)

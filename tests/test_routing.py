@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronostream.hashing import slice_of
-from containers.routing import OutputRoute, consumer_slices, place_slices_evenly, route, rows_of_slice
+from chronostream.slices.hashing import slice_of
+from chronostream.containers.routing import OutputRoute, consumer_slices, place_slices_evenly, route, rows_of_slice
 
 
 @st.composite

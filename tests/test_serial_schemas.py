@@ -16,9 +16,9 @@ import pytest
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from chronostream.errors import EventError
-from master.local import collect, run_local
-from master.placement import containers_per_stage, initial_placement
+from chronostream.slices.errors import EventError
+from chronostream.master.local import collect, run_local
+from chronostream.master.placement import containers_per_stage, initial_placement
 
 ROWS = [{"k": i % 3, "v": None if i % 4 == 1 else i} for i in range(14)]
 

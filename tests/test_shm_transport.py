@@ -22,9 +22,9 @@ import ray
 
 import chronostream as cs
 from chronostream.chaos import compare_with_serial
-from chronostream.types import KEY_HASHES_META
-from containers.actor import shm_job_tag
-from containers.shm_transport import ShmPart, ShmSender, job_prefix, remove_job_files, unpack
+from chronostream.slices.types import KEY_HASHES_META
+from chronostream.containers.actor import shm_job_tag
+from chronostream.containers.shm_transport import ShmPart, ShmSender, job_prefix, remove_job_files, unpack
 from queries import word_count
 
 

@@ -22,10 +22,10 @@ import pytest
 
 import chronostream as cs
 from chronostream.datasets import STOP_WORDS, tweets
-from chronostream.operators import OperatorContext
-from chronostream.state import KeyValueState
+from chronostream.slices.operators import OperatorContext
+from chronostream.slices.state import KeyValueState
 from examples.similarity import MostSimilarTweet, similarity_query, tokenize
-from slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, restore_kv
+from chronostream.slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, restore_kv
 
 ROWS, LOCATIONS, VOCAB, SEED = 3_000, 4, 300, 5
 WINDOW_S = 10  # ~10 tweets/s over 4 Zipf locations: 15 to 40 tweets per window

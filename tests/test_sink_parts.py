@@ -7,8 +7,8 @@ import pickle
 import numpy as np
 import pyarrow as pa
 
-from containers.sink_parts import PackedSinkParts, add_sink_parts, pack_sink_parts
-from master.catalog import MasterCatalog
+from chronostream.containers.sink_parts import PackedSinkParts, add_sink_parts, pack_sink_parts
+from chronostream.master.catalog import MasterCatalog
 
 
 def part(values, slice_id: int) -> pa.Table:
@@ -54,7 +54,7 @@ def test_the_catalog_gives_back_stored_parts_with_a_later_copy_replacing_an_earl
 def test_the_stored_groups_read_as_they_came_give_each_part_its_later_copy(tmp_path):
     """A master hands its stored groups on as they came (no join into one pack per read): the
     client's table keeps a part's later copy, as the parts map did."""
-    from master.results import packed_sink_table
+    from chronostream.master.results import packed_sink_table
 
     def row(x: int, slice_id: int, seq: int) -> pa.Table:
         return pa.table({"x": [x], "_slice": [slice_id], "_seq": [seq]})

@@ -18,19 +18,19 @@ from hypothesis import strategies as st
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from chronostream.errors import EventError
-from chronostream.hashing import hash_columns, slice_of
-from chronostream.keyindex import KeyCollision, KeyIndex, KeyIndexGroup
-from chronostream import operators
-from chronostream.operators import KeyedAggregate, OperatorContext
-from chronostream.types import ORDER, SEQ, SLICE, SUB
-from containers.core import ContainerCore
-from containers.routing import OutputRoute, route
-from master.local import collect, run_local
-from master.placement import containers_per_stage, initial_placement
-import slices.group
-from slices.group import grouped_merge_order, in_grouped_merge_order, process_inputs, process_parts, runs_grouped
-from slices.slice import SliceRuntime
+from chronostream.slices.errors import EventError
+from chronostream.slices.hashing import hash_columns, slice_of
+from chronostream.slices.keyindex import KeyCollision, KeyIndex, KeyIndexGroup
+from chronostream.slices import operators
+from chronostream.slices.operators import KeyedAggregate, OperatorContext
+from chronostream.slices.types import ORDER, SEQ, SLICE, SUB
+from chronostream.containers.core import ContainerCore
+from chronostream.containers.routing import OutputRoute, route
+from chronostream.master.local import collect, run_local
+from chronostream.master.placement import containers_per_stage, initial_placement
+import chronostream.slices.group
+from chronostream.slices.group import grouped_merge_order, in_grouped_merge_order, process_inputs, process_parts, runs_grouped
+from chronostream.slices.slice import SliceRuntime
 from queries import keyed_join
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -492,7 +492,7 @@ def test_a_group_keeps_each_keys_member_and_slot_past_many_batches_of_new_keys(b
     after thousands of keys in many batches, hits give every key its member's slot, and members
     leaving the group get the (hash, slot) arrays of their own keys."""
     if block is not None:
-        from chronostream.keyindex import _PlaceTable
+        from chronostream.slices.keyindex import _PlaceTable
 
         monkeypatch.setattr(_PlaceTable, "BLOCK", block)
     members = [KeyIndex() for _ in range(3)]
@@ -969,8 +969,8 @@ def test_undeclared_outputs_a_group_builds_keep_each_slices_inferred_types(monke
     mixed = [vocab[i] for i in rng.integers(0, 40, 120)]
     alike = [ints_only[i] for i in rng.integers(0, len(ints_only), 60)]
     together = []
-    chain_and_number = slices.group._chain_and_number
-    monkeypatch.setattr(slices.group, "_chain_and_number",
+    chain_and_number = chronostream.slices.group._chain_and_number
+    monkeypatch.setattr(chronostream.slices.group, "_chain_and_number",
                         lambda rts, outs: together.append(len(rts)) or chain_and_number(rts, outs))
     alone, grouped, oa, og = run_both(plan, stage, [(mixed, [3] * 120), (alike, [3] * 60)])
     assert together == [SLICES], "the epoch typed alike, and only it, built one table"
@@ -1275,7 +1275,7 @@ def test_outputs_taken_together_equal_each_contexts_own_and_undeclared_ones_join
 def test_outputs_refused_together_for_their_types_are_built_once(monkeypatch):
     """An int slice and a float slice: each table is built once, and each slice's emit takes it
     as built (the rows of the slice alone, with its own types)."""
-    import chronostream.operators as operators
+    import chronostream.slices.operators as operators
     built = []
     real = operators._events_table
     monkeypatch.setattr(operators, "_events_table", lambda *a: built.append(1) or real(*a))
@@ -1386,7 +1386,7 @@ def test_a_slice_grown_alone_between_group_batches_leaves_the_arena_and_loses_no
 
 
 def test_a_group_whose_state_exceeds_the_arena_bound_updates_each_slice_on_its_own(monkeypatch):
-    from chronostream import slot_arrays
+    from chronostream.slices import slot_arrays
 
     monkeypatch.setattr(operators, "ARENA_MAX_BYTES", 1000)
     grouped, alone = make_ops(3), make_ops(3)

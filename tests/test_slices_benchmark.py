@@ -13,7 +13,7 @@ import pyarrow as pa
 import chronostream as cs
 from benchmarks.slices import slice_ordered_epochs, word_count
 from chronostream.datasets import zipf_text
-from chronostream.sorting import take_permuted
+from chronostream.slices.sorting import take_permuted
 
 EPOCH = 64  # lines an epoch: 400 lines make 7 epochs
 COLUMNS = ["word", "count", "_order", "_sub"]

@@ -1,4 +1,4 @@
-"""The framework's shared sorts give numpy's orderings, faster (chronostream/sorting.py)."""
+"""The framework's shared sorts give numpy's orderings, faster (slices/sorting.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from chronostream.hashing import hash_columns
-from chronostream.sorting import hash_argsort, stable_argsort
+from chronostream.slices.hashing import hash_columns
+from chronostream.slices.sorting import hash_argsort, stable_argsort
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 1000, 300_000])
@@ -39,7 +39,7 @@ def test_stable_argsort_equals_numpy_stable_argsort_across_widths():
 def test_many_keys_of_a_small_range_sort_like_numpys_stable_argsort_into_int64_positions(top):
     """From COUNTING_MIN_ROWS keys below COUNTING_TOP, Arrow counts them: the same permutation,
     as int64 (uint64 positions would turn arithmetic with int64 into floats)."""
-    from chronostream import sorting
+    from chronostream.slices import sorting
 
     rng = np.random.default_rng(top)
     keys = rng.integers(0, top, sorting.COUNTING_MIN_ROWS + 17)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 import chronostream as cs
-from chronostream.sourcelog import SourceLog, SourceLogError, SourceLogWriter
+from chronostream.slices.sourcelog import SourceLog, SourceLogError, SourceLogWriter
 
 
 def rows(stream_seq0: int, order0: int, n: int, step: int = 1) -> pa.Table:
@@ -263,8 +263,8 @@ def test_a_feeder_trimming_its_log_to_the_jobs_floor_loses_nothing_through_kills
     checkpoints). The output equals the serial run over an untrimmed copy, and most of the log
     was deleted on the way."""
     from chronostream.dag import compile_query
-    from master.local import LocalCluster
-    from master.placement import containers_per_stage, initial_placement
+    from chronostream.master.local import LocalCluster
+    from chronostream.master.placement import containers_per_stage, initial_placement
 
     live, full = SourceLogWriter(tmp_path / "live"), SourceLogWriter(tmp_path / "full")
     feed_twice(live, full, 0)
@@ -347,7 +347,7 @@ def compile_query_plan():
 
 def test_an_unchanged_manifest_is_not_parsed_again(tmp_path, monkeypatch):
     """A tailing source refreshes every few ms: without news that costs an fstat, not a parse."""
-    import chronostream.sourcelog as sl
+    import chronostream.slices.sourcelog as sl
 
     w = SourceLogWriter(tmp_path)
     w.append({"s": rows(0, 0, 10)}, high_water=10)

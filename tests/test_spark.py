@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import chronostream as cs
-from chronostream.sourcelog import SourceLog
+from chronostream.slices.sourcelog import SourceLog
 from chronostream.spark import feed, validate, with_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

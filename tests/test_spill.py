@@ -23,12 +23,12 @@ import chronostream as cs
 from chronostream.chaos import Fault, run_with_faults
 from chronostream.dag import compile_query
 from chronostream.datasets import payments
-from chronostream.state import KeyValueState
-from chronostream.statelib import QueueState
-from containers.spill import SpillStore
-from master.local import LocalCluster, collect
-from master.placement import containers_per_stage, initial_placement
-from slices.checkpoint import capture_kv, restore_kv
+from chronostream.slices.state import KeyValueState
+from chronostream.slices.statelib import QueueState
+from chronostream.containers.spill import SpillStore
+from chronostream.master.local import LocalCluster, collect
+from chronostream.master.placement import containers_per_stage, initial_placement
+from chronostream.slices.checkpoint import capture_kv, restore_kv
 
 STORE = SpillStore()  # a temporary directory, removed with the store
 _names = itertools.count()
@@ -118,8 +118,8 @@ def test_a_spill_store_refuses_a_write_that_would_leave_its_disk_below_the_floor
     refuses first, naming its directory, and the refused batch writes nothing."""
     import shutil as _shutil
 
-    import containers.spill as spill
-    from chronostream.errors import RuntimeFault
+    import chronostream.containers.spill as spill
+    from chronostream.slices.errors import RuntimeFault
 
     store = SpillStore()
     try:
@@ -138,7 +138,7 @@ def test_a_spill_store_refuses_a_write_that_would_leave_its_disk_below_the_floor
 
 
 def test_a_spill_store_looks_at_its_disk_once_per_check_interval(monkeypatch):
-    import containers.spill as spill
+    import chronostream.containers.spill as spill
 
     looks = []
     real = spill.shutil.disk_usage

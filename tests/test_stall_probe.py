@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from chronostream.stall_probe import ENV, StallProbe, start_from_env
+from chronostream.containers.stall_probe import ENV, StallProbe, start_from_env
 
 
 def test_a_call_holding_the_gil_is_reported_as_a_stall():

@@ -22,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chronostream as cs
-from chronostream.operators import OperatorContext
-from chronostream.state import KeyValueState
-from chronostream.statelib import ListState, MapState, QueueState, TopKState, ValueState
-from slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, merge, restore_kv
+from chronostream.slices.operators import OperatorContext
+from chronostream.slices.state import KeyValueState
+from chronostream.slices.statelib import ListState, MapState, QueueState, TopKState, ValueState
+from chronostream.slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, merge, restore_kv
 
 keys = st.one_of(st.sampled_from(["a", "b", ""]), st.integers(-2, 2), st.tuples(st.sampled_from(["x", "y"]),
                                                                                    st.integers(0, 2)))

@@ -14,8 +14,8 @@ import pytest
 import ray
 
 import chronostream as cs
-from chronostream.options import JobOptions
-from containers import thread_priority as tp
+from chronostream.containers.options import JobOptions
+from chronostream.containers import thread_priority as tp
 from queries import running_sum
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")

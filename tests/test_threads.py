@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from containers.threads import OptimisticLatch, SliceThreads, ThreadControlTable
+from chronostream.containers.threads import OptimisticLatch, SliceThreads, ThreadControlTable
 from test_migration_local import assert_equals_serial, cluster, operator_stage, script
 
 

@@ -16,7 +16,7 @@ import pytest
 import chronostream as cs
 import chronostream.client as client
 from chronostream.client import Job
-from master.migration import MigrationError, stage_id_of
+from chronostream.master.migration import MigrationError, stage_id_of
 
 
 def payments(n: int = 40) -> list[dict]:

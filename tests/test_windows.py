@@ -5,7 +5,7 @@ no executor) over random keys, event times (some out of order, within and
 beyond the allowed lateness), values and window sizes, for every window
 type; a brute-force model keeps each key's whole history and recomputes
 every aggregate from scratch from the window's definition (see
-chronostream/windows.py). Float sums are compared exactly: the operator's
+slices/windows.py). Float sums are compared exactly: the operator's
 sums are correctly rounded (``math.fsum``) at every event. The same runs are
 repeated with the operator's state checkpointed and restored into a fresh
 operator at a random event. Then scenarios: Railgun's "five payments in five
@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 
 import chronostream as cs
 from chronostream.dag import compile_query
-from chronostream.operators import OperatorContext
+from chronostream.slices.operators import OperatorContext
 from chronostream.datasets import payments
-from chronostream.state import KeyValueState
-from chronostream.windows import ClosingWindowAggregate, LateEventError, WindowAggregate, plan_windows
-from slices.checkpoint import capture_kv, decode, encode, restore_kv, SliceCheckpoint
+from chronostream.slices.state import KeyValueState
+from chronostream.slices.windows import ClosingWindowAggregate, LateEventError, WindowAggregate, plan_windows
+from chronostream.slices.checkpoint import capture_kv, decode, encode, restore_kv, SliceCheckpoint
 
 SPECS = [("count", None), ("sum", "v"), ("mean", "v"), ("min", "v"), ("max", "v"), ("distinct", "shop")]
 

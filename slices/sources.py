@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from chronostream.errors import EventError, QueryError
-from chronostream.types import ORDER, SUB
+from chronostream.slices.errors import EventError, QueryError
+from chronostream.slices.types import ORDER, SUB
 
 
 @dataclass
@@ -172,7 +172,7 @@ def assign_global_order(sources: Sequence[SourceData]) -> list[pa.Table]:
     1.8 GB input, held in the object store for the job's life), and the
     lexsort of all rows took 5 s for 28 M rows; ``DENSE_ORDER_META`` marks
     it instead. ``_sub`` (0 at sources) is never stored: readers add it to
-    the rows of an epoch (``chronostream.readers``). Use ``source_orders``
+    the rows of an epoch (``chronostream.slices.readers``). Use ``source_orders``
     to read either form.
 
     >>> a = SourceData("a", pa.table({"t": [1, 3]}), "t")

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from chronostream.types import SEQ, SLICE
+from chronostream.slices.types import SEQ, SLICE
 
 
 def sort_output(table: pa.Table) -> pa.Table:

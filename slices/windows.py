@@ -26,7 +26,7 @@ or past its end arrives (rows carry that event's lineage, and the key as
 state holds it: -0.0 as 0.0, every NaN one NaN); windows still
 open when the input ends are emitted then, by the end-of-input hook
 (``ClosingWindowAggregate.on_end``: keys in the order of their encoding
-(``chronostream.codec``), each key's windows by start; lineage the end of the input). With
+(``chronostream.slices.codec``), each key's windows by start; lineage the end of the input). With
 ``clock="slice"`` the slice's event time closes windows instead of each
 key's: at every event of the slice, every window of every key of the slice
 that ends at or before the event's (effective) time is emitted, by start,
@@ -73,7 +73,7 @@ sliding windows in one ``.window([...])`` share one event queue, each with
 its own head position (Railgun's shared tail iterator).
 
 **Long windows** keep their event queue's middle chunks in the host's lmdb
-(Railgun's event reservoir: ``chronostream.statelib``, on unless
+(Railgun's event reservoir: ``chronostream.slices.statelib``, on unless
 ``cs.run(..., spill_state=False)``); the distinct maps stay in memory.
 **Not built:** timers and a watermark across slices: an idle key keeps its
 last window's events until its next event or the end of the input, and an
@@ -92,10 +92,10 @@ from typing import Any, Sequence, Union
 
 import pyarrow as pa
 
-from chronostream import codec
-from chronostream.errors import QueryError
-from chronostream.operators import Operator
-from chronostream.state import canonical_key
+from chronostream.slices import codec
+from chronostream.slices.errors import QueryError
+from chronostream.slices.operators import Operator
+from chronostream.slices.state import canonical_key
 
 #: The aggregates a window computes.
 WINDOW_AGGREGATES = ("count", "sum", "mean", "min", "max", "distinct")
@@ -314,7 +314,7 @@ class WindowAggregate(Operator):
     ``max_<col>``, ``distinct_<col>`` as asked, each suffixed ``_<name>``
     when one call computes several windows. ``hot_entries``: each of its
     states keeps at most that many entries in memory, the rest in the
-    host's spill store (``chronostream.statelib``, *Hot limits*).
+    host's spill store (``chronostream.slices.statelib``, *Hot limits*).
     """
 
     def __init__(self, key_columns: Sequence[str], windows: Sequence[_Window],

@@ -16,15 +16,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from chronostream.errors import EventError
-from chronostream.hashing import binary_fingerprint, hash_columns
-from chronostream.keyindex import KeyIndex, KeyIndexGroup
-from chronostream.slot_arrays import (ARENA_MAX_BYTES, SPREAD_MIN, SlotArena, SpreadGrowth, doubled_capacity,
+from chronostream.slices.errors import EventError
+from chronostream.slices.hashing import binary_fingerprint, hash_columns
+from chronostream.slices.keyindex import KeyIndex, KeyIndexGroup
+from chronostream.slices.slot_arrays import (ARENA_MAX_BYTES, SPREAD_MIN, SlotArena, SpreadGrowth, doubled_capacity,
                                       should_start_spread)
-from chronostream.sorting import stable_argsort
-from chronostream.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
-from chronostream.state import NAN_KEY, KeyValueState, canonical_key, check_hot_limit  # noqa: F401 - re-exported
-from chronostream.types import KEY_HASHES_META, ORDER, SUB, extend_sub_order, key_codes_column
+from chronostream.slices.sorting import stable_argsort
+from chronostream.slices.statelib import HANDLE_KINDS, ListState, MapState, QueueState, TopKState, ValueState
+from chronostream.slices.state import NAN_KEY, KeyValueState, canonical_key, check_hot_limit  # noqa: F401 - re-exported
+from chronostream.slices.types import KEY_HASHES_META, ORDER, SUB, extend_sub_order, key_codes_column
+from chronostream.slices.checkpoint import frozen_table_part, read_table_part
 
 
 class OperatorContext:
@@ -358,7 +359,7 @@ class Operator:
 
         ``hot_entries``: keep at most that many values in memory; the values written longest
         ago go to the host's spill store (lmdb) and are read back when asked for (see
-        ``chronostream.state``). None (the default): everything in memory.
+        ``chronostream.slices.state``). None (the default): everything in memory.
         """
         states = self._ctx.states
         if name in self._ctx.handles:
@@ -370,7 +371,7 @@ class Operator:
             states[name].hot_limit = check_hot_limit(name, hot_entries)
         return states[name]
 
-    # -- the state library (chronostream/statelib.py): handles over a key-value state --
+    # -- the state library (slices/statelib.py): handles over a key-value state --
 
     def _register_handle(self, kind: str, name: str, **options: Any) -> Any:
         handles = self._ctx.handles
@@ -386,7 +387,7 @@ class Operator:
         return h
 
     def register_value(self, name: str, hot_entries: int | None = None) -> ValueState:
-        """One value per key (``get/set/clear``); see ``chronostream.statelib``. ``hot_entries``:
+        """One value per key (``get/set/clear``); see ``chronostream.slices.statelib``. ``hot_entries``:
         at most that many values in memory, the rest in the host's spill store."""
         return self._register_handle("value", name, hot_entries=hot_entries)
 
@@ -959,7 +960,7 @@ class KeyedAggregate(Operator):
         its flag of the keys in it: ``_running_values``); only the variants a batch used are
         made, so an int column's state, checkpoints and backups carry no all-zero float
         arrays (4 of an aggregate's 8 arrays per value column). Large arrays
-        double ahead of need, a share of the copy per batch (``chronostream.slot_arrays``).
+        double ahead of need, a share of the copy per batch (``chronostream.slices.slot_arrays``).
         """
         cur = len(self.arrays.get("count", ()))
         missing = [name for name in names if name not in self.arrays]
@@ -1006,7 +1007,6 @@ class KeyedAggregate(Operator):
     def checkpoint_state(self, delta: bool, clear: bool = True) -> dict[str, dict]:
         """The running values as a slot table: every slot, or the slots changed since the last call."""
         # slices imports operators, not the reverse at load
-        from slices.checkpoint import frozen_table_part
 
         n = len(self.key_index)
         if delta:
@@ -1034,7 +1034,6 @@ class KeyedAggregate(Operator):
 
     def restore_state(self, parts: dict[str, dict]) -> None:
         """Rebuild the key index and the running values from a full slot table."""
-        from slices.checkpoint import read_table_part
 
         t = read_table_part(parts["__op__aggregate"])
         slots = np.asarray(t.column("slot"))

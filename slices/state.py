@@ -2,7 +2,7 @@
 
 Owns: the in-memory key-value store of one slice's named state and its dirty
 set (every mutation marks its key dirty, deletes included; the checkpoint
-layer reads and clears it). Values must be what ``chronostream.codec``
+layer reads and clears it). Values must be what ``chronostream.slices.codec``
 carries (plain data: None, bool, int, float, str, bytes, list, dict; dates,
 times, durations, Decimal, Arrow tables and arrays): checkpoints must be
 readable by another process, version and machine, so nothing is pickled.
@@ -17,7 +17,7 @@ checkpointed and restored like any other. The cold tier is the record of
 which keys are cold (the state keeps only their count): a key not in memory
 costs one lmdb read to tell cold from absent. Reads of cold values go
 through a small cache of the last ``COLD_CACHE`` values. Which values go
-cold is the caller's choice (``chronostream.statelib``: a long queue's
+cold is the caller's choice (``chronostream.slices.statelib``: a long queue's
 middle chunks), or, with a **hot limit** (``hot_limit``: at most that many
 values in memory), the state's own: when a write would hold more, the
 values written longest ago go cold, an eighth of the limit more at a time
@@ -36,7 +36,7 @@ from itertools import islice
 from collections.abc import Iterator
 from typing import Any
 
-from chronostream.errors import StateEncodingError
+from chronostream.slices.errors import StateEncodingError
 
 #: The one NaN object used as a key: float("nan") != float("nan"), so every
 #: NaN key is mapped to this object, which a dict finds by identity.
@@ -160,7 +160,7 @@ class KeyValueState:
             self._stale.clear()
 
     def set(self, key: Any, value: Any) -> None:
-        """Set ``key`` to ``value`` (a value ``chronostream.codec`` carries) and mark it dirty."""
+        """Set ``key`` to ``value`` (a value ``chronostream.slices.codec`` carries) and mark it dirty."""
         data = self._data
         bounded = self.hot_limit is not None and self._cold is not None
         was_hot = (data.pop(key, _MISSING) if bounded  # the key becomes the most recent write: cold last

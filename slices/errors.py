@@ -45,7 +45,7 @@ class RuntimeFault(ChronoStreamError):
 
 class StateEncodingError(ChronoStreamError, TypeError):
     """A value cannot be stored (checkpoint, spill store): its type is none the codec carries
-    (``chronostream.codec``). The message names the type and, where known, the state, stage
+    (``chronostream.slices.codec``). The message names the type and, where known, the state, stage
     and slice. Also a ``TypeError``: it is what a bad value's type is."""
 
 

@@ -19,7 +19,7 @@ code Python type                      ext data (a msgpack array unless noted)
 21   ``pandas.Timestamp``             nanoseconds since 1970 (UTC), unit, zone
 22   ``pandas.Timedelta``             nanoseconds, unit
 23   ``pandas.NaT``                   empty
-24   ``pyarrow.Table``                an Arrow IPC stream (``chronostream.arrow_ipc``)
+24   ``pyarrow.Table``                an Arrow IPC stream (``chronostream.slices.arrow_ipc``)
 25   ``pyarrow.RecordBatch``          an IPC stream of the batch
 26   ``pyarrow.Array``                an IPC stream of one column named ""
 27   ``pyarrow.ChunkedArray``         an IPC stream of one column named "", its chunks
@@ -59,8 +59,8 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from chronostream.arrow_ipc import read_stream, stream_buffer
-from chronostream.errors import StateEncodingError
+from chronostream.slices.arrow_ipc import read_stream, stream_buffer
+from chronostream.slices.errors import StateEncodingError
 
 DATETIME, DATE, TIME, TIMEDELTA, DECIMAL = 16, 17, 18, 19, 20
 PD_TIMESTAMP, PD_TIMEDELTA, PD_NAT = 21, 22, 23

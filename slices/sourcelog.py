@@ -79,7 +79,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from chronostream.errors import ChronoStreamError
+from chronostream.slices.errors import ChronoStreamError
 
 ORDER = "_order"
 STREAM_SEQ = "_stream_seq"

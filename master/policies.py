@@ -1,6 +1,6 @@
 """Owns autoscaling policies: metrics snapshot in, scaling actions (with a reason) out; and their simulator.
 
-A policy is plain Python over ``chronostream.metrics.MetricsSnapshot``: it
+A policy is plain Python over ``chronostream.containers.metrics.MetricsSnapshot``: it
 reads no clock but ``snapshot.t`` and keeps only state it derives from the
 snapshots it saw, so the same trace of snapshots gives the same decisions
 live (the master runs the policy every ``autoscale_interval_s``) and
@@ -31,7 +31,7 @@ Built-ins:
   (``Job.compact``: each host's containers merged into one). Combine
   with ``Policies(a, b, ...)``.
 
->>> from chronostream.metrics import MetricsSnapshot, StageMetrics
+>>> from chronostream.containers.metrics import MetricsSnapshot, StageMetrics
 >>> snap = MetricsSnapshot(5.0, {"count": StageMetrics("count", 1, (1,), 8, input_rate=9000,
 ...     processing_rate=4000, utilization=1.0, backlog_events=20000, backlog_epochs=3, threads=1)})
 >>> [a.describe() for a in RatePolicy(stages=["count"], catch_up_s=10).decide(snap)]
@@ -45,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Protocol
 
-from chronostream.metrics import MetricsSnapshot, StageMetrics
+from chronostream.containers.metrics import MetricsSnapshot, StageMetrics
 
 ACTION_KINDS = ("scale_out", "scale_in", "migrate", "set_threads", "compact")
 
@@ -276,7 +276,7 @@ class CompactionRule:
     scale-out right after would undo it). ``max_state_mb`` (None: no limit)
     leaves a stage whose slices hold more than that alone.
 
-    >>> from chronostream.metrics import StageMetrics
+    >>> from chronostream.containers.metrics import StageMetrics
     >>> st = StageMetrics("count", 2, (3, 4, 7, 8), 16, 0.0, 0.0, 0.0, 0, 0, 1)
     >>> r = CompactionRule(quiet_s=0)
     >>> [a.describe() for a in r.decide(MetricsSnapshot(1.0, {"count": st}))]

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from chronostream.sourcelog import STREAM_SEQ, SourceLog, rows_in_order_range
-from chronostream.sources import dense_order_start, with_system_columns
-from chronostream.types import SUB
+from chronostream.slices.sourcelog import STREAM_SEQ, SourceLog, rows_in_order_range
+from chronostream.slices.sources import dense_order_start, with_system_columns
+from chronostream.slices.types import SUB
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class SourceReader:
 
 
 class TableReader(SourceReader):
-    """A compiled in-memory source table (``chronostream.sources.assign_global_order``): with an
+    """A compiled in-memory source table (``chronostream.slices.sources.assign_global_order``): with an
     ``_order`` column, or dense (one source: the column is made for the rows an epoch reads).
     ``_sub`` (0) is added to the rows read."""
 

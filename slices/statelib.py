@@ -12,12 +12,12 @@ exactly the restored contents through handles created by ``setup()``.
 The runtime does not tell an operator "the current key": an operator may
 have several inputs keyed by different columns, and the key only decides the
 slice. ``handle.at(key)`` returns a view bound to one key for readability.
-Keys must be hashable values ``chronostream.codec`` carries (None, bool,
+Keys must be hashable values ``chronostream.slices.codec`` carries (None, bool,
 int, float, str, bytes, dates and times, Decimal, or tuples of them); they
 are canonicalized (``canonical_key``: one NaN, -0.0 is 0.0) so they survive
 a checkpoint round trip.
 
-**Values** are what ``chronostream.codec`` carries: plain data (None, bool,
+**Values** are what ``chronostream.slices.codec`` carries: plain data (None, bool,
 int, float, str, bytes, lists and dicts of them), dates, times, durations,
 Decimal, Arrow tables and arrays. A checkpoint round trip turns tuples inside values into
 lists. Never mutate a value a handle returned without writing it back: the
@@ -74,7 +74,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterator
 
-from chronostream.state import KeyValueState, canonical_key, check_hot_limit
+from chronostream.slices.state import KeyValueState, canonical_key, check_hot_limit
 
 #: Items per list/queue chunk and map keys per directory page.
 DEFAULT_CHUNK_SIZE = 64

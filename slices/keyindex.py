@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from chronostream.hashing import hash_columns
-from chronostream.sorting import hash_argsort, stable_argsort
+from chronostream.slices.hashing import hash_columns
+from chronostream.slices.sorting import hash_argsort, stable_argsort
 
 
 class KeyCollision(RuntimeError):

@@ -1,0 +1,140 @@
+"""Imports point one way: kernel <- containers <- master <- public face.
+
+The layers are directories of the repository, installed as subpackages of
+``chronostream`` (pyproject's package-dir):
+
+====================  ===========================  ====
+directory             import name                  rank
+====================  ===========================  ====
+``slices/``           ``chronostream.slices``      0 (the kernel)
+``containers/``       ``chronostream.containers``  1
+``master/``           ``chronostream.master``      2
+``chronostream/``     ``chronostream``             3 (the public face)
+====================  ===========================  ====
+
+A module may import its own layer and the layers below it, at module level
+only (an import inside a function is how a cycle hides), and the module-level
+imports form no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {"slices": "chronostream.slices", "containers": "chronostream.containers",
+          "master": "chronostream.master", "chronostream": "chronostream"}
+RANK = {"chronostream.slices": 0, "chronostream.containers": 1, "chronostream.master": 2, "chronostream": 3}
+
+
+def layer_of(module: str) -> str:
+    """The layer (package import name) a ``chronostream...`` module belongs to.
+
+    >>> layer_of("chronostream.master.actor"), layer_of("chronostream.dag"), layer_of("chronostream")
+    ('chronostream.master', 'chronostream', 'chronostream')
+    """
+    for pkg in ("chronostream.slices", "chronostream.containers", "chronostream.master"):
+        if module == pkg or module.startswith(pkg + "."):
+            return pkg
+    return "chronostream"
+
+
+def imports_of(source: str, module: str) -> list[tuple[int, str, bool]]:
+    """Each ``chronostream`` import of a module's source: (line, imported module, inside a function)."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" if node.module == "chronostream" else node.module for a in node.names]
+        else:
+            continue
+        up, in_function = node, False
+        while up in parents:
+            up = parents[up]
+            in_function |= isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        found.extend((node.lineno, n, in_function) for n in names if n.split(".")[0] == "chronostream")
+    return found
+
+
+def violations(source: str, module: str) -> list[str]:
+    """What breaks the layering in one module's source (empty when nothing does).
+
+    >>> violations("from chronostream.master.actor import JobMaster", "chronostream.slices.slice")
+    ['chronostream.slices.slice:1 imports chronostream.master.actor, a higher layer']
+    >>> violations("def f():\\n    from chronostream.slices import codec", "chronostream.master.local")
+    ['chronostream.master.local:2 imports chronostream.slices.codec inside a function']
+    >>> violations("from chronostream.slices.codec import packb", "chronostream.master.local")
+    []
+    """
+    out = []
+    for line, name, in_function in imports_of(source, module):
+        if RANK[layer_of(name)] > RANK[layer_of(module)]:
+            out.append(f"{module}:{line} imports {name}, a higher layer")
+        if in_function:
+            out.append(f"{module}:{line} imports {name} inside a function")
+    return out
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for directory, pkg in LAYERS.items():
+        for path in sorted((ROOT / directory).glob("*.py")):
+            out[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+    return out
+
+
+def test_every_layer_is_found():
+    found = {layer_of(m) for m in modules()}
+    assert found == set(RANK), found
+    assert len(modules()) > 60
+
+
+@pytest.mark.parametrize("directory", sorted(LAYERS))
+def test_imports_point_down_and_sit_at_module_level(directory: str):
+    bad = [v for m, p in modules().items() if p.parent.name == directory for v in violations(p.read_text(), m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_module_imports_form_no_cycle():
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        deps = set()
+        for _, name, _ in imports_of(p.read_text(), m):
+            # "from chronostream.slices import codec" names a module; "from x import Name" names x.
+            deps.add(name if name in mods else name.rsplit(".", 1)[0] if name.rsplit(".", 1)[0] in mods else name)
+        # A package's __init__ is imported before any of its modules; edges to it are not a cycle.
+        graph[m] = {d for d in deps if d in mods and d != m and d not in LAYERS.values()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_a_wrong_way_import_is_caught(tmp_path):
+    """The check itself fails on the two shapes it exists for."""
+    kernel = "import numpy\nfrom chronostream.containers.core import ContainerCore\n"
+    assert violations(kernel, "chronostream.slices.group") == [
+        "chronostream.slices.group:2 imports chronostream.containers.core, a higher layer"]
+    face_hidden = "def run():\n    from chronostream.master.local import run_local\n    return run_local\n"
+    assert violations(face_hidden, "chronostream.client") == [
+        "chronostream.client:2 imports chronostream.master.local inside a function"]
