@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import ray
 from chronostream.client import run
 from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
@@ -310,7 +311,6 @@ def _containers_of(job: Any, stage: str) -> list[int]:
 
 def inject(job: Any, fault: Fault) -> dict[str, Any]:
     """Apply one fault now; return what was hit (container, host, slices)."""
-    import ray
 
     if fault.kind == "kill_master":
         ray.kill(job.master, no_restart=False)
@@ -472,7 +472,6 @@ def _slow_sources(job: Any, pace_s: float) -> list[tuple[Any, float]]:
     """Slow every source host to at least ``pace_s`` per epoch; return (handle, delay it had).
     (A host the delay is set on slows all its containers: a source restored onto another
     stage's host by a recovery slows that stage's container there too.)"""
-    import ray
 
     handles = ray.get(job.master.container_handles.remote())
     sources = {c for s in job.plan.stages if s.kind == "source" for c in _containers_of(job, s.name)}
@@ -488,7 +487,6 @@ def _slow_sources(job: Any, pace_s: float) -> list[tuple[Any, float]]:
 
 
 def _restore_sources(slowed: list[tuple[Any, float]], pace_s: float) -> None:
-    import ray
 
     for h, was in slowed:
         try:
@@ -555,7 +553,6 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
 def _keep_pace(job: Any, paces: dict[str, float]) -> None:
     """Every host of a paced source stage spends at least its pace an epoch (a host that is
     slower already keeps its delay)."""
-    import ray
 
     handles = ray.get(job.master.container_handles.remote())
     for stage, pace in paces.items():

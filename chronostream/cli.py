@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import ray
+
 import chronostream as cs
 from chronostream.chaos import Fault, random_faults, run_with_faults
 from chronostream.client import Job, jobs, keep_warm_hosts
@@ -134,7 +136,6 @@ def cmd_control(args: argparse.Namespace) -> int:
     on stderr and returns 1; a Python traceback is for defects, not for a
     job that finished a moment before the call.
     """
-    import ray
 
 
     try:

@@ -8,6 +8,8 @@ lazily so the core package never imports it at module load (no cycle).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import ipaddress
 import os
 import re
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pyarrow as pa
+import ray
 
 from chronostream.dag import JobPlan, Query, compile_query
 from chronostream.slices.errors import JobFailed, QueryError, WorkdirError
@@ -66,7 +69,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     program's, or fail with a ``ValueError`` when that file names one that died. A Ray started
     here is a single-machine node on 127.0.0.1: nothing of it listens beyond loopback.
     """
-    import ray
 
     if ray.is_initialized():
         return
@@ -146,7 +148,6 @@ def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = Non
         cs.ensure_ray(num_cpus=2)
         cs.keep_warm_hosts(4, wait_s=30)   # {'size': 4, 'ready': 4, ...}
     """
-    import ray
 
 
     if size < 0:
@@ -192,7 +193,6 @@ def master_name(key: str) -> str:
 
 def jobs(address: str | None = "auto") -> list[str]:
     """Keys of the jobs whose master runs on the Ray cluster (``Job.attach`` takes one)."""
-    import ray
 
     ensure_ray(address)
     names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
@@ -240,7 +240,6 @@ class Job:
     @staticmethod
     def attach(key: str, address: str | None = "auto") -> "Job":
         """The handle of a job another process started on the same Ray cluster (see ``jobs()``)."""
-        import ray
 
         ensure_ray(address)
         try:
@@ -264,7 +263,6 @@ class Job:
         """The master's ``status``. A restarted master that found a source table's reference on
         no live host (every host died with it) asks for them there: this handle owns the
         tables, and hands the references back."""
-        import ray
 
         s = ray.get(self.master.status.remote())
         if s.get("wants_source_refs") and self._source_refs:
@@ -300,7 +298,6 @@ class Job:
         (``JobMaster.sink_part_refs``: its own parts and each live host's). A host that died
         after pointing at its parts took them with it (Ray: the owner died): ask again, and the
         master settles that host (it raises when rows died with it)."""
-        import ray
         from ray.exceptions import ObjectLostError, OwnerDiedError
 
 
@@ -336,7 +333,6 @@ class Job:
         """The job's recovery timeline: (time, event, details) for faults, detection,
         per-slice restore, recovery end and each recovered slice's first output. The master
         keeps the latest 1,000 events of each kind (``master.timeline``)."""
-        import ray
 
         return ray.get(self.master.recovery_timeline.remote())
 
@@ -345,7 +341,6 @@ class Job:
         node id (``nodes``), the master's node id (``master_node``) and, for a job that takes
         checkpoints, stage name -> the fewest backup copies a slice of it has now
         (``backup_copies``: fewer than ``backup_factor`` when the job has too few hosts)."""
-        import ray
 
         return ray.get(self.master.placement_view.remote())
 
@@ -413,7 +408,6 @@ class Job:
             raise QueryError(f"this job has no stage {stage!r}; its stages are {names}")
 
     def _control(self, ref: Any) -> Any:
-        import ray
 
         try:
             return ray.get(ref)
@@ -428,7 +422,6 @@ class Job:
         without checkpoints or with ``recompute_lost`` (lost slices are rebuilt from the start).
         A feeder calls ``writer.trim(job.source_log_floor())`` every few seconds.
         """
-        import ray
 
         logs = [st.name for st in self.plan.stages if st.log_dir is not None]
         if not logs:
@@ -440,14 +433,12 @@ class Job:
         """Live metrics: ``snapshot`` (per stage input/processing rate, utilization, backlog,
         threads, per-slice figures; latency percentiles since the previous call; throughput;
         per-host CPU and RSS), ``latency_total`` (p50/p99/p99.9/max over the whole run)."""
-        import ray
 
         return ray.get(self.master.metrics.remote())
 
     def autoscale_trace(self) -> list[Any]:
         """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as
         ``chronostream.master.policies.Decision`` (snapshot + actions)."""
-        import ray
 
 
         return [Decision.from_plain(d) for d in ray.get(self.master.autoscale_trace.remote())]
@@ -455,13 +446,11 @@ class Job:
     def sink_write_times(self, sink_name: str) -> dict[tuple[int, int], float]:
         """(producer slice, epoch) -> wall time a memory sink first received that part (diagnostics:
         shows which slices produced output when, e.g. during a migration)."""
-        import ray
 
         return ray.get(self.master.sink_write_times.remote(sink_name))
 
     def statistics(self) -> dict[int, Any]:
         """Per-container statistics (``ContainerStatistics``)."""
-        import ray
 
         return ray.get(self.master.statistics.remote())
 
@@ -474,7 +463,6 @@ class Job:
         ``run`` in that directory is refused unless it resumes this job (``resume=True``).
         Memory sink results already fetched stay available.
         """
-        import ray
 
 
         if self._ref_keeper is not None:
@@ -538,113 +526,47 @@ class CompletedJob:
 
 
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
-        address: str | None = None, workdir: str | None = None, max_inflight_epochs: int = 4,
-        heartbeat_timeout_s: float = 60.0, output_log: bool = True, seed: int = 0,
-        checkpoint_every: int = 0, backup_factor: int = 2, full_checkpoint_every: int = 0,
-        recompute_lost: bool = False, checkpoint_interval_s: float = 0.0,
-        gc_interval_s: float = 2.0, autoscale: Any = None, autoscale_interval_s: float = 2.0,
-        spill_state: bool = True, source_poll_s: float = 0.01,
-        full_gc_interval_s: float = 600.0, migration_warm_up_s: float = 30.0,
-        ship_by_reference_bytes: int = 8 << 20, ship_piece_bytes: int = 768 << 20,
-        source_pace_s: float = 0.0, background_niceness: int = 0,
-        shm_transport: bool = True, resume: bool = False, master_lost_s: float = 0.0) -> Job | CompletedJob:
+        options: JobOptions | None = None, address: str | None = None, workdir: str | None = None,
+        autoscale: Any = None, resume: bool = False, seed: int = 0, **knobs: Any) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
-    ``executor``: ``"ray"`` (the runtime; Ray starts in this process unless
-    ``address=`` or ``$RAY_ADDRESS`` points at a cluster), ``"serial"`` (one
-    process, one event at a time: the oracle and debug mode) or ``"local"``
-    (the runtime's containers in one process, no Ray). ``containers``: per
-    stage, one number or ``{stage name: number}``.
+    ``executor``: ``"ray"`` (the runtime; Ray starts in this process, listening on
+    loopback only, unless ``address=`` or ``$RAY_ADDRESS`` points at a cluster),
+    ``"serial"`` (one process, one event at a time: the oracle and debug mode) or
+    ``"local"`` (the runtime's containers in one process, no Ray).
+    ``containers``: hosts per stage, one number or ``{stage name: number}``.
 
-    Fault tolerance (Ray executor): with ``checkpoint_every=K`` every slice
-    is checkpointed every K epochs (a full checkpoint, then deltas, merged at
-    the backups; ``full_checkpoint_every=N`` forces a full one every N;
-    encoding runs off the epoch, in a background thread) to
-    ``backup_factor`` peers of its stage along the chain of the ChronoStream
-    paper; ``checkpoint_interval_s=T`` checkpoints at the first epoch
-    boundary T seconds after the previous round (alone or with K). When a container dies
-    (detected by a failed push, a ping, or ``heartbeat_timeout_s`` of
-    silence), its slices are rebuilt in parallel on the peers holding their
-    backups and upstream output logs replay what they missed; the output is
-    the same as without the failure. A slice whose every backup is lost
-    fails the job, unless ``recompute_lost=True`` (rebuild it from the
-    start). Without checkpoints (the default) a dead container's slices are
-    rebuilt from the start. Every ``gc_interval_s`` the master trims output
-    logs below what every consumer's checkpoint covers. A host ships
-    checkpoints to a peer directly when they are small, and above
-    ``ship_by_reference_bytes`` (8 MB) as arrays through Ray's object store,
-    put from a worker thread, which the peer keeps without copying. A
-    shipment above ``ship_piece_bytes`` (768 MB: a large slice's full
-    checkpoint, or the frames a migrated slice was restored from) travels
-    in pieces of 64 MB (or ``ship_piece_bytes``, if smaller), one at a
-    time, and the peer assembles each frame in its own memory: the object
-    store never holds more than a piece of it (a 1 GB frame through Ray's
-    1 GB store spilled to disk and stalled every container for seconds).
-    ``source_pace_s`` slows every source container by that long per epoch
-    from its first epoch on (demos and tests that want faults or rescaling
-    to land mid-stream; a ``chaos`` delay fault only starts once injected).
+    ``options``: the job's ``JobOptions`` (checkpoints and backups, backpressure,
+    timeouts, state spilling, transports; each field documents itself). A field
+    may also be given as a keyword here, ``run(q, checkpoint_every=4)`` being
+    ``run(q, options=JobOptions(checkpoint_every=4))``; a keyword overrides the
+    field of ``options``.
 
-    Elasticity (Ray executor): ``job.scale_out``, ``job.scale_in``,
-    ``job.migrate``, ``job.scale_up``, ``job.scale_down`` rescale the running
-    job; ``autoscale=`` a policy (``chronostream.master.policies``) lets the master
-    decide every ``autoscale_interval_s`` from ``job.metrics()``. A
-    migration first waits (up to ``migration_warm_up_s``, pausing nothing)
-    for the destination's chained backups to reach the source's current
-    epoch, so the new copy has few epochs to catch up.
+    ``autoscale``: a policy (``cs.UtilizationPolicy``, ``cs.Policies`` ...) the
+    master asks every ``autoscale_interval_s`` with ``job.metrics()``.
+    ``seed``: the local executor's interleaving of containers (any seed gives the
+    same output).
 
-    State (Ray and local executors): with ``spill_state`` (the default) long
-    lists and queues of the state library, a long window's contents among
-    them, keep only their end chunks in memory and the rest in each host's
-    local lmdb (``containers/spill.py``), and values and maps registered
-    with ``hot_entries=N`` keep at most N entries per slice in memory.
-
-    A followed source log (``q.source_log(..., follow=True)``) is tailed every
-    ``source_poll_s`` seconds while its source waits for input (an unchanged
-    log costs one ``fstat``); this bounds the wait added to end-to-end latency.
-    Each Ray host runs Python's full garbage collection itself, every
-    ``full_gc_interval_s`` seconds, instead of whenever its state grows by a
-    quarter (``containers/gc_pacing.py``; 0 restores CPython's policy): a
-    full collection walks all the state, a pause that used to be the whole
-    p99.9 latency tail. With ``background_niceness=N`` a host's background
-    threads (backup store, checkpoint encoding, restores, replays,
-    shipments) run N nice levels below its epoch loops (Linux), so bulk work
-    on a busy machine takes the CPU the epoch loops leave
-    (``containers/thread_priority.py``; off by default: no gain shown yet).
-    ``shm_transport`` (on by default): a part of an epoch message of 100 KB
-    or more, between two hosts on one node, travels as a file in
-    ``/dev/shm`` (an Arrow IPC stream the receiver maps without a copy)
-    instead of through Ray's object store, which cost the sender 2-4 ms a
-    push here (``containers/shm_transport.py``); hosts on different nodes,
-    and machines without a writable ``/dev/shm``, always use Ray. Hosts are
-    detached actors: one whose master's actor is dead (the driver that owned
-    it died) and that has not heard from it for ``master_lost_s`` seconds
-    (0: ``max(3 x heartbeat, 60 s)``) exits itself.
-
-    Files (Ray executor): the job's catalog and its hosts' stores live under ``workdir``
-    (default: a new directory in the system's temporary directory, mode 0700). A ``workdir``
-    that holds a job's catalog is refused (``WorkdirError``) unless ``resume=True``, which
-    resumes that job if it is this query's (same plan fingerprint) and refuses it otherwise.
-    ``job.stop()`` deletes the directory when ``run`` made it, else only what the job put in
-    it (docs/guide.md, "Security and safety").
+    Files (Ray executor): the job's catalog and its hosts' stores live under
+    ``workdir`` (default: a new directory in the system's temporary directory, mode
+    0700). A ``workdir`` that holds a job's catalog is refused (``WorkdirError``)
+    unless ``resume=True``, which resumes that job if it is this query's (same plan
+    fingerprint) and refuses it otherwise. ``job.stop()`` deletes the directory
+    when ``run`` made it, else only what the job put in it (docs/guide.md,
+    "Security and safety").
 
     >>> import chronostream as cs
     >>> q = cs.Query()
     >>> _ = q.source("w", [{"w": "a"}, {"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
     >>> cs.run(q, executor="serial").results("c")["count"].to_pylist()
     [1, 2]
+    >>> cs.run(q, executor="local", checkpoint_evry=4)
+    Traceback (most recent call last):
+    ...
+    TypeError: run() got an unexpected keyword argument 'checkpoint_evry' (did you mean 'checkpoint_every'? ...)
     """
-
     plan, sources = compile_query(query)
-    options = JobOptions(max_inflight_epochs=max_inflight_epochs, heartbeat_timeout_s=heartbeat_timeout_s,
-                         output_log=output_log, checkpoint_every=checkpoint_every,
-                         checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
-                         full_checkpoint_every=full_checkpoint_every, recompute_lost=recompute_lost,
-                         gc_interval_s=gc_interval_s, autoscale_interval_s=autoscale_interval_s,
-                         spill_state=spill_state, source_poll_s=source_poll_s,
-                         full_gc_interval_s=full_gc_interval_s, migration_warm_up_s=migration_warm_up_s,
-                         ship_by_reference_bytes=ship_by_reference_bytes, ship_piece_bytes=ship_piece_bytes,
-                         source_pace_s=source_pace_s, background_niceness=background_niceness,
-                         shm_transport=shm_transport, master_lost_s=master_lost_s)
+    options = job_options(options, knobs)
     if executor not in ("serial", "local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     # Checked for every executor, the serial one too (it runs no containers), before Ray starts.
@@ -658,10 +580,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         return CompletedJob(plan, res.results, dl, dead_from_sink=False)
     if executor == "local":
 
-        cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed, spill_state=spill_state)
+        cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed,
+                          spill_state=options.spill_state)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
-    import ray
 
 
     workdir, made = _job_workdir(workdir)
@@ -695,6 +617,27 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         workdir, key)
     placement = ray.get(master.deploy.remote(launch, refs, made))
     return Job(plan, master, placement, workdir, key, source_refs=refs)
+
+
+def job_options(options: JobOptions | None, knobs: dict[str, Any]) -> JobOptions:
+    """``options`` (default ``JobOptions()``) with the ``JobOptions`` fields given as keywords to
+    ``run`` replacing its own; any other keyword is refused with the names it may have meant.
+
+    >>> job_options(JobOptions(checkpoint_every=4), {"backup_factor": 1})
+    JobOptions(... checkpoint_every=4, ... backup_factor=1, ...)
+    """
+    fields = {f.name for f in dataclasses.fields(JobOptions)}
+    unknown = sorted(set(knobs) - fields)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r} ({hint}run takes the query, "
+                        "executor, containers, options, address, workdir, autoscale, resume, seed and the "
+                        f"fields of JobOptions: {', '.join(sorted(fields))})")
+    base = options if options is not None else JobOptions()
+    if not isinstance(base, JobOptions):
+        raise TypeError(f"options must be a chronostream.JobOptions, got {type(base).__name__}")
+    return dataclasses.replace(base, **knobs) if knobs else base
 
 
 def _job_workdir(workdir: str | None) -> tuple[str, bool]:

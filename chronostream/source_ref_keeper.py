@@ -25,6 +25,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+import ray
+
 log = logging.getLogger("chronostream.client")
 
 #: Seconds between two asks: a restarted master waits 30 s for an answer.
@@ -104,7 +106,6 @@ class SourceRefKeeper:
 def ray_keeper(master: Any, source_refs: dict[int, list]) -> SourceRefKeeper:
     """The keeper of a job on Ray: asks ``master`` (a ``JobMaster`` handle), gives ``source_refs``
     (stage id -> [reference]). Holds the handle and the references, nothing of the ``Job``."""
-    import ray
 
     def ask() -> tuple[bool, str]:
         return ray.get(master.wants_source_refs.remote(), timeout=10)

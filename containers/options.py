@@ -1,4 +1,4 @@
-"""Owns the runtime options of one job (what ``chronostream.run`` takes besides the query).
+"""Owns the runtime options of one job (``cs.JobOptions``: what ``chronostream.run`` takes besides the query).
 
 Plain data shared by the client, the master and the containers; no Ray.
 Validation happens here, once, so every layer can trust the values.
@@ -11,7 +11,39 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class JobOptions:
-    """Knobs of one runtime job, with their defaults.
+    """The runtime options of one job, with their defaults: ``cs.run(q, options=JobOptions(...))``
+    (or the same names as keywords of ``run``). Validated here, once.
+
+    **Fault tolerance.** With ``checkpoint_every=K`` every slice is checkpointed
+    every K epochs, with ``checkpoint_interval_s=T`` at the first epoch boundary T
+    seconds after the previous round (alone or with K): a full checkpoint, then
+    deltas merged at the backups (``full_checkpoint_every=N`` forces a full one
+    every N), encoded off the epoch in a background thread and shipped to
+    ``backup_factor`` peers of its stage along the chain of the ChronoStream paper.
+    When a host dies (a failed push, a ping, or ``heartbeat_timeout_s`` of
+    silence) its slices are rebuilt in parallel on the peers holding their
+    backups, and upstream output logs replay what they missed: the output is the
+    same as without the failure. A slice whose every backup is lost fails the job
+    unless ``recompute_lost`` (rebuild it from the start); without checkpoints a
+    dead host's slices are rebuilt from the start. Every ``gc_interval_s`` the
+    master trims output logs below what every consumer's checkpoint covers.
+    Shipments above ``ship_by_reference_bytes`` go through Ray's object store
+    without a copy; above ``ship_piece_bytes`` in 64 MB pieces, one in flight.
+
+    **Elasticity.** A migration first waits up to ``migration_warm_up_s``
+    (pausing nothing) for the destination's backups to reach the source's epoch;
+    an autoscaling policy is asked every ``autoscale_interval_s``.
+
+    **State and hosts.** ``spill_state`` keeps the middle chunks of long lists
+    and queues in the host's lmdb; ``full_gc_interval_s`` paces each host's full
+    garbage collections; ``background_niceness`` lowers its background threads'
+    priority; ``shm_transport`` sends large parts between hosts of one node as
+    files in ``/dev/shm``; a host whose master is gone exits after
+    ``master_lost_s``.
+
+    **Sources.** A followed source log is tailed every ``source_poll_s``;
+    ``source_pace_s`` slows every source by that long per epoch (demos and tests
+    that want a fault or a rescale to land mid-stream).
 
     >>> JobOptions(checkpoint_every=4).checkpointing
     True

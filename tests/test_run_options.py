@@ -1,0 +1,65 @@
+"""``cs.run(query, options=cs.JobOptions(...))``: the job's options as one typed value.
+
+The common arguments stay keywords of ``run`` (executor, containers, address,
+workdir, autoscale, resume, seed); every other knob is a field of
+``JobOptions``, given through ``options=`` or as a keyword of the same name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import chronostream as cs
+from chronostream.client import job_options
+
+
+def counts() -> cs.Query:
+    q = cs.Query()
+    q.source("w", [{"w": w} for w in "abacab"]).key_by("w").count(slices=2).sink(name="c")
+    return q
+
+
+def test_run_takes_few_keywords_and_the_rest_as_job_options():
+    params = inspect.signature(cs.run).parameters
+    named = [p for p in params if params[p].kind is not inspect.Parameter.VAR_KEYWORD]
+    assert named == ["query", "executor", "containers", "options", "address", "workdir", "autoscale",
+                     "resume", "seed"]
+
+
+def test_a_keyword_overrides_the_field_of_options():
+    base = cs.JobOptions(checkpoint_every=4, backup_factor=1)
+    merged = job_options(base, {"backup_factor": 2, "gc_interval_s": 5.0})
+    assert (merged.checkpoint_every, merged.backup_factor, merged.gc_interval_s) == (4, 2, 5.0)
+    assert base.backup_factor == 1  # options are frozen: the caller's value is not changed
+    assert job_options(None, {}) == cs.JobOptions()
+    assert job_options(base, {}) is base
+
+
+def test_an_unknown_keyword_names_the_field_it_may_mean():
+    with pytest.raises(TypeError, match=r"'checkpoint_evry' \(did you mean 'checkpoint_every'\?"):
+        cs.run(counts(), executor="local", checkpoint_evry=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        cs.run(counts(), executor="serial", colour="red")
+
+
+def test_options_must_be_job_options():
+    with pytest.raises(TypeError, match="options must be a chronostream.JobOptions, got dict"):
+        cs.run(counts(), executor="local", options={"checkpoint_every": 4})
+
+
+def test_a_bad_value_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="backup_factor must be >= 0, got -1"):
+        cs.run(counts(), executor="local", backup_factor=-1)
+    with pytest.raises(ValueError, match="max_inflight_epochs must be >= 1"):
+        cs.run(counts(), executor="serial", options=cs.JobOptions(max_inflight_epochs=0))
+
+
+@pytest.mark.parametrize("how", ["options", "keywords"])
+def test_the_local_executor_runs_with_options_either_way(how):
+    kw = {"options": cs.JobOptions(spill_state=False)} if how == "options" else {"spill_state": False}
+    got = cs.run(counts(), executor="local", **kw).results("c")
+    want = cs.run(counts(), executor="serial").results("c")
+    assert sorted(zip(got["w"].to_pylist(), got["count"].to_pylist())) == \
+        sorted(zip(want["w"].to_pylist(), want["count"].to_pylist()))
