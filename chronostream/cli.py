@@ -12,6 +12,8 @@ goes through the public API (``chronostream.run`` and the Job handle).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import importlib.util
 import json
 import sys
@@ -48,11 +50,49 @@ def _load_query(path: str) -> cs.Query:
     raise SystemExit(f"{path} must define build() -> chronostream.Query or a `query` variable")
 
 
+def parse_options(pairs: list[str]) -> cs.JobOptions:
+    """``JobOptions`` from ``NAME=VALUE`` pairs (``--option``), each value read as its field's type.
+
+    >>> parse_options(["checkpoint_interval_s=1.5", "output_log=false", "backup_factor=1"])
+    JobOptions(... output_log=False, ... checkpoint_interval_s=1.5, backup_factor=1, ...)
+    >>> parse_options(["backup=1"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: --option backup=1: JobOptions has no field 'backup' (did you mean 'backup_factor'?)
+    """
+    defaults = cs.JobOptions()
+    fields = {f.name for f in dataclasses.fields(cs.JobOptions)}
+    values: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in fields:
+            near = difflib.get_close_matches(name, sorted(fields), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f" (fields: {', '.join(sorted(fields))})"
+            raise SystemExit(f"--option {pair}: " + (f"JobOptions has no field {name!r}{hint}" if sep
+                                                    else "expected NAME=VALUE"))
+        kind = type(getattr(defaults, name))
+        try:
+            if kind is bool:
+                if text.strip().lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError(text)
+                values[name] = text.strip().lower() in ("true", "1", "yes", "on")
+            else:
+                values[name] = kind(text)
+        except ValueError:
+            what = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+            raise SystemExit(f"--option {pair}: {name} takes {what}") from None
+    try:
+        return cs.JobOptions(**values)
+    except ValueError as exc:
+        raise SystemExit(f"--option: {exc}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a query defined in a Python file and print each sink's row count."""
     query = _load_query(args.file)
     t0 = time.perf_counter()
-    job = cs.run(query, executor=args.executor, containers=args.containers)
+    job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option))
     try:
         job.wait()
         summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
@@ -220,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("file")
     r.add_argument("--executor", default="ray", choices=["ray", "serial", "local"])
     r.add_argument("--containers", type=int, default=2)
+    r.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
     v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")
     v.add_argument("output", help="the job's ParquetSink directory")
     v.add_argument("--expected", required=True, help="Parquet file or directory of the expected rows")

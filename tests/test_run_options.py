@@ -12,6 +12,7 @@ import inspect
 import pytest
 
 import chronostream as cs
+from chronostream.cli import main
 from chronostream.client import job_options
 
 
@@ -63,3 +64,18 @@ def test_the_local_executor_runs_with_options_either_way(how):
     want = cs.run(counts(), executor="serial").results("c")
     assert sorted(zip(got["w"].to_pylist(), got["count"].to_pylist())) == \
         sorted(zip(want["w"].to_pylist(), want["count"].to_pylist()))
+
+
+def test_the_cli_run_command_takes_job_options(tmp_path, capsys):
+    path = tmp_path / "q.py"
+    path.write_text("import chronostream as cs\nquery = cs.Query()\n"
+                    "query.source('w', [{'w': 'a'}, {'w': 'b'}]).key_by('w').count(slices=2).sink(name='c')\n")
+    assert main(["run", str(path), "--executor", "local", "--option", "spill_state=off",
+                 "--option", "checkpoint-every=2"]) == 0
+    assert '"c": 2' in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--option spill=off: JobOptions has no field 'spill'"):
+        main(["run", str(path), "--executor", "local", "--option", "spill=off"])
+    with pytest.raises(SystemExit, match="--option backup_factor=two: backup_factor takes an integer"):
+        main(["run", str(path), "--executor", "local", "--option", "backup_factor=two"])
+    with pytest.raises(SystemExit, match="--option: backup_factor must be >= 0, got -1"):
+        main(["run", str(path), "--executor", "local", "--option", "backup_factor=-1"])
