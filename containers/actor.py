@@ -49,8 +49,9 @@ from chronostream.containers.frame_assembly import FrameAssembly
 from chronostream.containers.gc_pacing import CollectorPacing
 from chronostream.containers.spill import SpillStore
 from chronostream.containers.thread_priority import background_pool, set_background_niceness, thread_niceness
-from chronostream.containers.core import (END_KEY, ContainerCore, ContainerStatistics, Message, add_sink_parts, encode_snapshot,
-                             hand_over)
+from chronostream.containers.core import (ContainerCore, ContainerStatistics, add_sink_parts, encode_snapshot,
+                                          hand_over)
+from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.routing import OutputRoute
 from chronostream.containers.shm_transport import ShmSender, discard, shm_available, shm_paths, unpack
@@ -292,7 +293,8 @@ class ResourceContainer:
         """The node this host runs on (a peer asks once before sending it parts in shared memory)."""
         return ray.get_runtime_context().get_node_id()
 
-    def _wire(self, handle: Any, message: Message, core: ContainerCore | None) -> tuple[Message, list[str]]:
+    def _wire(self, handle: Any, message: EpochMessage, core: ContainerCore | None
+              ) -> tuple[EpochMessage, list[str]]:
         """``message`` as it travels to the host ``handle``: its large parts as files in shared
         memory when that host is on this node and says so (``containers.shm_transport``).
         ``core``: the sending container, which counts the files (``shm_parts``) and the parts
@@ -303,7 +305,7 @@ class ResourceContainer:
         if not node:  # (not asked yet, or no answer yet: Ray carries its pushes until the answer)
             self._ask_nodes([handle])
             if core is not None:
-                core.parts_node_unknown += sum(1 for k, v in message.items() if k >= 0 and isinstance(v, tuple))
+                core.parts_node_unknown += len(message.parts)
             return message, []
         if node != self._node_id:
             return message, []
@@ -455,7 +457,7 @@ class ResourceContainer:
                 self._started.add(c)
                 self._tasks.append(loop.create_task(self._run(c)))
 
-    async def push(self, container_id: int, epoch: int, sender: int, message: Message) -> bool:
+    async def push(self, container_id: int, epoch: int, sender: int, message: EpochMessage) -> bool:
         """Receive one epoch message for a hosted container (waits while its inbox is full)."""
         if self.stopped:  # (its files unlinked unread: a stopped host takes no message)
             discard(shm_paths(message))
@@ -471,7 +473,7 @@ class ResourceContainer:
             cond.notify_all()
         return accepted
 
-    async def push_many(self, container_id: int, sender: int, messages: list[tuple[int, Message]]) -> int:
+    async def push_many(self, container_id: int, sender: int, messages: list[tuple[int, EpochMessage]]) -> int:
         """Receive a run of epoch messages (a replay) in one call, in order, each waiting for room
         in the inbox as ``push`` does; returns how many were accepted.
 
@@ -484,7 +486,8 @@ class ResourceContainer:
             accepted += bool(await self.push(container_id, epoch, sender, message))
         return accepted
 
-    async def _push_replay(self, target: int, target_host: Any, sender: int, replay: dict[int, Message]) -> None:
+    async def _push_replay(self, target: int, target_host: Any, sender: int, replay: dict[int, EpochMessage]
+                           ) -> None:
         """Push a replay in epoch order, ``REPLAY_BATCH`` epochs per call (large parts through
         shared memory as live pushes: ``_wire``)."""
         epochs = sorted(replay)
@@ -832,7 +835,7 @@ class ResourceContainer:
         ``deliver`` records the end and keeps nothing in the inbox.
         """
         if core.num_epochs is not None and core.plan.num_epochs is None:
-            await target_host.push.remote(target, -1, sender, {END_KEY: core.num_epochs})
+            await target_host.push.remote(target, -1, sender, EpochMessage(end=core.num_epochs))
 
     async def retarget_backups(self, container_id: int, backup_peers: dict[int, list[int]],
                                hosts: dict[int, Any]) -> None:

@@ -40,6 +40,7 @@ from chronostream.slices.sinks import SinkWriter
 from chronostream.slices.types import ORDER, SEQ
 from chronostream.containers.backup_store import BackupStore
 from chronostream.containers.checkpointing import SliceCheckpointer
+from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.routing import OutputRoute, RoutedPart, consumer_slices, route, rows_of_slice
 from chronostream.containers.sink_parts import SinkParts, add_sink_parts  # noqa: F401 - SinkParts: re-exported
@@ -50,19 +51,6 @@ from chronostream.slices.slice import SliceRuntime
 from chronostream.slices.checkpoint import CarriedOutputs, capture, encode, encode_outputs, restore
 
 log = logging.getLogger("chronostream.container")
-
-#: One container-to-container message of one epoch: stream id -> routed part.
-Message = dict[int, RoutedPart]
-#: Message key carrying the number of epochs once a followed source log is sealed.
-END_KEY = -1
-#: Message key: the sender's coverage for this epoch (sent once it released a slice by migration).
-COVER_KEY = -2
-#: Message key: slices of the receiver's stage the sender routes elsewhere from this epoch on
-#: (migration: the receiver releases them before processing the epoch).
-RELEASE_KEY = -3
-#: Message key: wall time the epoch's source rows were read (end-to-end latency at the sinks).
-INGEST_KEY = -4
-
 
 def dead_letter_sink_id(stage_id: int) -> int:
     """The sink id a stage's dead-letter parts travel under (``take_sink_parts``): one per stage,
@@ -124,13 +112,6 @@ class ContainerStatistics:
     parts_node_unknown: int = 0
 
 
-def _stream_parts(messages: dict[int, Message]) -> list[tuple[int, RoutedPart]]:
-    """The routed parts of an epoch's messages as (stream id, part), senders in id order
-    (without the control entries: END_KEY, COVER_KEY, RELEASE_KEY...)."""
-    return [(stream_id, part) for sender in sorted(messages) for stream_id, part in messages[sender].items()
-            if stream_id >= 0]
-
-
 class ContainerCore:
     """One container of one stage. Feed it ``deliver``; call ``step`` while ``ready``."""
 
@@ -183,10 +164,10 @@ class ContainerCore:
         self.output_log = output_log
         self.sink_writers = sink_writers or {}
         self.dead_letter_writer = dead_letter_writer
-        self.inbox: dict[int, dict[int, Message]] = {}
+        self.inbox: dict[int, dict[int, EpochMessage]] = {}
         self.next_epoch = 0  # invariant: only grows; every epoch below it is fully processed
         self.num_epochs: int | None = plan.num_epochs  # None until a followed source log is sealed
-        self.end_announced = False  # a message carrying END_KEY went to every destination
+        self.end_announced = False  # a message carrying ``end`` went to every destination
         self.messages_dropped = 0
         self.busy_s = 0.0
         # Seconds the host's loop spent handing this container's epoch messages to the transport,
@@ -218,7 +199,7 @@ class ContainerCore:
         # container -> the first epoch no longer processed here; slices the
         # master asked to release (source stages) at the next step; and, as a
         # producer, per old owner the slices routed away from it (the marker
-        # ``RELEASE_KEY`` its messages carry until the master says it saw it).
+        # ``release`` its messages carry until the master says it saw it).
         self.released: dict[int, int] = {}
         self.pending_release: set[int] = set()
         self._retired = False
@@ -237,15 +218,15 @@ class ContainerCore:
 
     # -- inbox -----------------------------------------------------------------
 
-    def deliver(self, epoch: int, sender: int, message: Message) -> bool:
+    def deliver(self, epoch: int, sender: int, message: EpochMessage) -> bool:
         """Accept an upstream message; False when it is a duplicate (already had or processed)."""
         if sender not in self.senders:
             raise ValueError(f"container {self.container_id} got a message from unknown sender {sender}")
         if self.retired:
             self.messages_dropped += 1
             return False  # every slice migrated away: nothing here needs input any more
-        if END_KEY in message and self.num_epochs is None:
-            self.num_epochs = int(message[END_KEY])  # type: ignore[arg-type]
+        if message.end is not None and self.num_epochs is None:
+            self.num_epochs = message.end
         if epoch < self.next_epoch or sender in self.inbox.get(epoch, {}):
             self.messages_dropped += 1
             return False
@@ -261,7 +242,7 @@ class ContainerCore:
             return self._source_ready()
         return self._epoch_messages(self.next_epoch) is not None
 
-    def _epoch_messages(self, epoch: int) -> dict[int, Message] | None:
+    def _epoch_messages(self, epoch: int) -> dict[int, EpochMessage] | None:
         """The messages that make up ``epoch``'s input, or None while some are missing.
 
         Normally one message from every sender. Once a dead sender X has been
@@ -273,7 +254,7 @@ class ContainerCore:
         overlaps what is covered picks one complete, duplicate-free set.
         Migration keeps that shape: the destination is a new container (the
         highest id) covering slices its source still covers in dual mode;
-        once the source releases them its messages say so (``COVER_KEY``).
+        once the source releases them its messages say so (``coverage``).
         """
         got = self.inbox.get(epoch)
         if not got:
@@ -281,11 +262,11 @@ class ContainerCore:
         if not self.replaced:
             return got if len(got) == len(self.senders) else None
         covered: set = set()
-        chosen: dict[int, Message] = {}
+        chosen: dict[int, EpochMessage] = {}
         for sender in sorted(got):
             msg = got[sender]
             # A sender that released slices by migration declares what it covers now.
-            cov = msg[COVER_KEY] if COVER_KEY in msg else self.coverage[sender]  # type: ignore[assignment]
+            cov = msg.coverage if msg.coverage is not None else self.coverage[sender]
             if cov.isdisjoint(covered):
                 chosen[sender] = msg
                 covered |= cov
@@ -301,18 +282,18 @@ class ContainerCore:
             self.senders.add(sender)
         self.replaced = True
 
-    def take_end_notice(self) -> tuple[int, dict[int, Message]] | None:
+    def take_end_notice(self) -> tuple[int, dict[int, EpochMessage]] | None:
         """The end of a followed input, for destinations no epoch message told it.
 
         A followed log can be sealed after its last (full) epoch was already
-        processed: no message carried ``END_KEY`` then. This gives, once,
+        processed: no message carried ``end`` then. This gives, once,
         (last epoch, one message per destination carrying it); receivers
         learn the end and drop the message itself (an epoch they already have).
         """
         if self.plan.num_epochs is not None or self.num_epochs is None or not self.done or self.end_announced:
             return None
         self.end_announced = True
-        return self.num_epochs - 1, {c: {END_KEY: self.num_epochs} for c in self.destinations}  # type: ignore[misc]
+        return self.num_epochs - 1, {c: EpochMessage(end=self.num_epochs) for c in self.destinations}
 
     def _source_ready(self) -> bool:
         reader = self.reader
@@ -348,7 +329,7 @@ class ContainerCore:
 
     # -- one epoch ---------------------------------------------------------------
 
-    def step(self) -> dict[int, Message]:
+    def step(self) -> dict[int, EpochMessage]:
         """Process the next epoch; return one message per downstream container."""
         assert self.ready(), f"container {self.container_id}: epoch {self.next_epoch} not ready"
         epoch = self.next_epoch
@@ -456,7 +437,7 @@ class ContainerCore:
         if self.output_log is not None:
             self.output_log.close()
 
-    def _process(self, epoch: int, messages: dict[int, Message] | None) -> dict[int, dict[int, pa.Table]]:
+    def _process(self, epoch: int, messages: dict[int, EpochMessage] | None) -> dict[int, dict[int, pa.Table]]:
         """Run every local slice on the epoch, each on its thread (``containers.threads``);
         ``messages``: the epoch's input (``_epoch_messages``; None at a source)."""
         if self.reader is not None:
@@ -474,13 +455,14 @@ class ContainerCore:
                 if self.stage.ends and self.num_epochs is not None and epoch == self.num_epochs - 1 else []
             messages = messages or {}
             self.inbox.pop(epoch, None)
-            stamps = [m[INGEST_KEY] for m in messages.values() if INGEST_KEY in m]
-            self.epoch_ingest = min(stamps) if stamps else None  # type: ignore[type-var]
+            stamps = [m.ingest for m in messages.values() if m.ingest is not None]
+            self.epoch_ingest = min(stamps) if stamps else None
+            # The epoch's routed parts as (stream id, part), senders in id order.
+            stream_parts = [(sid, part) for sender in sorted(messages) for sid, part in messages[sender].parts.items()]
             if self.group_slices:
                 # One vectorized pass per thread for the slices the thread-control table
                 # gives it (slices/group.py), over the senders' parts as they came; one
                 # group when the container has one thread.
-                stream_parts = _stream_parts(messages)
                 if len(self.stage.inputs) == 1:
                     parts = [part for _stream_id, part in stream_parts]
                     results = self.threads.run_groups(epoch, list(self.slices), lambda group: process_parts(
@@ -490,7 +472,7 @@ class ContainerCore:
                         [self.slices[s] for s in group], epoch, stream_parts))
                 self.grouped_epochs += 1
             else:
-                todo = self._inputs_by_slice(epoch, messages)
+                todo = self._inputs_by_slice(epoch, stream_parts)
                 results = self.threads.run_epoch(epoch, list(todo), lambda s: self.slices[s].process(epoch, todo[s]))
             if finishing:
                 results = self._finish(epoch, finishing, results)
@@ -514,11 +496,12 @@ class ContainerCore:
                  self.stage.name, sorted(slices), epoch)
         return results
 
-    def _inputs_by_slice(self, epoch: int, messages: dict[int, Message]) -> dict[int, dict[int, list[pa.Table]]]:
-        """Each local slice's rows of the epoch by input stream, in sender order (slices restored
-        from a checkpoint taken after the epoch and slices without rows are left out)."""
+    def _inputs_by_slice(self, epoch: int, parts: list[tuple[int, RoutedPart]]
+                         ) -> dict[int, dict[int, list[pa.Table]]]:
+        """Each local slice's rows of the epoch by input stream, from the epoch's (stream id,
+        part) in sender order (slices restored from a checkpoint taken after the epoch and
+        slices without rows are left out)."""
         todo: dict[int, dict[int, list[pa.Table]]] = {}
-        parts = _stream_parts(messages)
         for s, rt in self.slices.items():
             if epoch <= rt.last_epoch:
                 continue
@@ -561,13 +544,8 @@ class ContainerCore:
                     self.dead_letter_rows += len(dead)
                     self.dead_letter_writer.write(epoch, s, pa.Table.from_pylist(dead))
 
-    def _route(self, outputs: dict[int, dict[int, pa.Table]]) -> dict[int, Message]:
-        messages: dict[int, Message] = {c: {} for c in self.destinations}
-        if self.num_epochs is not None and self.plan.num_epochs is None:
-            # Followed source: tell downstream where the input ends.
-            for m in messages.values():
-                m[END_KEY] = self.num_epochs  # type: ignore[assignment]
-            self.end_announced = True
+    def _route(self, outputs: dict[int, dict[int, pa.Table]]) -> dict[int, EpochMessage]:
+        parts: dict[int, dict[int, RoutedPart]] = {c: {} for c in self.destinations}
         for sid in self.stage.produced:
             sp = self.plan.streams[sid]
             if not sp.consumers:
@@ -578,23 +556,21 @@ class ContainerCore:
             combined = tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
             for consumer, _name in sp.consumers:
                 try:
-                    parts = route(combined, sp.key, self.routes[consumer], self.key_codes.get(consumer, False))
+                    routed = route(combined, sp.key, self.routes[consumer], self.key_codes.get(consumer, False))
                 except KeyError as exc:  # a key column the build could not check (its schema was unknown)
                     raise QueryError(f"stage {self.stage.name!r}, stream {sp.name!r} -> stage "
                                    f"{self.plan.stages[consumer].name!r}: {exc.args[0]}") from None
-                for c, part in parts.items():
-                    messages[c][sid] = part
-        if self.epoch_ingest is not None:
-            for m in messages.values():
-                m[INGEST_KEY] = self.epoch_ingest  # type: ignore[assignment]
-        if self.released:
-            cover = frozenset((self.stage.stage_id, s) for s in self.slices)
-            for m in messages.values():
-                m[COVER_KEY] = cover  # type: ignore[assignment]
-        for c, moved in self.released_to.items():
-            if c in messages:
-                messages[c][RELEASE_KEY] = tuple(sorted(moved))  # type: ignore[assignment]
-        return messages
+                for c, part in routed.items():
+                    parts[c][sid] = part
+        # Followed source: tell downstream where the input ends.
+        end = self.num_epochs if self.plan.num_epochs is None else None
+        if end is not None:
+            self.end_announced = True
+        cover = frozenset((self.stage.stage_id, s) for s in self.slices) if self.released else None
+        return {c: EpochMessage(parts[c], end=end, coverage=cover,
+                                release=tuple(sorted(self.released_to[c])) if c in self.released_to else None,
+                                ingest=self.epoch_ingest)
+                for c in self.destinations}
 
     # -- carried outputs and GC -------------------------------------------------------
 
@@ -701,14 +677,14 @@ class ContainerCore:
         """Release ``slices`` before the next epoch (a source stage: no upstream marker tells it)."""
         self.pending_release |= set(slices) & set(self.slices)
 
-    def _releases_due(self, inbound: dict[int, Message] | None) -> set[int]:
+    def _releases_due(self, inbound: dict[int, EpochMessage] | None) -> set[int]:
         """Slices to release before processing an epoch: asked for, or marked by an upstream
         sender in the epoch's messages (``inbound``; None at a source)."""
         due = set(self.pending_release)
         self.pending_release.clear()
         for msg in (inbound or {}).values():
-            if RELEASE_KEY in msg:
-                due |= set(msg[RELEASE_KEY])  # type: ignore[arg-type]
+            if msg.release is not None:
+                due |= set(msg.release)
         return due & set(self.slices)
 
     def _release(self, slices: set[int], epoch: int) -> None:
@@ -733,7 +709,7 @@ class ContainerCore:
     def release_route(self, stage_id: int, slices: list[int], target: int) -> int:
         """End dual mode: ``stage_id``'s ``slices`` go to ``target`` only, from this core's next epoch.
 
-        Their old owners get ``RELEASE_KEY`` in this core's messages from
+        Their old owners get ``release`` in this core's messages from
         that epoch on (until ``forget_released``). Returns that epoch.
         """
         route_ = self.routes[stage_id]
@@ -840,7 +816,7 @@ class ContainerCore:
 
     def reroute(self, stage_id: int, slices: list[int], target: int,
                 progress: dict[int, dict[int, list[int]]], resume: dict[int, int],
-                dual: bool = False) -> dict[int, Message]:
+                dual: bool = False) -> dict[int, EpochMessage]:
         """Send ``stage_id``'s ``slices`` to container ``target`` from now on; return the replay.
 
         ``progress`` is each moved slice's restored progress vector and
@@ -875,7 +851,7 @@ class ContainerCore:
 
     def replay_epochs(self, stage_id: int, slices: list[int], target: int,
                       progress: dict[int, dict[int, list[int]]], resume: dict[int, int], upto: int,
-                      since: int = 0, cursor: dict[tuple[int, int], int] | None = None) -> dict[int, Message]:
+                      since: int = 0, cursor: dict[tuple[int, int], int] | None = None) -> dict[int, EpochMessage]:
         """The replay for ``target`` of epochs [max(resume, since), upto): one message per epoch.
 
         Reads only the output log and the plan, so it may run in a worker
@@ -887,12 +863,10 @@ class ContainerCore:
         """
         moved = np.array(sorted(slices), dtype=np.int64)
         first = max(since, min(resume[s] for s in slices))
-        replay: dict[int, Message] = {e: {} for e in range(first, upto)}
+        end = self.num_epochs if self.plan.num_epochs is None else None
+        replay = {e: EpochMessage(end=end) for e in range(first, upto)}
         if not replay:
             return replay
-        if self.num_epochs is not None and self.plan.num_epochs is None:
-            for m in replay.values():
-                m[END_KEY] = self.num_epochs  # type: ignore[assignment]
         for p, start in self.log_start.items():
             start = max(start, self.low_water + 1)  # older rows were dropped by GC
             late = [s for s in slices if resume[s] < start]
@@ -920,7 +894,7 @@ class ContainerCore:
                     part = route(t.slice(lo, hi - lo), self.plan.streams[sid].key, keep_route,
                                  self.key_codes.get(stage_id, False))
                     if target in part:
-                        replay[e][sid] = part[target]
+                        replay[e].parts[sid] = part[target]
         return replay
 
     def _replay_rows(self, stage_id: int, slices: list[int], moved: np.ndarray,
@@ -999,9 +973,9 @@ class ContainerCore:
         waiting = np.zeros(n, dtype=np.int64)
         for msgs in self.inbox.values():
             for msg in msgs.values():
-                for k, part in msg.items():
-                    if k >= 0 and len(part[1]):
-                        waiting += np.bincount(part[1], minlength=n)[:n]
+                for _table, dst in msg.parts.values():
+                    if len(dst):
+                        waiting += np.bincount(dst, minlength=n)[:n]
         out = []
         for s, rt in self.slices.items():
             keys, nbytes = rt.state_size()
@@ -1019,13 +993,11 @@ class ContainerCore:
 
     def backlog_events(self) -> int:
         """Input rows received and not yet processed (the inbox)."""
-        return sum(part[0].num_rows for msgs in self.inbox.values() for msg in msgs.values()
-                   for k, part in msg.items() if k >= 0)
+        return sum(msg.rows() for msgs in self.inbox.values() for msg in msgs.values())
 
     def buffered_bytes(self) -> int:
         """Bytes of input held in the inbox (epochs received, not yet processed)."""
-        return sum(part[0].nbytes for msgs in self.inbox.values() for msg in msgs.values()
-                   for k, part in msg.items() if k >= 0)
+        return sum(msg.nbytes() for msgs in self.inbox.values() for msg in msgs.values())
 
 
 def hand_over(sources: list[ContainerCore], dest: ContainerCore, epoch: int) -> dict[int, list[int]]:

@@ -8,7 +8,7 @@ file under ``/dev/shm`` (tmpfs: memory, no disk) it costs the sender 1.0-1.2 ms,
 and the receiver maps it without a copy (0.14-0.17 ms). So a host sends a part
 of ``SHM_MIN_BYTES`` or more to a host on its own node as a ``ShmPart`` (the
 file's path) and the call itself carries only that path and the message's
-control entries.
+control fields (``EpochMessage``: ``end``, ``coverage``, ``release``, ``ingest``).
 
 Lifetime: the receiver maps and unlinks each file first thing in ``push``,
 whatever it then does with the message (a refused or late message too); the
@@ -30,13 +30,14 @@ import glob
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from chronostream.slices.arrow_ipc import write_stream
+from chronostream.containers.epoch_message import EpochMessage
 
 log = logging.getLogger("chronostream.container")
 
@@ -78,12 +79,12 @@ class ShmSender:
     >>> d = tempfile.mkdtemp()
     >>> s = ShmSender("job1", 3, d)
     >>> t = pa.table({"w": ["x"] * 20000, "_seq": np.arange(20000)})
-    >>> msg, paths = s.pack({0: (t, np.zeros(20000, np.int64)), -1: "ctl"})
-    >>> isinstance(msg[0], ShmPart), msg[-1], len(paths)
-    (True, 'ctl', 1)
+    >>> msg, paths = s.pack(EpochMessage({0: (t, np.zeros(20000, np.int64))}, end=5))
+    >>> isinstance(msg.parts[0], ShmPart), msg.end, len(paths)
+    (True, 5, 1)
     >>> out = unpack(msg)
-    >>> out[0][0].equals(t), out[0][1].dtype, os.path.exists(paths[0])
-    (True, dtype('int64'), False)
+    >>> out.parts[0][0].equals(t), out.parts[0][1].dtype, out.end, os.path.exists(paths[0])
+    (True, dtype('int64'), 5, False)
     """
 
     def __init__(self, job_tag: str, host_id: int, directory: str = SHM_DIR,
@@ -97,23 +98,23 @@ class ShmSender:
         self.refused_for_room = 0
         self._numbers = itertools.count()
 
-    def pack(self, message: dict[int, Any]) -> tuple[dict[int, Any], list[str]]:
-        """``message`` with each routed part of ``min_bytes`` or more replaced by a ``ShmPart``,
-        and the paths written (the caller discards them if the push fails). A part whose
-        table cannot be written so (an Arrow type IPC refuses) stays in the message."""
-        out: dict[int, Any] = {}
+    def pack(self, message: EpochMessage) -> tuple[EpochMessage, list[str]]:
+        """``message`` with each routed part of ``min_bytes`` or more replaced by a ``ShmPart``
+        (its control fields kept), and the paths written (the caller discards them if the push
+        fails). A part whose table cannot be written so (an Arrow type IPC refuses) stays in the
+        message; a message with no part written is returned as is."""
+        parts: dict[int, Any] = {}
         paths: list[str] = []
-        for key, value in message.items():
-            if key >= 0 and isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], pa.Table):
-                table, dst = value
-                if table.num_rows and table.nbytes + dst.nbytes >= self.min_bytes:
-                    path = self._write(table, dst)
-                    if path is not None:
-                        out[key] = ShmPart(path)
-                        paths.append(path)
-                        continue
-            out[key] = value
-        return out, paths
+        for stream_id, part in message.parts.items():
+            table, dst = part
+            if table.num_rows and table.nbytes + dst.nbytes >= self.min_bytes:
+                path = self._write(table, dst)
+                if path is not None:
+                    parts[stream_id] = ShmPart(path)
+                    paths.append(path)
+                    continue
+            parts[stream_id] = part
+        return (replace(message, parts=parts) if paths else message), paths
 
     def room_for(self, nbytes: int) -> bool:
         """Whether writing ``nbytes`` leaves the directory's reserve free (one ``statvfs``; a
@@ -149,22 +150,23 @@ class ShmSender:
         return path
 
 
-def unpack(message: dict[int, Any]) -> dict[int, Any]:
-    """``message`` with every ``ShmPart`` read back as ``(table, dst)``, each file unlinked once
-    mapped (the tables keep the mapping: no copy). A message without one is returned as is."""
-    if not any(isinstance(v, ShmPart) for v in message.values()):
+def unpack(message: EpochMessage) -> EpochMessage:
+    """``message`` with every ``ShmPart`` read back as ``(table, dst)`` (its control fields
+    kept), each file unlinked once mapped (the tables keep the mapping: no copy). A message
+    without one is returned as is."""
+    if not any(isinstance(v, ShmPart) for v in message.parts.values()):
         return message
-    out = dict(message)
+    parts = dict(message.parts)
     try:
-        for key, value in message.items():
+        for stream_id, value in message.parts.items():
             if isinstance(value, ShmPart):
                 with pa.memory_map(value.path) as source:
                     table = pa.ipc.open_stream(source).read_all()
                 dst = np.asarray(table.column(_DST)).astype(np.int64)
-                out[key] = (table.drop_columns([_DST]), dst)
+                parts[stream_id] = (table.drop_columns([_DST]), dst)
     finally:  # mapped or not, unlinked: the tables keep their mapping
         discard(shm_paths(message))
-    return out
+    return replace(message, parts=parts)
 
 
 def discard(paths: list[str]) -> None:
@@ -176,9 +178,9 @@ def discard(paths: list[str]) -> None:
             pass
 
 
-def shm_paths(message: dict[int, Any]) -> list[str]:
+def shm_paths(message: EpochMessage) -> list[str]:
     """The files of ``message``'s ``ShmPart``s (a message its receiver refuses unread)."""
-    return [v.path for v in message.values() if isinstance(v, ShmPart)]
+    return [v.path for v in message.parts.values() if isinstance(v, ShmPart)]
 
 
 def remove_job_files(job_tag: str, directory: str = SHM_DIR) -> int:

@@ -27,6 +27,7 @@ import pyarrow as pa
 from chronostream.slices.plan import JobPlan
 from chronostream.containers.backup_store import BackupStore
 from chronostream.containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
+from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.spill import SpillStore
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
@@ -124,7 +125,7 @@ class LocalCluster:
             peers = self._backup_chain(stage_id) if self.fault_tolerant else {}
             for c in placement.containers[stage_id]:
                 self.cores[c] = self._core(c, None, peers.get(c))
-        self.in_flight: list[tuple[int, int, int, dict]] = []  # (dst, epoch, sender, message)
+        self.in_flight: list[tuple[int, int, int, EpochMessage]] = []  # (dst, epoch, sender, message)
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
         self.checkpointed: set[tuple[int, int]] = set()
         self.timeline = Timeline()  # bounded per kind, as the Ray master's

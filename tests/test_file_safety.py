@@ -24,6 +24,7 @@ import pytest
 
 import chronostream as cs
 from chronostream.slices.sourcelog import SourceLog, SourceLogError, SourceLogWriter
+from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.shm_transport import ShmPart, ShmSender
 from chronostream.master.catalog import MasterCatalog
 from chronostream.master.launch import JobLaunch
@@ -161,11 +162,11 @@ def test_shared_memory_files_are_made_exclusively_and_private(tmp_path):
     planted = Path(f"{sender.prefix}0")
     planted.write_text("someone else's")
     table = pa.table({"x": np.arange(1000)})
-    msg, paths = sender.pack({0: (table, np.zeros(1000, np.int64))})
-    assert not isinstance(msg[0], ShmPart) and paths == []
+    msg, paths = sender.pack(EpochMessage({0: (table, np.zeros(1000, np.int64))}))
+    assert not isinstance(msg.parts[0], ShmPart) and paths == []
     assert planted.read_text() == "someone else's"
-    msg, paths = sender.pack({0: (table, np.zeros(1000, np.int64))})
-    assert isinstance(msg[0], ShmPart) and stat.S_IMODE(os.stat(paths[0]).st_mode) == 0o600
+    msg, paths = sender.pack(EpochMessage({0: (table, np.zeros(1000, np.int64))}))
+    assert isinstance(msg.parts[0], ShmPart) and stat.S_IMODE(os.stat(paths[0]).st_mode) == 0o600
 
 
 # -- item 12: full disks ---------------------------------------------------------------------

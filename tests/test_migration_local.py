@@ -604,11 +604,11 @@ def test_a_replay_read_in_rounds_equals_one_replay_and_the_per_epoch_reference()
               **source.replay_epochs(stage_id, moved, target, {}, resume, upto, upto // 3, cursor)}
     reference = _replay_by_filtering_each_epoch(source, stage_id, moved, target, upto)
     assert sorted(whole) == sorted(rounds) == list(range(upto))
-    assert sum(1 for m in whole.values() if m) == len(reference) > 10
+    assert sum(1 for m in whole.values() if m.parts) == len(reference) > 10
     for e in range(upto):
-        assert set(whole[e]) == set(rounds[e]) == set(reference.get(e, {}))
-        for sid, (table, dst) in whole[e].items():
-            for other in (rounds[e][sid], reference[e][sid]):
+        assert set(whole[e].parts) == set(rounds[e].parts) == set(reference.get(e, {}))
+        for sid, (table, dst) in whole[e].parts.items():
+            for other in (rounds[e].parts[sid], reference[e][sid]):
                 assert table.equals(other[0]) and np.array_equal(dst, other[1])
 
 

@@ -2,7 +2,7 @@
 
 Unit: a large routed part goes out as a file and comes back equal (schema,
 field metadata, dictionary codes, consumer slices); small parts and control
-entries stay in the message; the receiver unlinks the file and its tables
+fields stay in the message; the receiver unlinks the file and its tables
 outlive it; cleanup touches only one job's files; a part that would eat into
 the directory's reserve stays in the message. On Ray: a job on one node
 sends its parts through the files and its output equals the serial run's,
@@ -24,6 +24,7 @@ import chronostream as cs
 from chronostream.chaos import compare_with_serial
 from chronostream.slices.types import KEY_HASHES_META
 from chronostream.containers.actor import shm_job_tag
+from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.shm_transport import ShmPart, ShmSender, job_prefix, remove_job_files, unpack
 from queries import word_count
 
@@ -41,27 +42,28 @@ def routed_part(n: int = 20_000) -> tuple[pa.Table, np.ndarray]:
 
 def test_a_large_part_travels_as_a_file_and_comes_back_equal_with_its_consumer_slices(tmp_path):
     table, dst = routed_part()
-    wire, paths = ShmSender("job", 1, str(tmp_path)).pack({3: (table, dst)})
-    assert isinstance(wire[3], ShmPart) and paths == [wire[3].path] and os.path.exists(paths[0])
-    back, back_dst = unpack(wire)[3]
+    wire, paths = ShmSender("job", 1, str(tmp_path)).pack(EpochMessage({3: (table, dst)}))
+    assert isinstance(wire.parts[3], ShmPart) and paths == [wire.parts[3].path] and os.path.exists(paths[0])
+    back, back_dst = unpack(wire).parts[3]
     assert back.equals(table) and back.schema.equals(table.schema, check_metadata=True)
     assert back.schema.field("_codes_word").metadata == {KEY_HASHES_META: b"\x01" * 16}
     assert back_dst.dtype == np.int64 and np.array_equal(back_dst, dst)
 
 
-def test_small_parts_empty_parts_and_control_entries_stay_in_the_message(tmp_path):
+def test_small_parts_empty_parts_and_control_fields_stay_in_the_message(tmp_path):
     small = pa.table({"word": ["a", "b"], "_seq": [0, 1]})
     empty = small.slice(0, 0)
-    message = {0: (small, np.zeros(2, np.int64)), 1: (empty, np.zeros(0, np.int64)), -1: {"end": 7}}
+    message = EpochMessage({0: (small, np.zeros(2, np.int64)), 1: (empty, np.zeros(0, np.int64))}, end=7,
+                           release=(2,), ingest=1.5)
     wire, paths = ShmSender("job", 1, str(tmp_path), min_bytes=1024).pack(message)
-    assert paths == [] and wire == message
+    assert paths == [] and wire is message, "a message without files is not copied"
     assert unpack(wire) is wire, "a message without files is not copied"
 
 
 def test_the_receiver_unlinks_the_file_and_its_tables_outlive_it(tmp_path):
     table, dst = routed_part()
-    wire, paths = ShmSender("job", 1, str(tmp_path)).pack({0: (table, dst)})
-    back = unpack(wire)[0][0]
+    wire, paths = ShmSender("job", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
+    back = unpack(wire).parts[0][0]
     assert not os.path.exists(paths[0]) and os.listdir(tmp_path) == []
     _ = [np.ones(1 << 20) for _ in range(20)]  # other allocations in between
     assert back.column("word").to_pylist()[:3] == ["w0", "w1", "w2"] and back.equals(table)
@@ -69,15 +71,15 @@ def test_the_receiver_unlinks_the_file_and_its_tables_outlive_it(tmp_path):
 
 def test_a_part_that_cannot_be_written_travels_in_the_message(tmp_path):
     table, dst = routed_part()
-    wire, paths = ShmSender("job", 1, str(tmp_path / "missing")).pack({0: (table, dst)})
-    assert paths == [] and wire[0][0] is table
+    wire, paths = ShmSender("job", 1, str(tmp_path / "missing")).pack(EpochMessage({0: (table, dst)}))
+    assert paths == [] and wire.parts[0][0] is table
 
 
 def test_cleanup_removes_one_jobs_files_and_no_other_jobs(tmp_path):
     table, dst = routed_part()
-    ShmSender("a", 1, str(tmp_path)).pack({0: (table, dst)})
-    ShmSender("a", 2, str(tmp_path)).pack({0: (table, dst)})
-    _, kept = ShmSender("b", 1, str(tmp_path)).pack({0: (table, dst)})
+    ShmSender("a", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
+    ShmSender("a", 2, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
+    _, kept = ShmSender("b", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
     assert remove_job_files("a", str(tmp_path)) == 2
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(kept[0])]
 
@@ -85,10 +87,10 @@ def test_cleanup_removes_one_jobs_files_and_no_other_jobs(tmp_path):
 def test_a_part_that_would_eat_into_the_reserve_travels_in_the_message(tmp_path):
     table, dst = routed_part()
     full = ShmSender("job", 1, str(tmp_path), reserve_fraction=1.0)  # (no room is ever left)
-    wire, paths = full.pack({0: (table, dst)})
-    assert paths == [] and wire[0][0] is table and full.refused_for_room == 1
+    wire, paths = full.pack(EpochMessage({0: (table, dst)}))
+    assert paths == [] and wire.parts[0][0] is table and full.refused_for_room == 1
     roomy = ShmSender("job", 2, str(tmp_path), reserve_fraction=0.0)
-    _, paths = roomy.pack({0: (table, dst)})
+    _, paths = roomy.pack(EpochMessage({0: (table, dst)}))
     assert len(paths) == 1 and roomy.refused_for_room == 0
 
 
@@ -124,7 +126,7 @@ def test_a_stopped_host_takes_no_message_and_unlinks_its_files_unread(ray_sessio
         host = ray.get(job.master.host_handles.remote())[0]
         ray.get(host.stop.remote(False))
         table, dst = routed_part()
-        wire, paths = ShmSender(shm_job_tag(job.master), 99).pack({0: (table, dst)})
+        wire, paths = ShmSender(shm_job_tag(job.master), 99).pack(EpochMessage({0: (table, dst)}))
         assert ray.get(host.push.remote(0, 10**6, 0, wire)) is False
         assert not os.path.exists(paths[0])
     finally:
@@ -139,7 +141,7 @@ def test_a_hosts_stop_leaves_its_files_to_their_receivers_and_the_jobs_stop_remo
     hosts = ray.get(job.master.host_handles.remote())
     host_id = min(hosts)
     # A file as the host's own sender names them (``ShmSender(job tag, host id)``), in flight.
-    _, paths = ShmSender(shm_job_tag(job.master), host_id).pack({0: routed_part()})
+    _, paths = ShmSender(shm_job_tag(job.master), host_id).pack(EpochMessage({0: routed_part()}))
     ray.get(hosts[host_id].stop.remote(True))
     assert os.path.exists(paths[0]), "a host's stop unlinks none of its files"
     job.stop()
