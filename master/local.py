@@ -71,6 +71,41 @@ def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str
             for ids in placement.containers.values() for c in ids}
 
 
+#: A message in flight: (destination container, epoch, sender container, message).
+Flight = tuple[int, int, int, EpochMessage]
+
+
+class Network:
+    """The hook through which the in-process driver delivers messages: which messages in flight
+    arrive in a round, and in which order. This one delivers all of them, shuffled by the
+    cluster's seeded generator, and with ``duplicate_every`` = k every k-th one twice. The
+    simulator's network (``chronostream.sim``) holds some back for later rounds and delivers
+    some twice. Faults reach a local job through this class, ``step_every`` (slow hosts) and
+    ``run``'s ``on_round`` callback, never through the cores.
+    """
+
+    def __init__(self, duplicate_every: int = 0) -> None:
+        self.duplicate_every = duplicate_every
+        self.sent = 0
+
+    def arrivals(self, rng: random.Random, in_flight: list[Flight]) -> tuple[list[Flight], list[Flight]]:
+        """(the messages arriving now, in delivery order; those still in flight after this round)."""
+        rng.shuffle(in_flight)
+        if not self.duplicate_every:
+            return in_flight, []
+        now = []
+        for flight in in_flight:
+            now.append(flight)
+            self.sent += 1
+            if self.sent % self.duplicate_every == 0:
+                now.append(flight)
+        return now, []
+
+    def delivered(self, flight: Flight, accepted: bool | None) -> None:
+        """Told of each arrival: ``accepted`` as the receiving core's ``deliver`` answered (False: a
+        duplicate or stale message it dropped), None when its destination is dead."""
+
+
 class LocalCluster:
     """A job's cores and hosts in this process, with optional checkpoints, kills and recovery.
 
@@ -89,12 +124,14 @@ class LocalCluster:
                  duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
                  backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
                  merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False,
-                 spill_state: bool = True) -> None:
+                 spill_state: bool = True, network: Network | None = None) -> None:
         self.plan = plan
         self.placement = placement
         self.sources = sources
         self.rng = random.Random(seed)
-        self.duplicate_every = duplicate_every
+        self.network = network if network is not None else Network(duplicate_every)
+        # Hosts that step only every k-th round (a slow host; the simulator sets it).
+        self.step_every: dict[int, int] = {}
         self.fault_tolerant = checkpoint_every > 0 or checkpoint_interval_s > 0
         self.checkpoint_every = checkpoint_every
         self.checkpoint_interval_s = checkpoint_interval_s
@@ -125,7 +162,7 @@ class LocalCluster:
             peers = self._backup_chain(stage_id) if self.fault_tolerant else {}
             for c in placement.containers[stage_id]:
                 self.cores[c] = self._core(c, None, peers.get(c))
-        self.in_flight: list[tuple[int, int, int, EpochMessage]] = []  # (dst, epoch, sender, message)
+        self.in_flight: list[Flight] = []
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
         self.checkpointed: set[tuple[int, int]] = set()
         self.timeline = Timeline()  # bounded per kind, as the Ray master's
@@ -160,12 +197,15 @@ class LocalCluster:
 
     def run(self, kills: dict[int, list[int]] | None = None,
             faults: dict[int, Callable[["LocalCluster"], None]] | None = None, poll_s: float = 0.02,
-            timeout_s: float = 600.0) -> "LocalCluster":
+            timeout_s: float = 600.0, on_round: Callable[["LocalCluster"], None] | None = None,
+            max_rounds: int | None = None) -> "LocalCluster":
         """Run to completion.
 
         ``kills`` maps a round number to the hosts that die after its steps;
         ``faults`` maps a round number to any function of this cluster (it
-        may corrupt backups, then ``kill``).
+        may corrupt backups, then ``kill``); ``on_round`` is called after the
+        steps of every round (the simulator's faults). ``max_rounds`` bounds a
+        run that no longer progresses in time (``RuntimeError``).
         """
         todo: dict[int, Callable[[LocalCluster], None]] = dict(faults or {})
         for r, hosts in (kills or {}).items():
@@ -174,8 +214,11 @@ class LocalCluster:
         while not all(c.done for c in self.cores.values()) or self.migrations:
             rnd = self.round
             progressed, backups = self._step_all()
-            if rnd in todo:
-                todo.pop(rnd)(self)
+            if rnd in todo or on_round is not None:
+                if rnd in todo:
+                    todo.pop(rnd)(self)
+                if on_round is not None:
+                    on_round(self)
                 backups = [(h, c, b) for h, c, b in backups if c in self.cores]
                 progressed = True
             progressed |= self._deliver()
@@ -185,6 +228,8 @@ class LocalCluster:
             if self.fault_tolerant and not self.recompute_lost and not self.migrations:
                 self.collect_garbage()
             self.round += 1
+            if max_rounds is not None and self.round > max_rounds:
+                raise RuntimeError(f"local run did not finish in {max_rounds} rounds")
             if not progressed:
                 readers = [c for c in self.cores.values() if c.reader is not None and not c.done]
                 if not readers or time.monotonic() > deadline:
@@ -203,6 +248,9 @@ class LocalCluster:
         catching_up = {t.new_id for t in self.migrations if t.phase is MigrationPhase.DUAL}
         for cid in sorted(self.cores):
             core = self.cores[cid]
+            every = self.step_every.get(self.hosts[cid], 1)
+            if every > 1 and self.round % every:
+                continue
             for _ in range(8 if cid in catching_up else 1):
                 if not core.ready():
                     break
@@ -219,17 +267,16 @@ class LocalCluster:
         return progressed, backups
 
     def _deliver(self) -> bool:
-        self.rng.shuffle(self.in_flight)
         progressed = bool(self.in_flight)
-        while self.in_flight:
-            dst, epoch, sender, msg = self.in_flight.pop()
+        now, self.in_flight = self.network.arrivals(self.rng, self.in_flight)
+        for flight in now:
+            dst, epoch, sender, msg = flight
             core = self.cores.get(dst)
-            if core is None:
-                continue  # sent to a dead container: lost (replayed from output logs later)
-            core.deliver(epoch, sender, msg)
+            if core is None:  # sent to a dead container: lost (replayed from output logs later)
+                self.network.delivered(flight, None)
+                continue
+            self.network.delivered(flight, core.deliver(epoch, sender, msg))
             self.sent += 1
-            if self.duplicate_every and self.sent % self.duplicate_every == 0:
-                core.deliver(epoch, sender, msg)
         return progressed
 
     def _ship(self, backups: list[tuple[int, int, list[bytes]]]) -> None:
