@@ -15,6 +15,7 @@ import pytest
 
 import chronostream.client
 from chronostream.chaos import ChaosReport, Fault, judge_landing, random_faults, run_with_faults
+from chronostream.master.job_state import JobState
 
 DAMAGE = Fault("corrupt_backup", 10, "count", index=1)
 #: What ``inject`` answers for DAMAGE: slice 3 of stage 1 (container 7 on host 2), its copy on host 5 damaged.
@@ -157,7 +158,7 @@ class _FakeJob:
         self.table, self.stopped = table, False
 
     def progress(self):
-        return {"state": "finished", "min_epoch": 99}
+        return {"state": JobState.FINISHED, "min_epoch": 99}
 
     def wait(self, timeout_s=None):
         return self
