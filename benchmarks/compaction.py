@@ -45,12 +45,12 @@ def one_run(state_mb: int, rate: int = RATE, compact: bool = True) -> dict:
     try:
         apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=EPOCH / rate)])
         apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=EPOCH / rate)])
-        before = job.placement()["stages"]["agg"]
+        before = job.placement().stages["agg"]
         src = next(c for c, sl in before.items() if 0 in sl)
         dst = next(c for c in before if c != src)
         job.migrate("agg", 0, to_container=dst)
         time.sleep(SETTLE_S + 1.0)
-        after = job.placement()["stages"]["agg"]
+        after = job.placement().stages["agg"]
         merged = sorted(s for c, sl in after.items() if c != src for s in sl)  # the other host's slices
         unmoved = next(s for s in after[src])
         t0 = time.time()
@@ -72,7 +72,7 @@ def one_run(state_mb: int, rate: int = RATE, compact: bool = True) -> dict:
         return {"compact_s": round(t1 - t0, 3), "merged": merged,
                 "merged_delay_ms": max(delay_ms(s) for s in merged), "unmoved_delay_ms": delay_ms(unmoved),
                 "pause_ms": round(median(pauses), 1) if pauses else None,
-                "containers_after": len(job.placement()["stages"]["agg"]) if compact else None}
+                "containers_after": len(job.placement().stages["agg"]) if compact else None}
     finally:
         job.stop()
 

@@ -87,7 +87,7 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
     def sample() -> None:
         nonlocal rss
         snap = job.metrics()["snapshot"]
-        hosts = {job.placement()["hosts"][c] for c in snap["stages"]["profiles"]["containers"]}
+        hosts = {job.placement().hosts[c] for c in snap["stages"]["profiles"]["containers"]}
         rss = max([rss] + [snap["host_rss_mb"].get(str(h), snap["host_rss_mb"].get(h, 0.0)) for h in hosts])
 
     rows, written, runtime = paced_run(job, w, "payments", table, first, rate, "profiles", appended,

@@ -115,7 +115,7 @@ def one_run(state_mb: int, mode: str, steady_s: float = 0.0, window_s: float = 1
         apply_schedule(job, [Fault("delay", load_epochs, "events", seconds=pace_s)])
         apply_schedule(job, [Fault("delay", load_epochs + 30, "events", seconds=pace_s)])
         time.sleep(steady_s)
-        placement = job.placement()["stages"]["agg"]
+        placement = job.placement().stages["agg"]
         src = next(c for c, sl in placement.items() if 0 in sl)
         dst = next(c for c in placement if c != src)
         meter = FreezeMeter().start()

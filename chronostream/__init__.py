@@ -36,10 +36,13 @@ from chronostream.containers.options import JobOptions  # noqa: E402
 from chronostream.dag import (DEFAULT_EPOCH_EVENTS, DEFAULT_SLICES, DEFAULT_SOURCE_SLICES, Query,  # noqa: E402
                               Stream, compile_query, join)
 from chronostream.master.catalog import CatalogError  # noqa: E402
+from chronostream.master.host_pool import PoolStats  # noqa: E402
+from chronostream.master.job_state import JobState  # noqa: E402
 from chronostream.master.migration import MigrationError  # noqa: E402
 from chronostream.master.policies import (CompactionRule, Decision, HotSliceRule, LatencyPolicy,  # noqa: E402
                                           Policies, RatePolicy, ScalingAction, ScheduledPolicy,
                                           UtilizationPolicy)
+from chronostream.master.rpc_results import PlacementView  # noqa: E402
 from chronostream.serial import SerialResult, run_serial  # noqa: E402
 from chronostream.slices.errors import (ChronoStreamError, EventError, JobFailed, QueryError,  # noqa: E402
                                         RecoveryError, RuntimeFault, SinkRowsLost, StateEncodingError,
@@ -56,7 +59,8 @@ from chronostream.slices.windows import (CountWindow, HoppingWindow, LateEventEr
                                          TumblingWindow, WindowAggregate)
 
 __all__ = [
-    "CompletedJob", "Job", "JobStatus", "ensure_ray", "keep_warm_hosts", "run", "JobOptions",
+    "CompletedJob", "Job", "JobState", "JobStatus", "PlacementView", "PoolStats", "ensure_ray", "keep_warm_hosts",
+    "run", "JobOptions",
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
     "ChronoStreamError", "EventError", "JobFailed", "QueryError", "RecoveryError", "RuntimeFault",

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 from chronostream.client import run
+from chronostream.master.job_state import JobState
 from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
 #: Kinds the schedule waits on: a recovery, the master's restart, or a rescaling's call.
@@ -306,7 +307,7 @@ def _stateful_stages(job: Any) -> list[str]:
 
 
 def _containers_of(job: Any, stage: str) -> list[int]:
-    return sorted(int(c) for c in job.placement()["stages"][stage])
+    return job.placement().containers_of(stage)
 
 
 def inject(job: Any, fault: Fault) -> dict[str, Any]:
@@ -325,7 +326,7 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
         return {"stage": stage, "moved": _moved(done), "seconds": done.get("seconds")}
     ids = _containers_of(job, stage)
     handles = ray.get(job.master.container_handles.remote())
-    hosts = job.placement()["hosts"]
+    hosts = job.placement().hosts
     victim = ids[fault.index % len(ids)]
     if fault.kind in ("kill", "kill_master_in_recovery", "kill_in_recovery"):
         if fault.kind == "kill_master_in_recovery":
@@ -345,14 +346,14 @@ def inject(job: Any, fault: Fault) -> dict[str, Any]:
         ray.get(handles[victim].inject_delay.remote(fault.seconds))
         return {"stage": stage, "container": victim, "seconds": fault.seconds}
     if fault.kind == "migrate":
-        slice_ = job.placement()["stages"][stage][victim][0]
+        slice_ = job.placement().stages[stage][victim][0]
         done = job.migrate(stage, slice_)
         return {"stage": stage, "slice": slice_, "container": victim, "moved": _moved(done),
                 "seconds": done.get("seconds")}
     # corrupt/truncate: damage the replica of the victim's first slice that a
     # recovery would try first (the first holder in its backup chain).
     sid = job.plan.stage(stage).stage_id
-    slice_ = job.placement()["stages"][stage][victim][0]
+    slice_ = job.placement().stages[stage][victim][0]
     chain = ray.get(job.master.backup_plan.remote())[sid][slice_]
     host_handles = ray.get(job.master.host_handles.remote())
     hit = {"stage": stage, "stage_id": sid, "slice": slice_, "container": victim, "host": hosts[victim]}
@@ -520,7 +521,7 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
     for fault in sorted(faults, key=lambda f: f.at_epoch):
         while True:
             p = job.progress()
-            if p["state"] != "running":
+            if p["state"] is not JobState.RUNNING:
                 return applied
             if p["min_epoch"] >= fault.at_epoch:
                 break
@@ -535,7 +536,7 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
             try:
                 hit = inject(job, fault)
             except Exception:
-                if job.progress()["state"] != "running":
+                if job.progress()["state"] is not JobState.RUNNING:
                     return applied  # the job finished between the check and the fault (a rescale refuses then)
                 raise
             applied.append((at, fault, hit))
@@ -545,7 +546,7 @@ def apply_schedule(job: Any, faults: list[Fault], poll_s: float = 0.05, timeout_
                 _settle(job, fault, before, deadline, poll_s)
         finally:
             _restore_sources(slowed, settle_pace_s)
-        if paces and fault.kind in SETTLING_KINDS and job.progress()["state"] == "running":
+        if paces and fault.kind in SETTLING_KINDS and job.progress()["state"] is JobState.RUNNING:
             _keep_pace(job, paces)
     return applied
 
@@ -576,7 +577,7 @@ def _settle(job: Any, fault: Fault, before: tuple[int, int], deadline: float, po
                 raise TimeoutError("the master did not restart")
             time.sleep(poll_s)
     if fault.kind in ("kill", "kill_two", "kill_master_in_recovery", "kill_in_recovery"):
-        while job.progress().get("recoveries", 0) <= recoveries_before and job.progress()["state"] == "running":
+        while job.progress().get("recoveries", 0) <= recoveries_before and job.progress()["state"] is JobState.RUNNING:
             if time.monotonic() > deadline:
                 raise TimeoutError("recovery did not end")
             time.sleep(poll_s)

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -196,7 +197,7 @@ def _control(args: argparse.Namespace) -> int:
         return 0
     job = _attach(args)
     if args.command == "placement":
-        out = job.placement()
+        out = asdict(job.placement())
     elif args.command == "metrics":
         out = job.metrics()
     elif args.command == "log-floor":
@@ -224,7 +225,7 @@ def cmd_warm_hosts(args: argparse.Namespace) -> int:
         print(f"chronostream warm-hosts: N must be >= 0, got {args.n}", file=sys.stderr)
         return 1
     stats = keep_warm_hosts(args.n, wait_s=args.wait, address=args.address)
-    print(json.dumps({k: v for k, v in stats.items() if k != "names"}))
+    print(json.dumps({k: v for k, v in asdict(stats).items() if k != "names"}))
     return 0
 
 

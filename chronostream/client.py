@@ -1,8 +1,7 @@
 """The client face: ``run(query)`` and the ``Job`` handle.
 
 Owns: starting (or joining) Ray, shipping the compiled plan and source data
-to a new JobMaster, and the ``Job`` handle users wait on. Imports the master
-lazily so the core package never imports it at module load (no cycle).
+to a new JobMaster, and the ``Job`` handle users wait on.
 """
 
 from __future__ import annotations
@@ -34,12 +33,14 @@ from chronostream.containers.actor import shm_job_tag
 from chronostream.containers.shm_transport import remove_job_files
 from chronostream.master.actor import JobMaster
 from chronostream.master.catalog import catalog_identity
-from chronostream.master.host_pool import keep_warm_hosts as resize_pool
+from chronostream.master.host_pool import PoolStats, keep_warm_hosts as resize_pool
+from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
 from chronostream.master.local import collect, run_local
 from chronostream.master.placement import containers_per_stage, initial_placement
 from chronostream.master.policies import Decision
 from chronostream.master.results import packed_sink_table
+from chronostream.master.rpc_results import MasterStatus, PlacementView
 
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
@@ -135,7 +136,7 @@ def _ray_on_loopback() -> Iterator[None]:
             os.environ[_RAY_CLUSTER_SWITCH] = saved_env
 
 
-def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = None) -> dict[str, Any]:
+def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = None) -> PoolStats:
     """Keep ``size`` warm spare hosts on the cluster for later jobs' deploys, scale-outs and recoveries.
 
     A host is a process; starting one costs a second or two of CPU (Ray, Arrow and the
@@ -143,10 +144,10 @@ def keep_warm_hosts(size: int, *, wait_s: float = 0.0, address: str | None = Non
     master adopts one instead of starting a process when one is ready (on the node it
     wants); with none ready it starts one as before. ``size=0`` stops the spares. The pool
     outlives jobs (a detached actor); ``wait_s`` waits up to that long for it to be full.
-    Returns the pool's counts::
+    Returns the pool's counts (``PoolStats``)::
 
         cs.ensure_ray(num_cpus=2)
-        cs.keep_warm_hosts(4, wait_s=30)   # {'size': 4, 'ready': 4, ...}
+        cs.keep_warm_hosts(4, wait_s=30)   # PoolStats(size=4, ready=4, ...)
     """
 
 
@@ -202,9 +203,10 @@ def jobs(address: str | None = "auto") -> list[str]:
 
 @dataclass(frozen=True)
 class JobStatus:
-    """A job's state: ``running``, ``finished``, ``failed`` or ``stopped``."""
+    """A job's state (``JobState``: created, running, finished, failed or stopped), its
+    containers, how many of them are done, the time it has run, and what failed it."""
 
-    state: str
+    state: JobState
     containers: int
     done_containers: int
     elapsed_s: float
@@ -219,7 +221,7 @@ class Job:
     Parquet sink's directory, ``stop()`` releases its actors.
     """
 
-    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, Any], workdir: str = "",
+    def __init__(self, plan: JobPlan, master: Any, placement: dict[str, dict[int, list[int]]], workdir: str = "",
                  key: str = "", source_refs: Any = None) -> None:
         self.plan = plan
         # The input tables in Ray's object store, owned by this process: held for the job's life,
@@ -247,25 +249,27 @@ class Job:
         except ValueError:
             raise KeyError(f"no running job {key!r}; running: {jobs(address)}") from None
         plan = ray.get(master.plan_of.remote())
-        return Job(plan, master, ray.get(master.placement_view.remote()), key=key)
+        return Job(plan, master, ray.get(master.placement_view.remote()).stages, key=key)
 
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
         s = self._master_status()
-        return JobStatus(s["state"], s["containers"], s["done"], s["elapsed_s"], s["error"])
+        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error)
 
     def progress(self) -> dict[str, Any]:
-        """State, epochs of the input, the lowest epoch every container has passed, recoveries so far."""
+        """State (a ``JobState``), epochs of the input, the lowest epoch every container has
+        passed, containers and those done, time run, recoveries so far."""
         s = self._master_status()
-        return {k: s[k] for k in ("state", "epochs", "min_epoch", "done", "containers", "elapsed_s", "recoveries")}
+        return {"state": s.state, "epochs": s.epochs, "min_epoch": s.min_epoch, "done": s.done,
+                "containers": s.containers, "elapsed_s": s.elapsed_s, "recoveries": s.recoveries}
 
-    def _master_status(self) -> dict[str, Any]:
+    def _master_status(self) -> MasterStatus:
         """The master's ``status``. A restarted master that found a source table's reference on
         no live host (every host died with it) asks for them there: this handle owns the
         tables, and hands the references back."""
 
         s = ray.get(self.master.status.remote())
-        if s.get("wants_source_refs") and self._source_refs:
+        if s.wants_source_refs and self._source_refs:
             ray.get(self.master.give_source_refs.remote(self._source_refs))
         return s
 
@@ -274,10 +278,10 @@ class Job:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             st = self.status()
-            if st.state == "failed":
+            if st.state is JobState.FAILED:
                 err = st.error
                 raise JobFailed(f"job failed: {err}", err) from err
-            if st.state in ("finished", "stopped"):
+            if st.state.terminal:
                 return st
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job still {st.state} after {timeout_s}s ({st.done_containers}/{st.containers} containers done)")
@@ -336,11 +340,12 @@ class Job:
 
         return ray.get(self.master.recovery_timeline.remote())
 
-    def placement(self) -> dict[str, Any]:
-        """Stage name -> container id -> slices (``stages``), container -> host (``hosts``), host ->
-        node id (``nodes``), the master's node id (``master_node``) and, for a job that takes
-        checkpoints, stage name -> the fewest backup copies a slice of it has now
-        (``backup_copies``: fewer than ``backup_factor`` when the job has too few hosts)."""
+    def placement(self) -> PlacementView:
+        """Where the job runs now: stage name -> container id -> slices (``stages``), container ->
+        host (``hosts``), host -> node id (``nodes``), the master's node id (``master_node``) and,
+        for a job that takes checkpoints, stage name -> the fewest backup copies a slice of it has
+        now (``backup_copies``: fewer than ``backup_factor`` when the job has too few hosts).
+        ``dataclasses.asdict`` gives it as a dict (``chronostream placement KEY`` prints that)."""
 
         return ray.get(self.master.placement_view.remote())
 
@@ -502,7 +507,7 @@ class CompletedJob:
 
     def wait(self, timeout_s: float | None = None) -> JobStatus:
         """Return at once: the job is finished."""
-        return JobStatus("finished", 0, 0, 0.0)
+        return JobStatus(JobState.FINISHED, 0, 0, 0.0)
 
     def status(self) -> JobStatus:
         """Always finished."""

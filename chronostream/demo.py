@@ -150,7 +150,7 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
             info = job.progress()
             sys.stdout.write("\r      " + _bar(info["min_epoch"], info["epochs"]))
             sys.stdout.flush()
-            if info["state"] != "running":
+            if info["state"] is not cs.JobState.RUNNING:
                 break
             time.sleep(0.2)
         job.wait()
@@ -169,7 +169,7 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
     lines = [
         ("events in", f"{fed.total_rows:,} flights (fed by Spark in {feed_s:.1f} s)"),
         ("outputs", f"{outputs:,} route updates (one per departed flight)"),
-        ("containers", ", ".join(f"{k}: {len(v)}" for k, v in placement["stages"].items())
+        ("containers", ", ".join(f"{k}: {len(v)}" for k, v in placement.stages.items())
          + " (at the end)"),
         ("job time", f"{elapsed:.1f} s (deploy + run + recovery + rescaling; the source is paced)"
                      if kill or scale else f"{elapsed:.1f} s (deploy + run)"),

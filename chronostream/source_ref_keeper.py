@@ -27,15 +27,14 @@ from typing import Any, Callable
 
 import ray
 
+from chronostream.master.job_state import JobState
+
 log = logging.getLogger("chronostream.client")
 
 #: Seconds between two asks: a restarted master waits 30 s for an answer.
 ASK_EVERY_S = 1.0
 #: Failed asks in a row (a master restarting takes a few) after which the keeper stops.
 GIVE_UP_AFTER = 60
-#: States of a job that has ended: nothing will ask again.
-ENDED = ("finished", "failed", "stopped")
-
 #: The keepers whose threads may still run (``stop_all``).
 _LIVE: "weakref.WeakSet[SourceRefKeeper]" = weakref.WeakSet()
 
@@ -57,7 +56,7 @@ class SourceRefKeeper:
     ``connected()`` false (Ray shut down) ends it at the next failed ask.
 
     >>> import time
-    >>> states = iter([(False, "running"), (True, "running"), (False, "finished")])
+    >>> states = iter([(False, JobState.RUNNING), (True, JobState.RUNNING), (False, JobState.FINISHED)])
     >>> given = []
     >>> k = SourceRefKeeper(lambda: next(states), lambda: given.append(1), ask_every_s=0.01)
     >>> while k.running: time.sleep(0.01)
@@ -65,7 +64,7 @@ class SourceRefKeeper:
     ([1], 1)
     """
 
-    def __init__(self, ask: Callable[[], tuple[bool, str]], give: Callable[[], object],
+    def __init__(self, ask: Callable[[], tuple[bool, JobState]], give: Callable[[], object],
                  ask_every_s: float = ASK_EVERY_S, connected: Callable[[], bool] = lambda: True) -> None:
         self._stopped = threading.Event()
         self.answers = 0  # times the references were handed back
@@ -83,7 +82,7 @@ class SourceRefKeeper:
         """Whether the thread still runs."""
         return self._thread.is_alive()
 
-    def _keep(self, ask: Callable[[], tuple[bool, str]], give: Callable[[], object], ask_every_s: float,
+    def _keep(self, ask: Callable[[], tuple[bool, JobState]], give: Callable[[], object], ask_every_s: float,
               connected: Callable[[], bool]) -> None:
         failures = 0
         while not self._stopped.wait(ask_every_s):
@@ -99,7 +98,7 @@ class SourceRefKeeper:
                 if failures >= GIVE_UP_AFTER or not connected():
                     return
                 continue
-            if state in ENDED:
+            if state.terminal:  # the job ended: nothing will ask again
                 return
 
 
@@ -107,7 +106,7 @@ def ray_keeper(master: Any, source_refs: dict[int, list]) -> SourceRefKeeper:
     """The keeper of a job on Ray: asks ``master`` (a ``JobMaster`` handle), gives ``source_refs``
     (stage id -> [reference]). Holds the handle and the references, nothing of the ``Job``."""
 
-    def ask() -> tuple[bool, str]:
+    def ask() -> tuple[bool, JobState]:
         return ray.get(master.wants_source_refs.remote(), timeout=10)
 
     def give() -> object:

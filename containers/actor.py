@@ -32,13 +32,14 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, RayActorError, RayError
 
 from chronostream.slices.plan import JobPlan
 from chronostream.containers.logs import configure_from_env
@@ -103,6 +104,14 @@ class _Fetched(NamedTuple):
     rejected: list[tuple[int, str]]  # (holder, why) of each copy refused
     nbytes: int  # bytes read (checkpoint and carried outputs)
     holder: int | None  # the host whose copy was restored (None: rebuilt from the start)
+
+
+@dataclass(frozen=True)
+class SpareState:
+    """A spare host no job adopted yet, as it reports itself (``ResourceContainer.spare_state``)."""
+
+    node: str  # the Ray node it runs on
+    leased: bool  # a pool handed it to a master, which is about to adopt it
 
 
 def shm_job_tag(master: Any) -> str:
@@ -220,13 +229,13 @@ class ResourceContainer:
         if self.host_id is None and self._lease is None:
             self._lease = asyncio.get_running_loop().call_later(seconds, self._expire_lease)
 
-    async def spare_state(self) -> dict[str, Any] | None:
+    async def spare_state(self) -> SpareState | None:
         """For a host pool that lost track of this spare (a pool that died, then made anew):
         None once adopted by a job; else its node and whether a take leased it (a master is
         about to adopt it)."""
         if self.host_id is not None:
             return None
-        return {"node": ray.get_runtime_context().get_node_id(), "leased": self._lease is not None}
+        return SpareState(node=ray.get_runtime_context().get_node_id(), leased=self._lease is not None)
 
     def _expire_lease(self) -> None:
         if self.host_id is None:
@@ -337,7 +346,9 @@ class ResourceContainer:
     async def _ask_node(self, aid: str, handle: Any) -> None:
         try:
             self._peer_node[aid] = await handle.node.remote()
-        except Exception:  # noqa: BLE001 - a dead peer: its pushes fail and recovery takes over
+        except RayError:
+            # A dead or unreachable peer: its node stays unknown (parts to it go through Ray),
+            # its pushes fail and recovery takes over.
             pass
 
     async def add_container(self, container_id: int, stage_id: int, slices: list[int],
@@ -596,8 +607,10 @@ class ResourceContainer:
                     "container %s failed: %s", cid, exc, exc_info=exc)
             try:
                 await self.master.container_failed.remote(cid, exc)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as report_exc:  # noqa: BLE001 - the epoch loop ends here either way
+                # A master dead for good cannot be told (``_watch_master`` ends this host); an
+                # error Ray cannot carry leaves the failure only in this host's log, so say it.
+                log.warning("container %s: its failure was not reported to the master: %s", cid, report_exc)
 
     async def _acknowledged(self, dst: int, ref: Any) -> bool:
         """Wait for one push; False (and the master told) when its receiver died."""
@@ -731,12 +744,19 @@ class ResourceContainer:
                 if not self._store_full_said:
                     log.warning("host %s: %s", self.host_id, exc)
                     self._store_full_said = True
-            except Exception:  # noqa: BLE001 - a store closed by a stop in between
-                pass
+            except Exception as exc:  # noqa: BLE001 - the heartbeats must go on
+                # A stop closes the store between two heartbeats (lmdb raises then): nothing is
+                # left to persist. Otherwise the chains stay in memory, where restores read
+                # them; the failure is said and the next heartbeat tries again.
+                if not self.stopped:
+                    log.warning("host %s: backup store flush failed: %s", self.host_id, exc)
             try:
                 self.master.heartbeat.remote(self.host_id, {c: core.statistics() for c, core in self.cores.items()})
-            except Exception:  # noqa: BLE001 - the master may be restarting
-                pass
+            except Exception as exc:  # noqa: BLE001 - the heartbeats must go on
+                # (A restarting master's calls wait; they do not raise.) A heartbeat not sent is
+                # one missed: the next follows in heartbeat_s, and the master declares a host
+                # dead only after heartbeat_timeout_s of silence.
+                log.warning("host %s: heartbeat not sent: %s", self.host_id, exc)
             await asyncio.sleep(self.heartbeat_s)
 
     async def _watch_master(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.slices.plan import JobPlan
@@ -40,6 +40,7 @@ from chronostream.master.autoscaler import Counters, build_snapshot
 from chronostream.master.backups import chains_by_slice, fewest_backup_copies, stale_backups
 from chronostream.master.catalog import CatalogError, MasterCatalog
 from chronostream.master.host_pool import take_spare
+from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
@@ -47,6 +48,7 @@ from chronostream.master.migration import (MigrationError, MigrationPhase, Trans
                               stage_id_of, warm_up_goals)
 from chronostream.master.placement import Placement, initial_placement
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
+from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.master.timeline import Timeline
 from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
@@ -61,9 +63,6 @@ SOURCE_REFS_CLIENT_WAIT_S = 30.0
 #: Autoscaler ticks the master keeps (``autoscale_trace``): each holds a full per-slice
 #: snapshot, so a long job keeps only the latest ones (an hour at the 2 s default interval).
 DECISIONS_KEPT = 1800
-
-#: Job states no transition leaves (``JobMaster._set_state``).
-TERMINAL_STATES = frozenset({"failed", "finished", "stopped"})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -105,12 +104,18 @@ class JobMaster:
         # Memory-sink rows handed over (``store_sink_parts``), as they were packed, in the order
         # they came: a read hands them on as they are (``sink_part_refs``), no copy joins them.
         self.sink_groups: list[tuple[int, pa.Table, np.ndarray]] = []
-        self.state = "created"
+        self.state = JobState.CREATED  # (changed only by _set_state)
         self.error: BaseException | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
         self.timeline = Timeline()  # bounded per kind (master.timeline), as is its catalog copy
-        self.recovery_lock = asyncio.Lock()
+        # Serializes every control operation that reads the placement or the backup chains and
+        # changes them across awaits: recovery (a resumed one too), migration, scale-out and
+        # scale-in, compaction, the settling of a migration a previous master left, the drop of
+        # stale backups, and the autoscaler's snapshot. Interleaved at their awaits, one would
+        # plan from a placement another is half-way through changing. GC and the finish check
+        # skip their turn while it is held instead of waiting for it.
+        self.control_lock = asyncio.Lock()
         self.next_id = 0
         self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
         self._watching = False
@@ -188,7 +193,7 @@ class JobMaster:
         self._unfinished_recovery = self.catalog.load_recovery()
 
     def _ensure_watching(self) -> None:
-        if not self._watching and self.state == "running":
+        if not self._watching and self.state is JobState.RUNNING:
             self._watching = True
             if self._unfinished_recovery is not None:  # (first: it takes the lock before the watch loop looks)
                 self._in_background(self._resume_recovery())
@@ -200,7 +205,7 @@ class JobMaster:
         self._background.append(asyncio.get_running_loop().create_task(coro))
 
     async def _settle_left_over(self) -> None:
-        async with self.recovery_lock:
+        async with self.control_lock:
             await self._settle_pending()
 
     async def _settle_pending(self) -> None:
@@ -230,18 +235,18 @@ class JobMaster:
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
 
-    def _set_state(self, state: str, **info: Any) -> bool:
+    def _set_state(self, state: JobState, **info: Any) -> bool:
         """The one place the job's state changes; the change is saved and kept in the timeline
         (``job_<state>``, with ``info``). A terminal state (failed, finished, stopped) is final:
         a report that arrives after one (a deploy that finishes awaiting its hosts after a
         container failed, say) changes nothing and is kept as ``state_kept``. Returns whether
         the state changed."""
-        if self.state in TERMINAL_STATES or state == self.state:
-            if state != self.state:
-                self._event("state_kept", state=self.state, refused=state)
+        if self.state.terminal or state is self.state:
+            if state is not self.state:
+                self._event("state_kept", state=self.state.value, refused=state.value)
             return False
         self.state = state
-        if state in TERMINAL_STATES:
+        if state.terminal:
             self.finished_at = time.time()
         self._save_progress()
         self._event(f"job_{state}", **info)
@@ -382,7 +387,7 @@ class JobMaster:
         self._save_layout()
         # A container may have failed (or every container finished) while the hosts' start was
         # awaited: a failed job stays failed, and a finish that came early is taken now.
-        if self._set_state("running", containers=len(self.host_of), nodes=len(set(self.nodes.values()))):
+        if self._set_state(JobState.RUNNING, containers=len(self.host_of), nodes=len(set(self.nodes.values()))):
             self._check_finished()
         self._ensure_watching()
         if self.policy is not None:
@@ -430,7 +435,7 @@ class JobMaster:
                 f"{SOURCE_REFS_CLIENT_WAIT_S:.0f} s (the process that started the job owns the table and "
                 f"answers while it runs: it has exited, or its Job handle was dropped)")
 
-    async def wants_source_refs(self) -> tuple[bool, str]:
+    async def wants_source_refs(self) -> tuple[bool, JobState]:
         """(Whether this master waits for the source tables' references from the client, the
         job's state): the client's ``SourceRefKeeper`` asks every second."""
         return bool(self.source_refs_wanted - self.source_refs.keys()), self.state
@@ -473,7 +478,7 @@ class JobMaster:
 
     async def _watch(self) -> None:
         tick = 0
-        while self.state == "running":
+        while self.state is JobState.RUNNING:
             await asyncio.sleep(self.heartbeat_s)
             tick += 1
             if tick % self.gc_every_ticks == 0:
@@ -485,9 +490,9 @@ class JobMaster:
                 self._event("fault_detected", host=h, by="probe (actor dead)")
             for h in silent:
                 self._event("fault_detected", host=h, by=f"no heartbeat for {now - self.last_seen[h]:.1f}s")
-            if (dead | silent) and self.state == "running":
+            if (dead | silent) and self.state is JobState.RUNNING:
                 await self._recover(dead | silent)
-            elif self.state == "finished" and self.opts.checkpointing:
+            elif self.state is JobState.FINISHED and self.opts.checkpointing:
                 for h in dead:  # (a silent host may just be slow: only a dead one is forgotten)
                     self._lost_after_end(h, RayActorError())
 
@@ -509,7 +514,7 @@ class JobMaster:
 
     async def _collect_garbage(self) -> None:
         """Drop outputs no recovery can need: below every consumer stage's oldest newest checkpoint."""
-        if not self.opts.checkpointing or self.opts.recompute_lost or self.recovery_lock.locked():
+        if not self.opts.checkpointing or self.opts.recompute_lost or self.control_lock.locked():
             return  # (recomputing a lost slice from the start needs every log from epoch 0)
         hosts = sorted(self.alive)
         try:
@@ -526,7 +531,7 @@ class JobMaster:
         except RayActorError:
             pass  # a host died: the watch loop recovers it; GC waits for the next round
         except Exception:  # noqa: BLE001
-            if self.state == "running":
+            if self.state is JobState.RUNNING:
                 raise
             # The job was stopped mid-round (hosts closing their stores): nothing to collect.
 
@@ -538,9 +543,9 @@ class JobMaster:
         Under the control lock: a migration or recovery that started since ``held`` was read
         could make a host a chain member again, or warm a destination up with a copy it is about
         to rebuild from; neither runs while the copies are judged and dropped."""
-        if self.recovery_lock.locked():
+        if self.control_lock.locked():
             return  # (a migration or recovery runs: the next round judges the chains it leaves)
-        async with self.recovery_lock:
+        async with self.control_lock:
             chains = chains_by_slice({st: self._backup_chain(st) for st in self.placement.containers})
             stale = stale_backups(chains, held, recovery_slack(self.opts))
             hosts = sorted(stale)
@@ -553,7 +558,7 @@ class JobMaster:
     async def container_unreachable(self, container_id: int, reporter: int) -> None:
         """A host could not push to ``container_id``: check its host now rather than at the next probe."""
         h = self.host_of.get(container_id)
-        if h is None or h not in self.alive or self.state != "running":
+        if h is None or h not in self.alive or self.state is not JobState.RUNNING:
             return
         if await self._probe([h]):
             self._event("fault_detected", host=h, by=f"host {reporter} (push failed)")
@@ -566,13 +571,13 @@ class JobMaster:
         return {h for h in self.alive if self.handles.get(h) is None}
 
     async def _recover(self, dead_hosts: set[int]) -> None:
-        async with self.recovery_lock:
+        async with self.control_lock:
             # A recovery a previous master left comes first (a host's report can arrive before
             # the watch loop starts the resume).
             await self._resume_recovery_locked()
             # Hosts a restarted master could not find again are dead as well.
             dead = (dead_hosts | self._hosts_not_found()) & self.alive
-            if not dead or self.state != "running":
+            if not dead or self.state is not JobState.RUNNING:
                 return
             try:
                 await self._recover_hosts(dead)
@@ -617,7 +622,7 @@ class JobMaster:
                 replayed = await self._run_plans(plans, gone)
                 break
             except Exception as exc:  # noqa: BLE001 - re-raised unless a host died
-                dead = await self._probe(sorted(self.alive)) if self.state == "running" else set()
+                dead = await self._probe(sorted(self.alive)) if self.state is JobState.RUNNING else set()
                 if not dead:
                     raise
                 first_line = next(iter(str(exc).splitlines()), "")  # (Ray's errors run to many lines)
@@ -640,10 +645,7 @@ class JobMaster:
                         + (" (node died)" if on_dead_nodes else ""))
             dead = dead | more
         for h in dead:
-            try:
-                ray.kill(self.handles[h], no_restart=True)  # fence a host that only looked dead
-            except Exception:  # noqa: BLE001
-                pass
+            _kill_host(h, self.handles.get(h))  # fence a host that only looked dead
         self.alive -= dead
         return dead
 
@@ -792,12 +794,12 @@ class JobMaster:
     async def _resume_recovery(self) -> None:
         """A master restarted in the middle of a recovery: plan again for the hosts it had not
         planned for, and run the saved plans again (``_recover_hosts``), before the watch loop looks."""
-        async with self.recovery_lock:
+        async with self.control_lock:
             await self._resume_recovery_locked()
 
     async def _resume_recovery_locked(self) -> None:
         record, self._unfinished_recovery = self._unfinished_recovery, None
-        if record is None or self.state != "running":
+        if record is None or self.state is not JobState.RUNNING:
             return
         plans = [{**rec, "resumed": True} for rec in record["plans"]]
         planned = {h for rec in plans for h in rec["dead"]}
@@ -911,7 +913,7 @@ class JobMaster:
         self._note_backup_copies()
 
     def _check_can_migrate(self) -> None:
-        if self.state != "running":
+        if self.state is not JobState.RUNNING:
             raise MigrationError(f"the job is {self.state}: nothing to rescale")
         if not self.opts.output_log:
             raise MigrationError("migration replays upstream output logs: run the job with output_log=True")
@@ -928,7 +930,7 @@ class JobMaster:
 
         ``request``: an id making the call idempotent (Ray retries it on a restarted master).
         """
-        async with self.recovery_lock:
+        async with self.control_lock:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
@@ -943,7 +945,7 @@ class JobMaster:
     async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested",
                        request: str | None = None) -> dict[str, Any]:
         """Move every slice off ``n`` of ``stage``'s hosts (those running the fewest slices), then release them."""
-        async with self.recovery_lock:
+        async with self.control_lock:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
@@ -970,7 +972,7 @@ class JobMaster:
                       request: str | None = None) -> dict[str, Any]:
         """Merge ``stage``'s containers on each host into one (``master.migration.compaction_moves``);
         a no-op when every host runs one."""
-        async with self.recovery_lock:
+        async with self.control_lock:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
@@ -997,7 +999,7 @@ class JobMaster:
         ``benchmarks.migration`` compares against (the source container
         pauses while a fresh snapshot is copied and restored); not for use.
         """
-        async with self.recovery_lock:
+        async with self.control_lock:
             if (done := await self._replayed(request)) is not None:
                 return done
             self._check_can_migrate()
@@ -1490,11 +1492,11 @@ class JobMaster:
         """Every ``autoscale_interval_s``: snapshot, ask the policy, take its actions (logged with reasons)."""
         self._counters = None
         await self.metrics_snapshot()  # the base of the first interval's rates
-        while self.state == "running":
+        while self.state is JobState.RUNNING:
             await asyncio.sleep(self.opts.autoscale_interval_s)
-            if self.state != "running":
+            if self.state is not JobState.RUNNING:
                 return
-            async with self.recovery_lock:  # no snapshot in the middle of a recovery or migration
+            async with self.control_lock:  # no snapshot in the middle of a recovery or migration
                 snap = await self.metrics_snapshot()
             try:
                 actions = list(self.policy.decide(snap))
@@ -1527,20 +1529,21 @@ class JobMaster:
     # -- reports from hosts ------------------------------------------------------------
 
     def _fail(self, container_id: int | None, error: BaseException) -> None:
-        if self.state in TERMINAL_STATES:
+        if self.state.terminal:
             return
         where = ""
         if container_id is not None and self.placement is not None and container_id in self.placement.stage_of:
             where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
         self.error = error
-        self._set_state("failed", where=where.strip(), error=str(error))
+        self._set_state(JobState.FAILED, where=where.strip(), error=str(error))
         for h in self.alive:
             if self.handles.get(h) is not None:
                 self.handles[h].stop.remote()
 
     async def ping(self) -> str:
-        """The job's state: a host's sign that its master lives (``ResourceContainer._watch_master``)."""
-        return self.state
+        """The job's state, as its plain value: a host's sign that its master lives
+        (``ResourceContainer._watch_master``; a host reads no master type)."""
+        return self.state.value
 
     async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:
         """Liveness and progress from a host."""
@@ -1558,9 +1561,9 @@ class JobMaster:
 
     def _check_finished(self) -> None:
         live = [c for ids in self.placement.containers.values() for c in ids]
-        if self.state == "running" and live and all(c in self.done for c in live) \
-                and not self.recovery_lock.locked():
-            self._set_state("finished")
+        if self.state is JobState.RUNNING and live and all(c in self.done for c in live) \
+                and not self.control_lock.locked():
+            self._set_state(JobState.FINISHED)
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
         """A container hit an error it cannot handle."""
@@ -1573,25 +1576,25 @@ class JobMaster:
 
     # -- reading ---------------------------------------------------------------
 
-    async def status(self) -> dict[str, Any]:
-        """State ("running", "finished", "failed", "stopped"), error, progress."""
+    async def status(self) -> MasterStatus:
+        """The job's state (a ``JobState``), its error, and its progress."""
         self._ensure_watching()
         self._check_finished()  # the last container may have finished during a recovery
         live = [c for ids in self.placement.containers.values() for c in ids]
-        return {
-            "state": self.state,
-            "error": self.error,
-            "containers": len(live),
-            "done": len([c for c in live if c in self.done]),
-            "elapsed_s": (self.finished_at or time.time()) - self.started_at if self.started_at else 0.0,
-            "epochs": self.plan.num_epochs,
-            "min_epoch": min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
-            "recoveries": self.timeline.count("recovery_end"),
-            "gc_dropped": self.gc_dropped,
-            "stale_backups_dropped": self.stale_backups_dropped,
+        return MasterStatus(
+            state=self.state,
+            error=self.error,
+            containers=len(live),
+            done=len([c for c in live if c in self.done]),
+            elapsed_s=(self.finished_at or time.time()) - self.started_at if self.started_at else 0.0,
+            epochs=self.plan.num_epochs,
+            min_epoch=min((self.stats[c].next_epoch for c in live if c in self.stats), default=0),
+            recoveries=self.timeline.count("recovery_end"),
+            gc_dropped=self.gc_dropped,
+            stale_backups_dropped=self.stale_backups_dropped,
             # (the client's Job handle answers with give_source_refs)
-            "wants_source_refs": (await self.wants_source_refs())[0],
-        }
+            wants_source_refs=(await self.wants_source_refs())[0],
+        )
 
     async def source_log_floors(self) -> dict[str, int]:
         """Source stage name -> the first global order it may read again (0: all of it): a
@@ -1604,13 +1607,13 @@ class JobMaster:
         """The job's plan (``Job.attach`` from another process)."""
         return self.plan
 
-    async def placement_view(self) -> dict[str, Any]:
+    async def placement_view(self) -> PlacementView:
         """Stage name -> container id -> slices, each container's host, each host's node, the
-        master's own node (``master_node``) and the fewest backup copies a slice of each stage has
-        (``backup_copies``, empty without checkpoints)."""
-        return {"stages": self.placement.as_dict(self.plan), "nodes": dict(self.nodes),
-                "hosts": dict(self.host_of), "master_node": ray.get_runtime_context().get_node_id(),
-                "backup_copies": self.backup_copies()}
+        master's own node and the fewest backup copies a slice of each stage has (empty without
+        checkpoints)."""
+        return PlacementView(stages=self.placement.as_dict(self.plan), nodes=dict(self.nodes),
+                             hosts=dict(self.host_of), master_node=ray.get_runtime_context().get_node_id(),
+                             backup_copies=self.backup_copies())
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Latest statistics of every live container (fresh from the hosts)."""
@@ -1676,7 +1679,7 @@ class JobMaster:
         lived only there). Containers that left the placement (slices migrated away) handed the
         master every row their slices' new owners do not re-make: those up to the checkpoint or
         snapshot the new owners were restored from (``ResourceContainer.migration_snapshot``)."""
-        if self.state == "running":
+        if self.state is JobState.RUNNING:
             raise error  # the watch loop recovers it (its output logs may still be replayed)
         live = {c for ids in self.placement.containers.values() for c in ids}
         on_it = sorted(c for c, h in self.host_of.items() if h == host and c in live)
@@ -1744,24 +1747,40 @@ class JobMaster:
     async def stop(self, cleanup: bool = True) -> None:
         """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
         directory (``_remove_job_files``)."""
-        if self.state == "running":
-            self._set_state("stopped")
+        if self.state is JobState.RUNNING:
+            self._set_state(JobState.STOPPED)
         self._save_progress()
         for task in self._background:
             task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")
         await asyncio.gather(*self._background, return_exceptions=True)
         for h in sorted(self.alive):
+            if self.handles.get(h) is None:
+                continue  # (a host a restarted master did not find: dead, nothing to stop)
             try:
                 await self.handles[h].stop.remote(cleanup)
-            except Exception:  # noqa: BLE001 - a dead host has nothing left to stop
-                pass
+            except RayActorError:
+                pass  # a dead host has nothing left to stop
+            except RayError as exc:
+                # Its stop raised: the kill below ends it all the same, and the stop of the
+                # other hosts must not wait on this one.
+                log.warning("host %s: its stop failed (%s); killing it", h, exc)
         self.catalog.close()
         if cleanup:
             self._remove_job_files()
         # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
         remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
-        for h in self.handles.values():
-            try:
-                ray.kill(h)  # detached: nothing else would release them
-            except Exception:  # noqa: BLE001
-                pass
+        for h, handle in self.handles.items():
+            _kill_host(h, handle)  # detached: nothing else would release them
+
+
+def _kill_host(host_id: int, handle: Any) -> None:
+    """``ray.kill`` a host's actor for good. A host with no handle (one a restarted master did
+    not find by name, or one declared dead before that master's restart) is gone already; a
+    kill Ray refuses (an actor it no longer knows, a worker disconnecting) leaves nothing to
+    end either, so it is logged and the caller goes on."""
+    if handle is None:
+        return
+    try:
+        ray.kill(handle, no_restart=True)
+    except RayError as exc:
+        log.debug("host %s: kill refused (%s)", host_id, exc)

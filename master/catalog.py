@@ -44,6 +44,7 @@ from chronostream.slices.arrow_ipc import read_stream, stream_buffer
 from chronostream.slices.errors import ChronoStreamError
 from chronostream.containers.lmdb_store import put_all
 from chronostream.containers.sink_parts import PackedSinkParts
+from chronostream.master.job_state import JobState
 from chronostream.master.placement import Placement
 
 
@@ -246,16 +247,26 @@ class MasterCatalog:
         """Host id -> actor name of every host saved with ``save_host_name``."""
         return {int(k): v for k, v in self._get(b"host_names", {}).items()}
 
-    def save_progress(self, state: str, done: set[int], started_at: float, finished_at: float) -> None:
-        """Job state, finished containers and times."""
+    def save_progress(self, state: JobState, done: set[int], started_at: float, finished_at: float) -> None:
+        """Job state (stored as its plain value), finished containers and times."""
         if self.closed:
             return  # the job was stopped: late reports are not kept
-        put_all(self.env, [(b"progress", _pack({"state": state, "done": sorted(done), "started_at": started_at,
+        put_all(self.env, [(b"progress", _pack({"state": state.value, "done": sorted(done), "started_at": started_at,
                                                 "finished_at": finished_at}))], store="master catalog")
 
     def load_progress(self) -> dict[str, Any]:
-        """The saved job state (see ``save_progress``)."""
-        return self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
+        """The saved job state (see ``save_progress``), its ``state`` read back as a ``JobState``.
+
+        >>> import tempfile
+        >>> cat = MasterCatalog(tempfile.mkdtemp())
+        >>> cat.save_progress(JobState.FINISHED, {1, 0}, 1.0, 2.0)
+        >>> prog = cat.load_progress()
+        >>> prog["state"] is JobState.FINISHED, prog["done"]
+        (True, [0, 1])
+        >>> cat.close()
+        """
+        prog = self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
+        return {**prog, "state": JobState(prog["state"])}
 
     def save_gc_marks(self, marks: dict[int, int]) -> None:
         """The highest GC mark per producer stage, saved *before* the hosts are told to trim to

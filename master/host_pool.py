@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from chronostream.containers.actor import ResourceContainer
+from chronostream.containers.actor import ResourceContainer, SpareState
 
 log = logging.getLogger("chronostream.host_pool")
 
@@ -45,6 +46,21 @@ SPARE_PREFIX = "chronostream-spare-"
 LEASE_S = 120.0
 #: Seconds a spare has to answer when it is taken (else it is dropped as dead).
 ANSWER_S = 10.0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A host pool's counts (``HostPool.stats``, ``cs.keep_warm_hosts``)."""
+
+    size: int  # spares it keeps
+    ready: int  # spares started, warm and not handed out
+    by_node: dict[str, int]  # node id -> ready spares on it
+    handed_out: int  # spares taken by masters so far
+    started: int  # spare processes started so far
+    dropped: int  # spares found dead (when taken, or on a node that died)
+    found: int  # spares an earlier pool left, kept by this one
+    names: list[str]  # the ready spares' actor names
+    pool_node: str  # the node the pool itself runs on
 
 
 @ray.remote(num_cpus=0)
@@ -98,7 +114,7 @@ class HostPool:
         self._refill()
         return None
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> PoolStats:
         """The target size, ready spares (count, per node, their actor names), spares handed out,
         started and found dead so far (dead when taken, or on a node that died), kept from an
         earlier pool, and the pool's own node."""
@@ -106,10 +122,10 @@ class HostPool:
         nodes: dict[str, int] = {}
         for _name, _handle, node in self.spares:
             nodes[node] = nodes.get(node, 0) + 1
-        return {"size": self.size, "ready": len(self.spares), "by_node": nodes, "handed_out": self.handed_out,
-                "started": self.started, "dropped": self.dropped, "found": self.found,
-                "names": [name for name, _handle, _node in self.spares],
-                "pool_node": ray.get_runtime_context().get_node_id()}
+        return PoolStats(size=self.size, ready=len(self.spares), by_node=nodes, handed_out=self.handed_out,
+                         started=self.started, dropped=self.dropped, found=self.found,
+                         names=[name for name, _handle, _node in self.spares],
+                         pool_node=ray.get_runtime_context().get_node_id())
 
     async def wait_full(self, timeout_s: float = 60.0) -> bool:
         """Wait until ``size`` spares are ready (or ``timeout_s``); True when they are."""
@@ -155,7 +171,7 @@ class HostPool:
         names = sorted(a["name"] for a in named if a["namespace"] == namespace and a["name"].startswith(SPARE_PREFIX))
         known = {name for name, _handle, _node in self.spares}
 
-        async def state_of(name: str) -> tuple[Any, dict | None]:
+        async def state_of(name: str) -> tuple[Any, SpareState | None]:
             try:
                 handle = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
                 return handle, await asyncio.wait_for(handle.spare_state.remote(), timeout=ANSWER_S)
@@ -163,10 +179,10 @@ class HostPool:
                 return None, None
         unknown = [name for name in names if name not in known]
         for name, (handle, state) in zip(unknown, await asyncio.gather(*[state_of(n) for n in unknown])):
-            if state is None or state["leased"]:
+            if state is None or state.leased:
                 continue
             if len(self.spares) < self.size:
-                self.spares.append((name, handle, state["node"]))
+                self.spares.append((name, handle, state.node))
                 self.found += 1
             else:
                 ray.kill(handle)

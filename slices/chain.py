@@ -8,6 +8,7 @@ Knows no Ray.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
@@ -15,6 +16,8 @@ import pyarrow as pa
 
 from chronostream.slices.plan import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter, batch_table
 from chronostream.slices.types import ORDER, SUB, extend_sub_order
+
+log = logging.getLogger("chronostream.slices")
 
 #: Called as on_error(row_index_in_table, exception); returns True to skip the
 #: row (dead letter) or raises.
@@ -100,8 +103,11 @@ def _apply_step(table: pa.Table, step: object, on_error: ErrorHandler, carry: tu
         return _with_lineage(out, order[p], extend_sub_order(sub[p], k), _carried(table, carry, p))
     try:
         return _apply_batch_step(table, step, order, sub, carry)
-    except Exception:  # noqa: BLE001 - user code: find the poison rows one by one
-        pass
+    except Exception as exc:  # noqa: BLE001 - user code raises anything
+        # Not lost: the rows run again one at a time below, and each row that fails there
+        # goes to ``on_error`` with its own exception.
+        log.debug("%s failed on a batch of %d rows (%s: %s); running them one by one",
+                  type(step).__name__, table.num_rows, type(exc).__name__, exc)
     # Vectorized transforms are row-wise by contract, so running them on one
     # row at a time gives the same result and isolates the failing rows.
     parts = []

@@ -45,7 +45,7 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
     workers = cluster.list_all_nodes()[1:]  # (index 0 is the head)
     victim = workers[0]
     if master_dies_at is not None:  # the master must outlive the node to die in the recovery itself
-        victim = next(n for n in workers if n.node_id != job.placement()["master_node"])
+        victim = next(n for n in workers if n.node_id != job.placement().master_node)
     if master_dies_at is not None:
         ray.get(job.master.crash_in_recovery.remote(master_dies_at))
     placement = job.placement()
@@ -54,12 +54,12 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
         worker_ids = {n.node_id: n for n in workers}
 
         def node_of(stage: str) -> str:
-            (c,) = placement["stages"][stage]
-            return placement["nodes"][placement["hosts"][c]]
+            (c,) = placement.stages[stage]
+            return placement.nodes[placement.hosts[c]]
 
         one_host_stage = next(name for name in ("running_sum", "payments") if node_of(name) in worker_ids)
         victim = worker_ids[node_of(one_host_stage)]
-    lost = sorted(h for h, node in placement["nodes"].items() if node == victim.node_id)
+    lost = sorted(h for h, node in placement.nodes.items() if node == victim.node_id)
     pool_before = cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address) if spares else None
     cluster.remove_node(victim)
     workdir = Path(job.workdir)
@@ -72,7 +72,7 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
     kinds = [k for _, k, _ in timeline]
     restored_from_backup = None
     if one_host_stage is not None:
-        gone = set(placement["stages"][one_host_stage])
+        gone = set(placement.stages[one_host_stage])
         epochs = [e for _, k, i in timeline if k == "recovery_start" and i["container"] in gone
                   for e in i["backup_epochs"].values()]
         restored_from_backup = bool(epochs) and min(epochs) >= 0
@@ -80,9 +80,9 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
     pool = None
     if spares:
         after = cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address)
-        pool = {"victim_before": pool_before["by_node"].get(victim.node_id, 0), "ready_after": after["ready"],
-                "pool_on_victim": pool_before["pool_node"] == victim.node_id,
-                "victim_after": after["by_node"].get(victim.node_id, 0), "dropped": after["dropped"],
+        pool = {"victim_before": pool_before.by_node.get(victim.node_id, 0), "ready_after": after.ready,
+                "pool_on_victim": pool_before.pool_node == victim.node_id,
+                "victim_after": after.by_node.get(victim.node_id, 0), "dropped": after.dropped,
                 "adopted": kinds.count("spare_adopted")}
         cs.keep_warm_hosts(0, address=cluster.address)
     print(json.dumps({"equal": same, "lost_hosts": len(lost), "recoveries": kinds.count("recovery_end"),
@@ -114,8 +114,8 @@ def main() -> None:
         placement = job.placement()
         same = all(job.results(s).to_pylist() == cs.run(build(7), executor="serial").results(s).to_pylist()
                    for s in sinks)
-        stage_nodes = {name: sorted({placement["nodes"][c] for c in conts})
-                       for name, conts in placement["stages"].items()}
+        stage_nodes = {name: sorted({placement.nodes[c] for c in conts})
+                       for name, conts in placement.stages.items()}
         job.stop()
         print(json.dumps({"equal": same, "nodes": len(ray.nodes()),
                           "stage_nodes": {k: len(v) for k, v in stage_nodes.items()}}))

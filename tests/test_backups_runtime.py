@@ -41,7 +41,7 @@ def test_backups_follow_the_chain_and_match_the_live_slices(ray_session, ship_by
             assert job.results(sink).to_pylist() == expected.results(sink).to_pylist()
         assert _check_backups_match_live_slices(job) == 2 * 2 * 7
         # Two hosts a stage and more on the others: every slice gets its two copies, and no warning.
-        assert job.placement()["backup_copies"] == {"payments": 2, "running_sum": 2, "stats": 2}
+        assert job.placement().backup_copies == {"payments": 2, "running_sum": 2, "stats": 2}
         assert not [e for e in job.timeline() if e[1] == "backups_short"]
         chain = ray.get(job.master.backup_plan.remote())
         handles = ray.get(job.master.container_handles.remote())
@@ -101,7 +101,7 @@ def _check_backups_match_live_slices(job: cs.Job, copies: int = 2) -> int:
     chain = ray.get(job.master.backup_plan.remote())
     handles = ray.get(job.master.container_handles.remote())
     hosts = ray.get(job.master.host_handles.remote())  # (chains name hosts; after a scale-out not the containers' ids)
-    placement = job.placement()["stages"]
+    placement = job.placement().stages
     last_epoch = job.plan.num_epochs - 1
     checked = 0
     for stage in ("running_sum", "stats"):
@@ -147,7 +147,7 @@ def test_a_scale_out_gives_a_short_job_its_copies_and_every_stage_backs_up_where
         apply_schedule(job, [Fault("delay", 0, stage="payments", seconds=0.05),
                              Fault("scale_out", 20, stage="running_sum", n=1)])
         job.wait(timeout_s=120)
-        assert job.placement()["backup_copies"] == {"payments": 3, "running_sum": 3, "stats": 3}
+        assert job.placement().backup_copies == {"payments": 3, "running_sum": 3, "stats": 3}
         said = [(k, i["stage"], i["copies"]) for _, k, i in job.timeline() if k.startswith("backups_")]
         assert sorted(said[:3]) == [("backups_short", st, 2) for st in ("payments", "running_sum", "stats")]
         assert sorted(said[3:]) == [("backups_restored", st, 3) for st in ("payments", "running_sum", "stats")]
@@ -162,11 +162,11 @@ def test_a_scale_out_gives_a_short_job_its_copies_and_every_stage_backs_up_where
 def test_a_job_with_too_few_hosts_for_its_backup_factor_says_how_many_copies_its_slices_get(ray_session):
     """Three stages of one host each cannot give a slice 3 copies on other hosts: the job runs with 2
     and says so at deploy (event ``backups_short`` per stage, a warning) and in
-    ``placement()["backup_copies"]``, instead of a user finding out when a third host dies."""
+    ``placement().backup_copies``, instead of a user finding out when a third host dies."""
     job = cs.run(running_sum(5), containers=1, checkpoint_every=2, backup_factor=3)
     try:
         job.wait(timeout_s=120)
-        assert job.placement()["backup_copies"] == {"payments": 2, "running_sum": 2, "stats": 2}
+        assert job.placement().backup_copies == {"payments": 2, "running_sum": 2, "stats": 2}
         short = sorted((i["stage"], i["copies"], i["backup_factor"], i["hosts"])
                        for _, kind, i in job.timeline() if kind == "backups_short")
         assert short == [("payments", 2, 3, 3), ("running_sum", 2, 3, 3), ("stats", 2, 3, 3)]

@@ -82,7 +82,7 @@ def test_output_log_on_ray_replays_a_stream_from_any_progress_point(ray_session)
         assert plan.streams[sink_stream].consumers, "the stream must feed a stage to be logged"
         handles = ray.get(job.master.container_handles.remote())
         stage = plan.stage("count").stage_id
-        placement = job.placement()["stages"]["count"]
+        placement = job.placement().stages["count"]
         for cid, slices in placement.items():
             for s in slices:
                 expected = [r for r in sink.to_pylist() if r["_slice"] == s]

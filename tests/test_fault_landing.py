@@ -13,8 +13,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-import chronostream.client
+import chronostream.chaos
 from chronostream.chaos import ChaosReport, Fault, judge_landing, random_faults, run_with_faults
+from chronostream.master.job_state import JobState
 
 DAMAGE = Fault("corrupt_backup", 10, "count", index=1)
 #: What ``inject`` answers for DAMAGE: slice 3 of stage 1 (container 7 on host 2), its copy on host 5 damaged.
@@ -157,7 +158,7 @@ class _FakeJob:
         self.table, self.stopped = table, False
 
     def progress(self):
-        return {"state": "finished", "min_epoch": 99}
+        return {"state": JobState.FINISHED, "min_epoch": 99}
 
     def wait(self, timeout_s=None):
         return self
@@ -182,7 +183,7 @@ def test_run_with_faults_hands_back_every_sink_s_rows_read_before_the_job_stops(
         jobs.append(_FakeJob(rows))
         return jobs[-1]
 
-    monkeypatch.setattr(chronostream.client, "run", fake_run)
+    monkeypatch.setattr(chronostream.chaos, "run", fake_run)
     report = run_with_faults(object(), [])
     assert jobs[0].stopped, "the job is stopped"
     assert report.outputs["out"].equals(rows) and report.ok and report.rows == {"out": 2}

@@ -39,7 +39,7 @@ def warm_pool(ray_session):
 
     def fill(size: int) -> dict:
         stats = cs.keep_warm_hosts(size, wait_s=90)
-        assert stats["ready"] == size, stats
+        assert stats.ready == size, stats
         return stats
 
     yield fill
@@ -53,7 +53,7 @@ def _pool():
 def _pool_size() -> int:
     """The session pool's size (0 when no pool was made)."""
     try:
-        return ray.get(_pool().stats.remote())["size"]
+        return ray.get(_pool().stats.remote()).size
     except ValueError:
         return 0
 
@@ -84,7 +84,7 @@ def adopted(timeline) -> list[dict]:
 
 
 def test_a_job_deploys_and_scales_out_onto_warm_spares_with_the_serial_output(warm_pool):
-    spares = set(warm_pool(4)["names"])
+    spares = set(warm_pool(4).names)
     report = run_with_faults(query(), [SLOW_SOURCE, Fault("scale_out", 10, "running_sum", n=1)],
                              containers={"payments": 1, "running_sum": 1, "stats": 1}, checkpoint_every=2)
     assert report.ok, report.mismatches
@@ -161,9 +161,9 @@ def test_a_spare_refuses_to_run_a_job_before_it_is_adopted(warm_pool):
 
 
 def test_a_pool_resized_to_zero_stops_its_spares(warm_pool):
-    names = warm_pool(2)["names"]
+    names = warm_pool(2).names
     handles = [spare_handle(name) for name in names]
-    assert cs.keep_warm_hosts(0)["ready"] == 0
+    assert cs.keep_warm_hosts(0).ready == 0
     for name, handle in zip(names, handles):
         wait_until_gone(handle, f"spare {name} still answers after the pool was resized to 0")
 
@@ -184,7 +184,7 @@ def test_the_cli_resizes_the_pool_and_prints_its_counts(warm_pool, capsys):
 
 
 def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(warm_pool):
-    first, second = warm_pool(2)["names"]
+    first, second = warm_pool(2).names
     killed = spare_handle(first)
     ray.kill(killed)
     # (``ray.kill`` only asks: until the process is gone it may still take a lease, and the
@@ -193,7 +193,7 @@ def test_a_spare_that_died_in_the_pool_is_dropped_and_the_next_one_handed_out(wa
     name, spare = ray.get(_pool().take.remote())
     try:
         assert name == second
-        assert ray.get(_pool().stats.remote())["dropped"] >= 1
+        assert ray.get(_pool().stats.remote()).dropped >= 1
     finally:
         ray.kill(spare)
 
@@ -202,7 +202,7 @@ def test_a_pool_made_after_one_died_takes_over_its_unadopted_spares_and_leaves_l
     """Spares are detached: a pool that dies would leave them running, unadopted, for good. The
     next pool (the next ``keep_warm_hosts``) keeps the ones nobody took; a leased one belongs to
     the master that took it."""
-    first, second = warm_pool(2)["names"]
+    first, second = warm_pool(2).names
     taken, leased = ray.get(_pool().take.remote())
     left = second if taken == first else first
     try:
@@ -216,7 +216,7 @@ def test_a_pool_made_after_one_died_takes_over_its_unadopted_spares_and_leaves_l
             time.sleep(0.2)
         stats = cs.keep_warm_hosts(2, wait_s=90)
         # (the spare the dead pool was starting to replace the taken one may be found too)
-        assert stats["found"] >= 1 and left in stats["names"] and taken not in stats["names"], stats
-        assert stats["ready"] == 2
+        assert stats.found >= 1 and left in stats.names and taken not in stats.names, stats
+        assert stats.ready == 2
     finally:
         ray.kill(leased)

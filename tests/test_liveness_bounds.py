@@ -19,6 +19,7 @@ import chronostream as cs
 import chronostream.master.actor as master_actor
 from chronostream.dag import compile_query
 from chronostream.master.actor import JobMaster
+from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch
 from chronostream.master.placement import containers_per_stage
 
@@ -81,11 +82,11 @@ def test_a_container_failure_during_deploy_leaves_the_job_failed(tmp_path, monke
 
     m = _master(tmp_path, monkeypatch, fail_on_start)
     asyncio.run(m.deploy(_launch(), {}))
-    assert m.state == "failed"
-    assert m.catalog.load_progress()["state"] == "failed"
+    assert m.state is JobState.FAILED
+    assert m.catalog.load_progress()["state"] is JobState.FAILED
     kinds = [k for _, k, _ in m.timeline]
     assert "job_failed" in kinds and "job_running" not in kinds, kinds
-    assert asyncio.run(m.status())["state"] == "failed"
+    assert asyncio.run(m.status()).state is JobState.FAILED
     assert m.stopped_hosts == [0]
     m.catalog.close()
 
@@ -93,13 +94,13 @@ def test_a_container_failure_during_deploy_leaves_the_job_failed(tmp_path, monke
 def test_terminal_states_are_final(tmp_path, monkeypatch):
     """Regression (issue 59, failure during deploy): failed, finished and stopped are final; a later
     transition is refused and kept in the timeline as ``state_kept``."""
-    for terminal in ("failed", "finished", "stopped"):
+    for terminal in (JobState.FAILED, JobState.FINISHED, JobState.STOPPED):
         m = _master(tmp_path / terminal, monkeypatch, lambda m, h: asyncio.sleep(0))
-        assert m._set_state("running")
+        assert m._set_state(JobState.RUNNING)
         assert m._set_state(terminal)
-        for other in ("running", "failed", "finished", "stopped"):
+        for other in (JobState.RUNNING, JobState.FAILED, JobState.FINISHED, JobState.STOPPED):
             m._set_state(other)
-            assert m.state == terminal
+            assert m.state is terminal
         kept = [i for _, k, i in m.timeline if k == "state_kept"]
         assert {i["refused"] for i in kept} == {"running", "failed", "finished", "stopped"} - {terminal}
         m.catalog.close()
@@ -114,7 +115,7 @@ def test_containers_that_finish_during_deploy_finish_the_job(tmp_path, monkeypat
 
     m = _master(tmp_path, monkeypatch, done_on_start)
     asyncio.run(m.deploy(_launch(), {}))
-    assert m.state == "finished"
+    assert m.state is JobState.FINISHED
     kinds = [k for _, k, _ in m.timeline]
     assert kinds.index("job_running") < kinds.index("job_finished"), kinds
     m.catalog.close()
@@ -218,7 +219,7 @@ def test_the_timeline_and_its_catalog_copy_stay_bounded(tmp_path, monkeypatch):
 
     m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
     m.timeline = Timeline(per_kind=10)
-    m._set_state("running")
+    m._set_state(JobState.RUNNING)
     for i in range(200):
         m._event("autoscale_decision", action=f"tick {i}")
         if i % 50 == 0:
@@ -249,11 +250,11 @@ def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
     async def snapshot():
         ticks.append(len(ticks))
         if len(ticks) > 30:
-            m.state = "stopped"
+            m.state = JobState.STOPPED
         return types.SimpleNamespace(n=len(ticks), to_plain=lambda: {})
 
     m.metrics_snapshot = snapshot
-    m.state = "running"
+    m.state = JobState.RUNNING
     asyncio.run(m._autoscale())
     assert m.decisions_made == 30
     assert [d.snapshot.n for d in m.decisions] == [27, 28, 29, 30, 31]  # (the first: the base of the rates)

@@ -119,9 +119,9 @@ def test_ray_migrate_slice_0_then_kill_its_old_host_gives_the_exact_output(ray_s
     job = cs.run(q, containers=3, checkpoint_every=0, source_pace_s=0.1)
     try:
         stage = job.plan.stages[1].name
-        first = job.placement()["stages"][stage]
+        first = job.placement().stages[stage]
         source = next(int(c) for c, slices in first.items() if 0 in slices)
-        source_host = job.placement()["hosts"][source]
+        source_host = job.placement().hosts[source]
         # (the old container keeps the lowest id: migrations make higher ones)
         assert source == min(map(int, first))
         moves = [Fault("migrate", 2, stage, index=0)]
@@ -140,8 +140,8 @@ def test_ray_migrate_slice_0_then_kill_its_old_host_gives_the_exact_output(ray_s
         assert [t["slices"] for t in done] == [[0]] * len(moves) and {t["phase"] for t in done} == {"done"}
         assert done[0]["from"] == source
         now = job.placement()
-        holder = next(int(c) for c, slices in now["stages"][stage].items() if 0 in slices)
-        assert holder == done[-1]["to"] and now["hosts"][holder] != source_host, "slice 0 left its first host"
+        holder = next(int(c) for c, slices in now.stages[stage].items() if 0 in slices)
+        assert holder == done[-1]["to"] and now.hosts[holder] != source_host, "slice 0 left its first host"
         ends = [info for _, kind, info in timeline if kind == "recovery_end"]
         assert any(source in info["containers"] for info in ends), "a recovery of the old container ran"
         mismatches, counts = compare_with_serial(job, q)

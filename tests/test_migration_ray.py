@@ -33,7 +33,7 @@ def migrations(report) -> list[dict]:
 
 
 def hosts_of(report_or_job, stage: str) -> int:
-    return len({report_or_job.placement()["hosts"][c] for c in report_or_job.placement()["stages"][stage]})
+    return len({report_or_job.placement().hosts[c] for c in report_or_job.placement().stages[stage]})
 
 
 def test_scale_out_one_to_two_to_four_then_in_to_one_gives_the_serial_output(ray_session):
@@ -67,7 +67,7 @@ def test_slices_that_are_not_moving_keep_producing_output_during_a_migration(ray
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=4)
     try:
         apply_schedule(job, [SLOW_SOURCE])
-        moving = job.placement()["stages"]["running_sum"]
+        moving = job.placement().stages["running_sum"]
         first = sorted(moving)[0]
         s = moving[first][0]
         apply_schedule(job, [Fault("delay", 20, "payments", seconds=0.05)])
@@ -92,7 +92,7 @@ def test_a_copy_rebuilt_far_behind_catches_up_by_replay_before_it_joins_the_live
                  migration_warm_up_s=0)  # no warm-up: start from the old backup
     try:
         apply_schedule(job, [SLOW_SOURCE])
-        placement = job.placement()["stages"]["running_sum"]
+        placement = job.placement().stages["running_sum"]
         src, dst = sorted(placement)
         # Checkpoints at ~39 and ~79: move at ~50 with the source slowed to 0.15 s an epoch, so the
         # epoch-79 checkpoint is ~3.5 s away: a loaded machine's rebuild (a CI run once took long
@@ -118,7 +118,7 @@ def test_a_migration_waits_for_a_fresh_backup_so_the_copy_starts_at_the_sources_
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=20)
     try:
         apply_schedule(job, [SLOW_SOURCE])
-        placement = job.placement()["stages"]["running_sum"]
+        placement = job.placement().stages["running_sum"]
         src, dst = sorted(placement)
         apply_schedule(job, [Fault("delay", 45, "payments", seconds=0.05)])  # newest backups: epoch 39
         reached = job.progress()["min_epoch"]
@@ -157,12 +157,12 @@ def move_one_slice_to_the_other_host(job) -> tuple[dict, int, int]:
     """Two containers of ``running_sum`` on two hosts: move the first one's first slice to the
     second one's host, mid-stream. Returns (the transfer, the moved slice, the source's host)."""
     apply_schedule(job, [SLOW_SOURCE])
-    placement = job.placement()["stages"]["running_sum"]
+    placement = job.placement().stages["running_sum"]
     src, dst = sorted(placement)
     moved = placement[src][0]
     apply_schedule(job, [Fault("delay", 20, "payments", seconds=0.05)])
     (t,) = job.migrate("running_sum", moved, to_container=dst)["transfers"]
-    return t, moved, job.placement()["hosts"][src]
+    return t, moved, job.placement().hosts[src]
 
 
 def backup_epochs_held(job, host: int, slice_id: int) -> list[int]:
@@ -245,11 +245,11 @@ def test_compaction_after_a_recovery_leaves_one_container_a_host_and_its_backups
 
         def per_host() -> list[int]:
             view = job.placement()
-            hosts = [view["hosts"][c] for c in view["stages"]["running_sum"]]
+            hosts = [view.hosts[c] for c in view.stages["running_sum"]]
             return sorted(hosts.count(h) for h in set(hosts))
 
         assert per_host() == [2, 2], "the recovery put a new container beside each survivor"
-        scaled_up = min(job.placement()["stages"]["running_sum"])
+        scaled_up = min(job.placement().stages["running_sum"])
         job.scale_up(scaled_up, threads=1)  # (compact may come before it takes effect: it is asked for)
         done = job.compact("running_sum")
         assert {t["phase"] for t in done["transfers"]} == {"done"} and len(done["transfers"]) == 4
@@ -284,7 +284,7 @@ def test_the_compaction_rule_compacts_after_a_recovery_in_the_autoscaler_loop(ra
         decisions = [i["action"] for _, k, i in job.timeline() if k == "autoscale_decision"]
         assert any(d.startswith("compact running_sum") for d in decisions), decisions
         view = job.placement()
-        hosts = [view["hosts"][c] for c in view["stages"]["running_sum"]]
+        hosts = [view.hosts[c] for c in view.stages["running_sum"]]
         assert len(hosts) == len(set(hosts)) == 2, view
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches
@@ -346,7 +346,7 @@ def test_copies_a_scale_out_left_off_the_chain_are_dropped_while_the_job_runs(ra
         held = ray.get(job.master.backup_catalog.remote())
     finally:
         job.stop()
-    assert status["stale_backups_dropped"] > 0 and any(st == sid for i in dropped for st, _ in i["slices"])
+    assert status.stale_backups_dropped > 0 and any(st == sid for i in dropped for st, _ in i["slices"])
     for i in dropped:  # the host dropped copies of slices whose chain it is not in, and holds them no more
         gone = [s for st, s in i["slices"] if st == sid]
         assert all(i["host"] not in chain[s] for s in gone)
@@ -374,7 +374,7 @@ def test_threads_scaled_up_and_down_mid_stream_give_the_serial_output(ray_sessio
     job = cs.run(query(4000), containers={"payments": 1, "running_sum": 1, "stats": 1})
     try:
         apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
-        (c,) = job.placement()["stages"]["stats"]
+        (c,) = job.placement().stages["stats"]
         up = job.scale_up(c, 2)
         assert up["threads"] == 3
         apply_schedule(job, [Fault("delay", 40, "payments", seconds=0.05)])
@@ -499,7 +499,7 @@ def test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted(
         assert "master_restarted" in kinds
         assert result and result[0]["transfers"], "the retried call got an answer"
         assert kinds.count("migration_start") == 1, "the retried call did not start a second migration"
-        hosts = {job.placement()["hosts"][c] for c in job.placement()["stages"]["running_sum"]}
+        hosts = {job.placement().hosts[c] for c in job.placement().stages["running_sum"]}
         assert len(hosts) in (1, 2), hosts
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches
@@ -523,9 +523,9 @@ def test_a_master_killed_while_a_compaction_waits_for_its_handover_undoes_it_onc
     try:
         apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
         view = job.placement()
-        first, second = sorted(view["stages"]["running_sum"])
-        job.migrate("running_sum", view["stages"]["running_sum"][first][0], to_container=second)
-        handle = ray.get(job.master.host_handles.remote())[job.placement()["hosts"][second]]
+        first, second = sorted(view.stages["running_sum"])
+        job.migrate("running_sum", view.stages["running_sum"][first][0], to_container=second)
+        handle = ray.get(job.master.host_handles.remote())[job.placement().hosts[second]]
         ray.get(handle.freeze.remote(second, True))
         caller = threading.Thread(target=lambda: result.append(job.compact("running_sum")))
         caller.start()
@@ -559,16 +559,16 @@ def test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_
     try:
         apply_schedule(job, [SLOW_SOURCE, Fault("delay", 10, "payments", seconds=0.05)])
         view = job.placement()
-        first, second = sorted(view["stages"]["running_sum"])
-        job.migrate("running_sum", view["stages"]["running_sum"][first][0], to_container=second)
+        first, second = sorted(view.stages["running_sum"])
+        job.migrate("running_sum", view.stages["running_sum"][first][0], to_container=second)
         view = job.placement()
         handles = ray.get(job.master.host_handles.remote())
-        ray.get(handles[view["hosts"][second]].freeze.remote(second, True))
+        ray.get(handles[view.hosts[second]].freeze.remote(second, True))
         caller = threading.Thread(target=lambda: result.append(job.compact("running_sum")))
         caller.start()
         time.sleep(1.0)
-        (producer,) = view["stages"]["payments"]
-        ray.kill(handles[view["hosts"][producer]])
+        (producer,) = view.stages["payments"]
+        ray.kill(handles[view.hosts[producer]])
         caller.join(timeout=240)
         assert result and {t["phase"] for t in result[0]["transfers"]} == {"aborted"}, result
         job.wait(timeout_s=300)
@@ -587,14 +587,14 @@ def test_a_source_stage_migrated_onto_a_host_with_its_sibling_is_compacted_and_e
     try:
         apply_schedule(job, [SLOW_SOURCE])
         view = job.placement()
-        first, second = sorted(view["stages"]["payments"])
-        job.migrate("payments", view["stages"]["payments"][first][0], to_container=second)
-        hosts = job.placement()["hosts"]
-        assert sorted(hosts[c] for c in job.placement()["stages"]["payments"]).count(hosts[second]) == 2
+        first, second = sorted(view.stages["payments"])
+        job.migrate("payments", view.stages["payments"][first][0], to_container=second)
+        hosts = job.placement().hosts
+        assert sorted(hosts[c] for c in job.placement().stages["payments"]).count(hosts[second]) == 2
         done = job.compact("payments")
         assert {t["phase"] for t in done["transfers"]} == {"done"} and len({t["to"] for t in done["transfers"]}) == 1
         after = job.placement()
-        assert len({after["hosts"][c] for c in after["stages"]["payments"]}) == len(after["stages"]["payments"]) == 2
+        assert len({after.hosts[c] for c in after.stages["payments"]}) == len(after.stages["payments"]) == 2
         job.wait(timeout_s=300)
         mismatches, _ = compare_with_serial(job, query())
         assert not mismatches, mismatches

@@ -246,7 +246,7 @@ def test_the_harness_slows_the_sources_while_a_fault_settles_then_gives_back_the
     job = cs.run(query(), containers={"payments": 1, "running_sum": 2, "stats": 1}, checkpoint_every=2,
                  source_pace_s=0.05)
     try:
-        source = int(next(iter(job.placement()["stages"]["payments"])))
+        source = int(next(iter(job.placement().stages["payments"])))
         handle = ray.get(job.master.container_handles.remote())[source]
         epoch_of_source = lambda: ray.get(job.master.statistics.remote())[source].next_epoch  # noqa: E731
         before, t0 = epoch_of_source(), time.monotonic()
@@ -429,7 +429,7 @@ def test_a_master_restarted_with_every_host_dead_gets_the_input_table_back_while
         def happened(kind: str) -> bool:
             return any(k == kind for _, k, _ in ray.get(job.master.recovery_timeline.remote()))
 
-        until(lambda: ray.get(job.master.status.remote())["min_epoch"] >= 3, "epoch 3")
+        until(lambda: ray.get(job.master.status.remote()).min_epoch >= 3, "epoch 3")
         inject(job, Fault("kill_master", at_epoch=3))
         until(lambda: happened("master_restarted"), "the master's restart")
         inject(job, Fault("kill", at_epoch=5, stage="payments"))
@@ -463,7 +463,7 @@ def test_output_logs_are_trimmed_by_gc_while_the_job_runs(ray_session):
             assert job.results(sink).to_pylist() == expected.results(sink).to_pylist()
     finally:
         job.stop()
-    assert status["gc_dropped"] > 0
+    assert status.gc_dropped > 0
     # Each source container logs 2 slices x 1 stream x 120 epochs = 240 batches without GC.
     assert all(n < 60 for n in logged.values()), logged
 
@@ -563,7 +563,7 @@ def test_a_master_dying_while_two_plans_run_finishes_both_once_restarted(ray_ses
             time.sleep(0.02)
         ray.get(job.master.kill_in_recovery.remote("planned", "adopter"))
         ray.get(job.master.crash_in_recovery.remote("restored"))
-        victim = min(job.placement()["stages"]["count"])
+        victim = min(job.placement().stages["count"])
         ray.kill(ray.get(job.master.container_handles.remote())[victim], no_restart=True)
         job.wait(timeout_s=300)
         mismatches, _ = compare_with_serial(job, q)
@@ -597,7 +597,7 @@ def test_a_host_dying_while_the_master_is_down_in_a_recovery_is_recovered_right_
         while job.progress()["min_epoch"] < 12:
             time.sleep(0.02)
         handles = ray.get(job.master.container_handles.remote())
-        stages = job.placement()["stages"]
+        stages = job.placement().stages
         first, second = min(stages["running_sum"]), min(stages["stats"])
         ray.get(job.master.crash_in_recovery.remote("planned"))
         catalog = MasterCatalog(Path(job.workdir) / "master")

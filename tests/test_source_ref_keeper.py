@@ -11,6 +11,7 @@ import time
 import pytest
 
 from chronostream import source_ref_keeper
+from chronostream.master.job_state import JobState
 from chronostream.source_ref_keeper import SourceRefKeeper
 
 
@@ -22,8 +23,8 @@ def _ended(keeper: SourceRefKeeper, within_s: float = 5.0) -> bool:
 
 
 def test_it_gives_the_references_each_time_the_master_wants_them_and_stops_when_the_job_ends():
-    answers = iter([(False, "running"), (True, "running"), (False, "running"), (True, "created"),
-                    (False, "finished"), (True, "running")])
+    answers = iter([(False, JobState.RUNNING), (True, JobState.RUNNING), (False, JobState.RUNNING),
+                    (True, JobState.CREATED), (False, JobState.FINISHED), (True, JobState.RUNNING)])
     given = []
     keeper = SourceRefKeeper(lambda: next(answers), lambda: given.append(time.monotonic()), ask_every_s=0.001)
     assert _ended(keeper)
@@ -37,7 +38,7 @@ def test_failed_asks_while_the_master_restarts_are_asked_again():
         calls.append(1)
         if len(calls) <= 5:
             raise ConnectionError("master restarting")
-        return (True, "running") if len(calls) == 6 else (False, "stopped")
+        return (True, JobState.RUNNING) if len(calls) == 6 else (False, JobState.STOPPED)
 
     keeper = SourceRefKeeper(ask, lambda: None, ask_every_s=0.001)
     assert _ended(keeper)
@@ -71,13 +72,14 @@ def test_a_failed_ask_after_ray_shut_down_ends_it_at_once():
 
 @pytest.mark.parametrize("ask_every_s", [0.05, 30.0])
 def test_stop_ends_it_without_waiting_for_the_next_ask(ask_every_s):
-    keeper = SourceRefKeeper(lambda: (False, "running"), lambda: None, ask_every_s=ask_every_s)
+    keeper = SourceRefKeeper(lambda: (False, JobState.RUNNING), lambda: None, ask_every_s=ask_every_s)
     assert keeper.running
     keeper.stop()
     assert _ended(keeper, within_s=1.0)
 
 
 def test_stop_all_ends_every_keeper_of_the_process():
-    keepers = [SourceRefKeeper(lambda: (False, "running"), lambda: None, ask_every_s=30.0) for _ in range(3)]
+    keepers = [SourceRefKeeper(lambda: (False, JobState.RUNNING), lambda: None, ask_every_s=30.0)
+               for _ in range(3)]
     source_ref_keeper.stop_all(within_s=2.0)
     assert not any(k.running for k in keepers)
