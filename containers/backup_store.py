@@ -69,7 +69,7 @@ class BackupStore:
     """Chains of checkpoints by (stage, slice), in memory and (lazily) in lmdb.
 
     >>> import tempfile
-    >>> from slices.checkpoint import SliceCheckpoint, encode
+    >>> from chronostream.slices.checkpoint import SliceCheckpoint, encode
     >>> store = BackupStore(d := tempfile.mkdtemp())
     >>> store.put(encode(SliceCheckpoint(1, 3, 5, "full", -1, {}, {0: 9})))
     >>> store.latest(1, 3).next_seq

@@ -15,7 +15,7 @@ anything unpickles the bytes: whoever can forge a launch must already be able to
 Each ``save_*`` call is one lmdb transaction. Knows no Ray.
 
 >>> import tempfile, numpy as np
->>> from master.placement import Placement
+>>> from chronostream.master.placement import Placement
 >>> cat = MasterCatalog(d := tempfile.mkdtemp())
 >>> p = Placement({0: [0, 1]}, {0: np.array([0, 1, 0])}, {0: 0, 1: 0})
 >>> cat.save_layout(p, {0: 0, 1: 1}, {0, 1}, {0: "n", 1: "n"}, 2)

@@ -111,7 +111,7 @@ class LocalCluster:
 
     >>> import chronostream as cs
     >>> from chronostream.dag import compile_query
-    >>> from master.placement import initial_placement
+    >>> from chronostream.master.placement import initial_placement
     >>> q = cs.Query(epoch_events=2)
     >>> _ = q.source("w", [{"w": x} for x in "abab"]).key_by("w").count(slices=2).sink(name="c")
     >>> plan, src = compile_query(q)

@@ -221,7 +221,7 @@ def compaction_moves(placement: Any, host_of: dict[int, int], stage_id: int) -> 
     in process by the old ones at one epoch (``Transfer.handover``: no snapshot, no copy).
 
     >>> import numpy as np
-    >>> from master.placement import Placement
+    >>> from chronostream.master.placement import Placement
     >>> p = Placement()
     >>> p.slice_to_container[0] = np.array([1, 2, 3, 1])
     >>> p.containers[0], p.stage_of = [1, 2, 3], {1: 0, 2: 0, 3: 0}

@@ -232,7 +232,7 @@ def host_backup_peers(placement, hosts: dict[int, int], stage_id: int, backup_fa
     leave a copy.
 
     >>> import numpy as np
-    >>> from master.placement import Placement
+    >>> from chronostream.master.placement import Placement
     >>> p = Placement({0: [5]}, {0: np.array([5, 5, 5])}, {5: 0})
     >>> host_backup_peers(p, {5: 5}, 0, 1, job_hosts=[2, 5, 7, 9])
     {5: {0: [7], 1: [9], 2: [2]}}

@@ -44,7 +44,7 @@ def packed_sink_table(ids: list[int], packs: list[PackedSinkParts], source_dead_
     table. Its buffers are a copy of the packs' (which may live in Ray's object store), except
     for a sink of one part, whose rows need neither joining nor sorting and are kept as they are.
 
-    >>> from containers.sink_parts import pack_sink_parts
+    >>> from chronostream.containers.sink_parts import pack_sink_parts
     >>> a = pack_sink_parts({0: {(1, 0): pa.table({"_slice": [1], "_seq": [0]})}})
     >>> b = pack_sink_parts({0: {(0, 0): pa.table({"_slice": [0], "_seq": [0]})}})
     >>> t = packed_sink_table([0], [a, b], [])

@@ -20,6 +20,7 @@ imports form no cycle.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,16 @@ def test_a_wrong_way_import_is_caught(tmp_path):
     face_hidden = "def run():\n    from chronostream.master.local import run_local\n    return run_local\n"
     assert violations(face_hidden, "chronostream.client") == [
         "chronostream.client:2 imports chronostream.master.local inside a function"]
+
+
+def test_no_file_imports_a_layer_by_its_directory_name():
+    """``import master`` in a checkout would load a second copy of the layer beside
+    ``chronostream.master`` (two of every class); installed, it fails. Code, doctests and the
+    docs' examples all use the installed names."""
+    pattern = re.compile(r"^\s*(?:>>> |\.\.\. )?(?:from|import)\s+(?:slices|containers|master)\b", re.M)
+    files = [p for d in ("chronostream", "slices", "containers", "master", "tests", "benchmarks", "examples",
+                         "docs") for p in sorted((ROOT / d).rglob("*")) if p.suffix in (".py", ".md")]
+    files.append(ROOT / "README.md")
+    bad = [f"{p.relative_to(ROOT)}:{source.count(chr(10), 0, m.start()) + 1}"
+           for p in files for source in [p.read_text()] for m in pattern.finditer(source)]
+    assert not bad, bad
