@@ -29,6 +29,7 @@ from chronostream.dag import (Filter, FilterBatches, FlatMap, FlatMapBatches, Jo
 from chronostream.slices.errors import EventError, QueryError
 from chronostream.slices.hashing import slice_of_scalar
 from chronostream.slices.operators import Operator, OperatorContext
+from chronostream.slices.plan import filter_rows, parent_rows
 from chronostream.slices.readers import LogReader, LogSource
 from chronostream.slices.sinks import MemorySink, sort_output
 from chronostream.slices.sources import source_orders
@@ -119,12 +120,13 @@ class _SerialRun:
                         t = batch_table(step, step.fn(_one_table(ev, schema)))
                         out.append((_one_row(t), sub, _user_schema(t)))
                     elif isinstance(step, FilterBatches):
-                        mask = step.fn(_one_table(ev, schema))
-                        if pa.array(mask)[0].as_py():
+                        one = _one_table(ev, schema)
+                        if filter_rows(one, step.fn(one)).num_rows:
                             out.append((ev, sub, schema))
                     elif isinstance(step, FlatMapBatches):
-                        t, _parents = step.call(_one_table(ev, schema))
+                        t, parents = step.call(_one_table(ev, schema))
                         t = batch_table(step, t)
+                        parent_rows(parents, t.num_rows, 1)  # (checked as the runtime checks them)
                         out.extend((e, _sub_child(sub, k), _user_schema(t)) for k, e in enumerate(_rows(t)))
                     else:
                         raise TypeError(f"unknown transform {step!r}")

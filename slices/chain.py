@@ -14,7 +14,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from chronostream.slices.plan import FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, Filter, batch_table
+from chronostream.slices.plan import (Filter, FilterBatches, FlatMap, FlatMapBatches, Map, MapBatches, batch_table,
+                                      filter_rows, parent_rows)
 from chronostream.slices.types import ORDER, SUB, extend_sub_order
 
 log = logging.getLogger("chronostream.slices")
@@ -132,15 +133,11 @@ def _apply_batch_step(table: pa.Table, step: object, order: np.ndarray, sub: np.
             raise ValueError(f"map_batches returned {out.num_rows} rows for {table.num_rows}")
         return _with_lineage(out, order, sub, _carried(table, carry))
     if isinstance(step, FilterBatches):
-        return table.filter(step.fn(user))
+        return filter_rows(table, step.fn(user))
     if isinstance(step, FlatMapBatches):
         out, parent = step.call(user)
         out = batch_table(step, out)
-        p = np.asarray(parent, dtype=np.int64)
-        if len(p) != out.num_rows:
-            raise ValueError("flat_map_batches: parent_index length differs from the output rows")
-        if len(p) and np.any(p[1:] < p[:-1]):
-            raise ValueError("flat_map_batches: parent_index must be non-decreasing")
+        p = parent_rows(parent, out.num_rows, table.num_rows)
         # k = position of each output row among its parent's outputs.
         starts = np.ones(len(p), dtype=bool)
         starts[1:] = p[1:] != p[:-1]

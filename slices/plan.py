@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from chronostream.slices.sinks import Sink
 
@@ -114,6 +116,66 @@ def batch_table(step: MapBatches | FlatMapBatches, out: pa.Table | pa.RecordBatc
         raise ValueError(f"{kind} returned a table with the column name(s) {twice} more than once "
                          "(each column needs its own)")
     return table
+
+
+def filter_rows(table: pa.Table, mask: Any) -> pa.Table:
+    """The rows of ``table`` that the mask a ``filter_batches`` function returned keeps.
+
+    The mask is one boolean per row (an Arrow array or chunked array, a numpy array, a list; a
+    null drops its row) or an Arrow compute expression. Anything else is refused with
+    ``ValueError`` (the event's error, as any the function raises); every executor filters
+    here, so all keep and refuse the same rows.
+
+    >>> t = pa.table({"v": [1, 2, 3]})
+    >>> filter_rows(t, [True, None, True])["v"].to_pylist()
+    [1, 3]
+    >>> filter_rows(t, [True, False])
+    Traceback (most recent call last):
+    ...
+    ValueError: filter_batches returned a mask of 2 values for a batch of 3
+    """
+    if isinstance(mask, pc.Expression):
+        return table.filter(mask)
+    if not isinstance(mask, (pa.Array, pa.ChunkedArray)):
+        try:
+            mask = pa.array(mask)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise ValueError(f"filter_batches must return a boolean mask, got {type(mask).__name__} "
+                             f"({exc})") from None
+    if not pa.types.is_boolean(mask.type):
+        raise ValueError(f"filter_batches returned a mask of {mask.type}, not of booleans")
+    if len(mask) != table.num_rows:
+        raise ValueError(f"filter_batches returned a mask of {len(mask)} values for a batch of {table.num_rows}")
+    return table.filter(mask)
+
+
+def parent_rows(parents: Any, out_rows: int, in_rows: int) -> np.ndarray:
+    """The parent indices a ``flat_map_batches`` function returned with its ``out_rows`` rows for
+    a batch of ``in_rows``, as int64, refused with ``ValueError`` unless there is one per output
+    row, each an input row, in non-decreasing order (a parent's outputs together, parents in
+    order: the lineage's sub-order counts each parent's outputs from there). Every executor
+    checks them here.
+
+    >>> parent_rows([0, 0, 2], 3, 3).tolist()
+    [0, 0, 2]
+    >>> parent_rows([1, 0], 2, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: flat_map_batches: parent_index must be non-decreasing
+    """
+    try:
+        p = np.asarray(parents, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"flat_map_batches: parent_index must be integers, got {type(parents).__name__} "
+                         f"({exc})") from None
+    if p.ndim != 1 or len(p) != out_rows:
+        raise ValueError(f"flat_map_batches: parent_index needs one value per output row: {p.size} for {out_rows}")
+    if len(p) and (int(p.min()) < 0 or int(p.max()) >= in_rows):
+        bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+        raise ValueError(f"flat_map_batches: parent index {bad} is not a row of the batch of {in_rows}")
+    if len(p) and np.any(p[1:] < p[:-1]):
+        raise ValueError("flat_map_batches: parent_index must be non-decreasing")
+    return p
 
 
 # --- the compiled plan ------------------------------------------------------
