@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
 import statistics
 import sys
 import threading
@@ -36,8 +38,22 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def run_identity() -> dict[str, str]:
+    """Which run a result comes from: the benchmark's name, its command line, the date (UTC).
+
+    ``benchmarks.readme_table`` puts the command and the date beside each figure."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = getattr(spec, "name", None) or ""
+    if not module.startswith("benchmarks."):  # (a benchmark's main() called from elsewhere)
+        module = f"benchmarks.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
+    return {"benchmark": module.rsplit(".", 1)[-1], "command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
+
+
 def emit(result: dict[str, Any], as_json: bool) -> None:
-    """Print a human summary, then (with --json) the JSON object as the last line."""
+    """Print a human summary, then (with --json) the JSON object as the last line: the result
+    with ``run_identity()``'s ``benchmark``, ``command`` and ``date`` first."""
+    result = {**run_identity(), **result}
     for k, v in result.items():
         if k != "rows":
             print(f"{k}: {v}", file=sys.stderr if as_json else sys.stdout)
