@@ -976,10 +976,10 @@ class ResourceContainer:
         async with self.conds[container_id]:
             self.cores[container_id].drop_dual(stage_id, slices)
 
-    async def forget_released(self, container_id: int, old: int) -> None:
-        """A producer stops marking its messages to ``old`` (it released the slices)."""
+    async def forget_released(self, container_id: int, old: int, slices: list[int]) -> None:
+        """A producer stops marking ``slices`` in its messages to ``old`` (it released them)."""
         async with self.conds[container_id]:
-            self.cores[container_id].forget_released(old)
+            self.cores[container_id].forget_released(old, slices)
 
     async def release_slices(self, container_id: int, slices: list[int]) -> None:
         """A source container releases ``slices`` before its next epoch (no upstream marker tells it)."""

@@ -730,9 +730,17 @@ class ContainerCore:
                                             {s: c for s, c in route_.dual.items() if s not in slices})
         self._refresh_destinations()
 
-    def forget_released(self, container_id: int) -> None:
-        """Stop marking messages to ``container_id`` (it released what it was told to)."""
-        self.released_to.pop(container_id, None)
+    def forget_released(self, container_id: int, slices: list[int]) -> None:
+        """Stop marking ``slices`` in messages to ``container_id`` (it released them). Only those:
+        another transfer from the same container may still wait for its own marker (two
+        destinations of one scale-in release at different epochs when their producers are at
+        different epochs), and with no mark and no route left the container would get no more
+        messages and wait forever."""
+        left = self.released_to.get(container_id, set()) - set(slices)
+        if left:
+            self.released_to[container_id] = left
+        else:
+            self.released_to.pop(container_id, None)
         self._refresh_destinations()
 
     def migration_snapshot(self, slices: list[int]) -> list[bytes]:

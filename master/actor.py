@@ -1370,7 +1370,7 @@ class JobMaster:
                 except RayActorError:
                     dst = None
             if set(t.slices) <= set(src["released"]):
-                await asyncio.gather(*[producer.forget_released.remote(c, t.source)
+                await asyncio.gather(*[producer.forget_released.remote(c, t.source, t.slices)
                                        for c, producer in self._producers(sid)], return_exceptions=True)
             if dst is not None:
                 t.pause_ms = migration_pauses(t.released_at, src["epoch_done_at"], dst["epoch_done_at"])

@@ -48,8 +48,11 @@ from chronostream.slices.errors import RecoveryError
 def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, slices: list[int] | None = None,
               output_log: OutputLog | None = None, backup_peers: dict | None = None, checkpoint_every: int = 0,
               full_checkpoint_every: int = 0, backup_store: BackupStore | None = None,
-              checkpoint_interval_s: float = 0.0, spill: SpillStore | None = None) -> ContainerCore:
-    """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks)."""
+              checkpoint_interval_s: float = 0.0, spill: SpillStore | None = None,
+              async_checkpoints: bool = True) -> ContainerCore:
+    """One core for container ``c`` of ``placement`` (its slices, routes, senders, sinks).
+    ``async_checkpoints=False`` encodes checkpoints in the step that takes them (no thread: the
+    simulator's runs repeat bit for bit)."""
     stage_id = placement.stage_of[c]
     writers = {s.sink_id: s.sink.writer(f"c{c}") for s in plan.sinks if plan.streams[s.stream_id].stage_id == stage_id}
     dl = plan.dead_letter_sink.dead_letter_writer(f"c{c}", stage_id) \
@@ -59,7 +62,8 @@ def make_core(plan: JobPlan, placement: Placement, c: int, sources: dict, *, sli
                          source_table=sources.get(stage_id), output_log=output_log, sink_writers=writers,
                          dead_letter_writer=dl, backup_peers=backup_peers, checkpoint_every=checkpoint_every,
                          full_checkpoint_every=full_checkpoint_every, backup_store=backup_store,
-                         checkpoint_interval_s=checkpoint_interval_s, spill=spill)
+                         checkpoint_interval_s=checkpoint_interval_s, spill=spill,
+                         async_checkpoints=async_checkpoints)
 
 
 def build_cores(plan: JobPlan, placement: Placement, sources: dict, workdir: str | None = None,
@@ -124,14 +128,18 @@ class LocalCluster:
                  duplicate_every: int = 0, workdir: str | None = None, checkpoint_every: int = 0,
                  backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
                  merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False,
-                 spill_state: bool = True, network: Network | None = None) -> None:
+                 spill_state: bool = True, network: Network | None = None,
+                 async_checkpoints: bool = True) -> None:
         self.plan = plan
         self.placement = placement
         self.sources = sources
         self.rng = random.Random(seed)
         self.network = network if network is not None else Network(duplicate_every)
-        # Hosts that step only every k-th round (a slow host; the simulator sets it).
+        self.async_checkpoints = async_checkpoints
+        # Hosts that step only every k-th round (a slow host; the simulator sets it), and how
+        # many steps of a ready core each such host skipped.
         self.step_every: dict[int, int] = {}
+        self.skipped_steps: dict[int, int] = {}
         self.fault_tolerant = checkpoint_every > 0 or checkpoint_interval_s > 0
         self.checkpoint_every = checkpoint_every
         self.checkpoint_interval_s = checkpoint_interval_s
@@ -181,7 +189,8 @@ class LocalCluster:
                          backup_peers=backup_peers, checkpoint_every=self.checkpoint_every,
                          full_checkpoint_every=self.full_checkpoint_every,
                          checkpoint_interval_s=self.checkpoint_interval_s,
-                         backup_store=self.stores.get(self.hosts[c]), spill=self._spill_store(self.hosts[c]))
+                         backup_store=self.stores.get(self.hosts[c]), spill=self._spill_store(self.hosts[c]),
+                         async_checkpoints=self.async_checkpoints)
 
     def _spill_store(self, host: int) -> SpillStore | None:
         if not self.spill_state:
@@ -250,6 +259,8 @@ class LocalCluster:
             core = self.cores[cid]
             every = self.step_every.get(self.hosts[cid], 1)
             if every > 1 and self.round % every:
+                if core.ready():
+                    self.skipped_steps[self.hosts[cid]] = self.skipped_steps.get(self.hosts[cid], 0) + 1
                 continue
             for _ in range(8 if cid in catching_up else 1):
                 if not core.ready():
@@ -573,7 +584,7 @@ class LocalCluster:
             t.released_at = {s: e for s, e in src.released.items() if s in t.slices}
             if set(t.slices) <= set(src.released):
                 for _, producer in self._producers(t.stage_id):
-                    producer.forget_released(t.source)
+                    producer.forget_released(t.source, t.slices)
             if dst is not None:
                 t.pause_ms = migration_pauses(t.released_at, src.epoch_done_at, dst.epoch_done_at)
         self.placement.rehost(t.source, t.new_id, t.slices)

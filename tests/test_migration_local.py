@@ -646,3 +646,33 @@ def test_a_host_dying_after_stale_copies_were_dropped_recovers_from_the_chain_ex
     assert cl.stale_backups_dropped > 0
     assert any(k == "recovery_end" for _, k, _ in cl.timeline)
     assert_equals_serial("long_sum", cl)
+
+
+def test_a_scale_in_whose_two_destinations_release_at_different_epochs_finishes():
+    """Regression (found by the simulator: ``python -m chronostream.sim``, a scale-in with slow
+    hosts). A scale-in empties one container into two others; with one producer slow, the two
+    transfers' release markers reach the emptied container at different epochs. Completing
+    the first transfer made every producer forget *all* markers for that container, so the
+    second slice's marker never came: the container waited for its next epoch forever.
+    Producers now forget only the completed transfer's slices."""
+    q = BUILDERS["long_sum"][0](6)
+    q.epoch_events = 37
+    plan, sources = compile_query(q)
+    cl = LocalCluster(plan, initial_placement(plan, {0: 2, 1: 3, 2: 3}), sources, seed=3, checkpoint_every=3,
+                      async_checkpoints=False)
+    stage = plan.stages[1].name
+    started = []
+
+    def scale_in_with_a_slow_producer(c: LocalCluster) -> None:
+        if c.round == 11:
+            c.step_every.update({1: 4, 2: 2})  # a producer's host, and one destination's
+            started.extend(c.scale_in(stage))
+        if c.round == 35:
+            c.step_every.clear()
+
+    cl.run(on_round=scale_in_with_a_slow_producer, max_rounds=600)
+    assert len({t.new_id for t in started}) == 2, "the scale-in empties one container into two"
+    assert [t.phase for t in started] == [MigrationPhase.DONE] * 2
+    released = {t.source: t.released_at for t in started}
+    assert_equals_serial("long_sum", cl)
+    assert len(released) == 1
