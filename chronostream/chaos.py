@@ -593,13 +593,27 @@ def compare_outputs(outputs: dict[str, pa.Table], query: Any) -> tuple[dict[str,
     descriptions, row counts)."""
 
     expected = run(query, executor="serial")
-    mismatches, rows = {}, {}
+    return compare_tables(outputs, {name: expected.results(name) for name in outputs}), \
+        {name: got.num_rows for name, got in outputs.items()}
+
+
+def compare_tables(outputs: dict[str, pa.Table], expected: dict[str, pa.Table]) -> dict[str, str]:
+    """Each sink's rows (``outputs``: sink name -> table, in identity order as ``job.results``
+    gives them) vs ``expected`` (the serial executor's, by sink name), row for row, values and
+    system columns alike: a description of how each sink that differs does.
+
+    >>> t = pa.table({"_slice": [0, 0], "_seq": [0, 1], "x": [1, 2]})
+    >>> compare_tables({"o": t}, {"o": t})
+    {}
+    >>> compare_tables({"o": t.slice(0, 1)}, {"o": t})["o"]
+    '1 rows vs 2: 1 missing (first [(0, 1)]), 0 extra (first []), 0 differ (first [])'
+    """
+    mismatches = {}
     for name, got in outputs.items():
-        want = expected.results(name)
-        rows[name] = got.num_rows
+        want = expected[name]
         if got.to_pylist() != want.to_pylist():
             mismatches[name] = _describe_difference(got, want)
-    return mismatches, rows
+    return mismatches
 
 
 def _describe_difference(got: pa.Table, want: pa.Table) -> str:

@@ -27,7 +27,8 @@ def _modules() -> list[str]:
         # The face's own directory only: in a source checkout its path also holds the checkout
         # root, where the layers are found by their own names below.
         path = pkg.__path__[:1]
-        names.extend(m.name for m in pkgutil.iter_modules(path, layer + ".") if m.name != "chronostream.__main__")
+        # Subpackages too (the simulator, chronostream.sim).
+        names.extend(m.name for m in pkgutil.walk_packages(path, layer + ".") if not m.name.endswith(".__main__"))
     return sorted(set(names))
 
 

@@ -43,8 +43,18 @@ def layer_of(module: str) -> str:
     return "chronostream"
 
 
-def imports_of(source: str, module: str) -> list[tuple[int, str, bool]]:
-    """Each ``chronostream`` import of a module's source: (line, imported module, inside a function)."""
+def imports_of(source: str, module: str, packages: frozenset[str] = frozenset(LAYERS.values())
+               ) -> list[tuple[int, str, bool]]:
+    """Each ``chronostream`` import of a module's source: (line, imported module, inside a function).
+
+    ``from P import a`` names ``P.a`` when ``P`` is one of ``packages`` (``a`` may be a module of
+    it; by default the layers' packages), else ``P``.
+
+    >>> imports_of("from chronostream.sim import oracle", "m", frozenset({"chronostream.sim"}))
+    [(1, 'chronostream.sim.oracle', False)]
+    >>> imports_of("from chronostream.sim import oracle", "m")
+    [(1, 'chronostream.sim', False)]
+    """
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
@@ -52,7 +62,7 @@ def imports_of(source: str, module: str) -> list[tuple[int, str, bool]]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"{node.module}.{a.name}" if node.module == "chronostream" else node.module for a in node.names]
+            names = [f"{node.module}.{a.name}" if node.module in packages else node.module for a in node.names]
         else:
             continue
         up, in_function = node, False
@@ -82,12 +92,30 @@ def violations(source: str, module: str) -> list[str]:
     return out
 
 
+def module_name(pkg: str, relative: Path) -> str:
+    """The import name of a module at ``relative`` (a path inside a layer's directory).
+
+    >>> module_name("chronostream", Path("sim/queries.py")), module_name("chronostream", Path("sim/__init__.py"))
+    ('chronostream.sim.queries', 'chronostream.sim')
+    >>> module_name("chronostream.master", Path("__init__.py"))
+    'chronostream.master'
+    """
+    parts = [*relative.parent.parts, *([] if relative.stem == "__init__" else [relative.stem])]
+    return ".".join([pkg, *parts])
+
+
 def modules() -> dict[str, Path]:
+    """Every module of every layer by import name, subpackages' (``chronostream/sim/``) included."""
     out = {}
     for directory, pkg in LAYERS.items():
-        for path in sorted((ROOT / directory).glob("*.py")):
-            out[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            out[module_name(pkg, path.relative_to(ROOT / directory))] = path
     return out
+
+
+def directory_of(path: Path) -> str:
+    """The layer directory a module's file is in (the top one, for a subpackage's)."""
+    return path.relative_to(ROOT).parts[0]
 
 
 def test_every_layer_is_found():
@@ -96,22 +124,30 @@ def test_every_layer_is_found():
     assert len(modules()) > 60
 
 
+def test_subpackages_are_walked():
+    """A layer's subpackage (the simulator, ``chronostream/sim/``) is checked like its top-level modules."""
+    mods = modules()
+    assert "chronostream.sim" in mods and "chronostream.sim.queries" in mods
+    assert directory_of(mods["chronostream.sim.queries"]) == "chronostream"
+
+
 @pytest.mark.parametrize("directory", sorted(LAYERS))
 def test_imports_point_down_and_sit_at_module_level(directory: str):
-    bad = [v for m, p in modules().items() if p.parent.name == directory for v in violations(p.read_text(), m)]
+    bad = [v for m, p in modules().items() if directory_of(p) == directory for v in violations(p.read_text(), m)]
     assert not bad, "\n".join(bad)
 
 
 def test_module_imports_form_no_cycle():
     mods = modules()
+    packages = frozenset(m for m, p in mods.items() if p.name == "__init__.py")
     graph: dict[str, set[str]] = {}
     for m, p in mods.items():
         deps = set()
-        for _, name, _ in imports_of(p.read_text(), m):
+        for _, name, _ in imports_of(p.read_text(), m, packages):
             # "from chronostream.slices import codec" names a module; "from x import Name" names x.
             deps.add(name if name in mods else name.rsplit(".", 1)[0] if name.rsplit(".", 1)[0] in mods else name)
         # A package's __init__ is imported before any of its modules; edges to it are not a cycle.
-        graph[m] = {d for d in deps if d in mods and d != m and d not in LAYERS.values()}
+        graph[m] = {d for d in deps if d in mods and d != m and d not in packages}
     state: dict[str, int] = {}
     stack: list[str] = []
 

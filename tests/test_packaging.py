@@ -36,6 +36,7 @@ def test_the_wheel_holds_only_the_chronostream_package(tmp_path):
     for layer in ("slices", "containers", "master"):
         assert f"chronostream/{layer}/__init__.py" in names
     assert "chronostream/slices/group.py" in names and "chronostream/master/actor.py" in names
+    assert "chronostream/sim/queries.py" in names
     assert "chronostream/py.typed" in names
     top_level = zipfile.ZipFile(wheel).read(f"chronostream-{cs.__version__}.dist-info/top_level.txt").decode()
     assert top_level.split() == ["chronostream"]
