@@ -9,6 +9,7 @@ deploy is taken in a fixed order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 import types
@@ -241,8 +242,11 @@ def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
     autoscaler ticks (each a full per-slice snapshot), not every tick of the job."""
     from chronostream.containers.options import JobOptions
 
-    monkeypatch.setattr(master_actor, "DECISIONS_KEPT", 5)
     m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
+    assert m.decisions.maxlen == master_actor.DECISIONS_KEPT <= 10_000
+    # (a smaller bound for the test, set on the master: once a Ray job ran in this process, the
+    # class Ray keeps is a copy whose globals a patch of the module does not reach)
+    m.decisions = collections.deque(maxlen=5)
     m.opts = JobOptions(autoscale_interval_s=1e-4)
     m.policy = types.SimpleNamespace(decide=lambda snap: [])
     ticks = []
