@@ -636,7 +636,12 @@ class WindowAggregate(Operator):
         if not self.temporal:
             return t
         v = event[self.windows[0].time]
-        return (_EPOCH_NAIVE if v.tzinfo is None else _EPOCH_UTC.astimezone(v.tzinfo)) + dt.timedelta(microseconds=t)
+        if v.tzinfo is None:
+            return _EPOCH_NAIVE + dt.timedelta(microseconds=t)
+        # The instant in UTC, then shown in the event's zone: adding to the zone's 1970 wall time
+        # would apply its 1970 offset to today's instant (wrong wherever the offset changed since,
+        # or across a daylight-saving change).
+        return (_EPOCH_UTC + dt.timedelta(microseconds=t)).astimezone(v.tzinfo)
 
 
 class ClosingWindowAggregate(WindowAggregate):

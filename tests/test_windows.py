@@ -537,3 +537,22 @@ def test_windowed_query_on_the_runtime_equals_the_serial_oracle(containers, seed
     got = cs.run(windowed_query(5), executor="local", containers=containers, seed=seed)
     for sink in ("sliding", "hopping"):
         assert got.results(sink).to_pylist() == expected.results(sink).to_pylist()
+
+
+@pytest.mark.parametrize("zone", ["Asia/Kathmandu", "America/St_Johns", "UTC"])
+@pytest.mark.parametrize("emit", ["event", "close"])
+def test_window_bounds_over_zoned_timestamps_are_the_instants_of_the_window(zone, emit):
+    """Regression (found by the simulator's pandas oracle): with ``emit="event"`` a window's bounds
+    were the zone's 1970 wall time plus the window start, so in a zone whose offset changed since
+    (Asia/Kathmandu: +05:30 then, +05:45 now) or changes that day (St John's, 2024-03-10) the
+    event fell outside its own window. Both emit modes give the UTC instants of the window."""
+    t = pa.array([dt.datetime(2024, 3, 10, 0, 0, 30, tzinfo=dt.timezone.utc),
+                  dt.datetime(2024, 3, 10, 12, 0, 5, tzinfo=dt.timezone.utc)]).cast(pa.timestamp("us", tz=zone))
+    q = cs.Query()
+    q.source("s", pa.table({"k": ["a", "a"], "t": t})).key_by("k") \
+        .window(cs.TumblingWindow(dt.timedelta(minutes=1), time="t", emit=emit), count=True, slices=1).sink(name="w")
+    rows = cs.run(q, executor="serial").results("w").to_pylist()
+    starts = sorted(r["window_start"].astimezone(dt.timezone.utc).replace(tzinfo=None) for r in rows)
+    assert starts == [dt.datetime(2024, 3, 10, 0, 0), dt.datetime(2024, 3, 10, 12, 0)]
+    for r in rows:
+        assert r["window_end"] - r["window_start"] == dt.timedelta(minutes=1)

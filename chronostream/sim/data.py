@@ -183,20 +183,6 @@ def draw_table(rng: np.random.Generator, shape: DataShape, rows: int, start: int
     return pa.table(cols)
 
 
-def zone_offset_moves(zone: str) -> bool:
-    """Whether ``zone``'s UTC offset during the data's day differs from its offset at the Unix
-    epoch, or changes within that day (Asia/Kathmandu: +05:30 in 1970, +05:45 now;
-    America/St_Johns: summer time from 2024-03-10, the data's day).
-
-    >>> zone_offset_moves("Asia/Kathmandu"), zone_offset_moves("Asia/Kolkata"), zone_offset_moves("+05:45")
-    (True, False, False)
-    """
-    tz = pa.scalar(0, pa.timestamp("us", tz=zone)).as_py().tzinfo
-    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
-    day = [epoch + dt.timedelta(microseconds=TS_BASE_US, hours=h) for h in range(0, 25, 3)]
-    return len({t.astimezone(tz).utcoffset() for t in [epoch, *day]}) > 1
-
-
 def time_us(value: object) -> int:
     """A ``t`` value as a number: an int as it is, a timestamp in microseconds since the epoch.
 

@@ -34,7 +34,7 @@ import pyarrow as pa
 import chronostream as cs
 from chronostream.chaos import compare_tables
 from chronostream.sim import oracle
-from chronostream.sim.data import DataShape, draw_shape, draw_table, zone_offset_moves
+from chronostream.sim.data import DataShape, draw_shape, draw_table
 from chronostream.sim.stages import (CUSTOM, Aggregate, Custom, Enrich, Join, Lineage, Model, Stage, Window,
                                      WindowShape, stage_model)
 from chronostream.sim.transforms import (NUMERIC, AddColumn, Columns, IntThenFloat, KeepMod, KeyBy, KeyByFunction,
@@ -408,13 +408,6 @@ class _Draw:
         hop = size if kind.startswith("tumbling") else int(self.rng.integers(1, size + 1))
         offset = 0 if self.chance(0.6) else int(self.rng.integers(0, hop))
         emit = "close" if self.chance(0.4) else "event"
-        if emit == "event" and time is not None and self.shape.time_kind == "ts" and zone_offset_moves(self.shape.zone):
-            # Excluded while a defect stands: with emit="event" a window's bounds over a
-            # timestamp column are computed on the zone's wall clock from the Unix epoch
-            # (slices/windows.py, WindowAggregate._time_out), so in a zone whose offset moved
-            # since 1970 (or moves in the data) they are off by the difference and the event
-            # lies outside its own window; emit="close" gives the right instants.
-            emit = "close"
         clock = "slice" if emit == "close" and time is not None and self.chance(0.5) else "key"
         return (WindowShape(kind.split("_")[0], size, hop, offset, time, emit, clock),)
 
