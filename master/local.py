@@ -743,6 +743,20 @@ class LocalCluster:
                                 + "; ".join(errors))
         return RestorePoint(None, [], [])
 
+    def close(self) -> None:
+        """Close every core, backup store and spill store, and remove the directory made here (a
+        caller's ``workdir`` stays)."""
+        for core in list(self.cores.values()):
+            core.close()
+        for store in self.stores.values():
+            store.close(flush=False)
+        self.stores.clear()
+        for spill in self.spills.values():
+            spill.close()
+        self.spills.clear()
+        if self._made_dir is not None:
+            self._made_dir.cleanup()
+
     # -- reading -------------------------------------------------------------
 
     def results(self, sink_name: str) -> pa.Table:

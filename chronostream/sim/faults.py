@@ -186,17 +186,18 @@ class Injector:
         migration's phases) still advances. A fault that cannot fire before the input ends does
         not land."""
         unfired = [x for x in self.landings if x.fired_round is None]
-        if self.network.to_hold or self.network.to_copy or any(
-                x.fault.kind == "slow_host" and x.fired_round is not None and not x.data.get("skipped")
-                for x in self.landings):
-            unfired.append(Landing(Fault("network", 0, 0)))  # (a fault fired, not yet applied: wait)
+        # A fault fired but not applied yet: messages still to hold or copy, a slowdown that has
+        # not yet skipped a ready step.
+        applying = bool(self.network.to_hold or self.network.to_copy) or any(
+            x.fault.kind == "slow_host" and x.fired_round is not None and not x.data.get("skipped")
+            for x in self.landings)
         near_end = (cl.plan.num_epochs or 1) - 3
         for cid, core in cl.cores.items():
             host = cl.hosts[cid]
             if core.reader is None or not core.slices:
                 continue
             overdue = any(core.next_epoch > x.fault.at_epoch for x in unfired)
-            if overdue or self.watch or (unfired and core.next_epoch >= near_end):
+            if overdue or applying or self.watch or (unfired and core.next_epoch >= near_end):
                 if host not in cl.step_every:
                     cl.step_every[host] = THROTTLE
                     self.holding.add(host)

@@ -129,7 +129,7 @@ def run_seed(seed: int, kinds: list[str] | None = None,
         landings = injector.judge(cl)
         failures += [f"fault {x.fault.describe()} did not land: {x.effect}" for x in landings
                      if not x.landed and not x.effect.startswith("inapplicable")]
-        _close(cl)
+        cl.close()
     return SimResult(seed, shape, landings, failures, cl.round, time.perf_counter() - t0, story)
 
 
@@ -140,19 +140,6 @@ def _plain(info: dict) -> str:
     if "transfers" in shown:
         shown["transfers"] = [tuple(t)[:4] for t in shown["transfers"]]
     return " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
-
-
-def _close(cl: LocalCluster) -> None:
-    for core in list(cl.cores.values()):
-        core.close()
-    for store in cl.stores.values():
-        store.close(flush=False)
-    cl.stores.clear()
-    for spill in cl.spills.values():
-        spill.close()
-    cl.spills.clear()
-    if cl._made_dir is not None:
-        cl._made_dir.cleanup()
 
 
 def fault_counts(results: list[SimResult]) -> dict[str, int]:
