@@ -263,6 +263,14 @@ def feed_rates(results: list[Result]) -> str:
     return f"{round(_median(rates['feed'])):,} / {round(_median(rates['validate'])):,} rows/s"
 
 
+def sim_runs(results: list[Result]) -> str:
+    """Schedules, landed faults and failures of the simulator's runs (summed over the lines), and
+    their time."""
+    total = {k: sum(res.data[k] for res in results) for k in ("schedules", "faults", "failures", "seconds")}
+    return (f"{total['schedules']:,} schedules, {total['faults']:,} faults landed, {total['failures']} failed, "
+            f"{total['seconds'] / 60:.0f} min")
+
+
 # --- the table ---------------------------------------------------------------------------------
 
 
@@ -292,6 +300,7 @@ FIGURES = (
            lambda res: slice_workload(res) is not None),
     Figure("fraud metric latency at half load", "p99.9 < 250 ms, flat over 7 days", "latency", latency),
     Figure("Spark feed / validate, 336,776 flights", "-", "feed", feed_rates),
+    Figure("simulated jobs: random queries, fault schedules", "0 failed", "sim", sim_runs),
 )
 
 

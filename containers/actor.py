@@ -846,6 +846,34 @@ class ResourceContainer:
         await self._tell_end(core, target, target_host, container_id)
         return {"epochs": pushed, "rounds": round_}
 
+    async def position(self, container_id: int) -> dict[str, Any] | None:
+        """A hosted container's next epoch and its slices' progress vectors (what a recovered
+        producer replays to it from: ``replay_to``); None when it is gone or done."""
+        core, cond = self.cores.get(container_id), self.conds.get(container_id)
+        if core is None or cond is None or core.done:
+            return None
+        async with cond:  # (between two steps)
+            return {"next_epoch": core.next_epoch, "progress": {s: core.progress_of(s) for s in core.slices}}
+
+    async def replay_to(self, container_id: int, stage_id: int, target: int, target_host: Any, upto: int) -> int:
+        """A recovered container replays its relogged outputs of epochs before ``upto`` (its
+        resume epoch) to consumer ``target`` from where that consumer is: the dead container's
+        messages of those epochs may never have reached it (a replay it owed a migration's
+        destination is covered by no checkpoint). Returns the epochs pushed."""
+        core = self.cores[container_id]
+        pos = await target_host.position.remote(target)
+        if pos is None or not pos["progress"]:
+            return 0
+        first = max(pos["next_epoch"], core.replay_floor())
+        if first >= upto:
+            return 0
+        await self._learn_nodes([target_host])
+        slices = sorted(pos["progress"])
+        replay = await asyncio.to_thread(core.replay_epochs, stage_id, slices, target, pos["progress"],
+                                         {s: first for s in slices}, upto)
+        await self._push_replay(target, target_host, container_id, replay)
+        return len(replay)
+
     async def _tell_end(self, core: ContainerCore, target: int, target_host: Any, sender: int) -> None:
         """Tell a rerouted-to container where a sealed followed input ends.
 

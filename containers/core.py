@@ -255,6 +255,10 @@ class ContainerCore:
         Migration keeps that shape: the destination is a new container (the
         highest id) covering slices its source still covers in dual mode;
         once the source releases them its messages say so (``coverage``).
+        Every sender covering a (stage, slice) at an epoch sends the same rows
+        of it, so when a message overlaps what is taken only in part (the
+        source died mid-release, its destination is the one copy left of
+        the moved slices) its new part is taken (``EpochMessage.restricted``).
         """
         got = self.inbox.get(epoch)
         if not got:
@@ -270,6 +274,13 @@ class ContainerCore:
             if cov.isdisjoint(covered):
                 chosen[sender] = msg
                 covered |= cov
+            elif not cov <= covered and all(isinstance(p[0], int) for p in cov):
+                # Part of it is new: a migration's source died mid-release without sending
+                # this epoch, and its destination (dual since before) is the only one left
+                # with the moved slices' rows, beside slices another sender already gave.
+                take = frozenset(cov - covered)
+                chosen[sender] = msg.restricted(take)
+                covered |= take
         return chosen if covered == self.required else None
 
     def add_senders(self, coverage: dict[int, Coverage]) -> None:
@@ -674,8 +685,16 @@ class ContainerCore:
         self.destinations = sorted({c for r in self.routes.values() for c in r.containers()} | set(self.released_to))
 
     def request_release(self, slices: list[int]) -> None:
-        """Release ``slices`` before the next epoch (a source stage: no upstream marker tells it)."""
+        """Release ``slices`` before the next epoch: a source stage (no upstream marker tells it),
+        or a transfer the master completed before every producer marked it (a producer died
+        mid-migration; its replacement routes the slices to their new container only).
+
+        When every slice goes, they go now: producers may route nothing here any more, so no
+        epoch's input would arrive to release them at."""
         self.pending_release |= set(slices) & set(self.slices)
+        if self.reader is None and self.slices and self.pending_release >= set(self.slices):
+            self._release(set(self.pending_release), self.next_epoch)
+            self.pending_release.clear()
 
     def _releases_due(self, inbound: dict[int, EpochMessage] | None) -> set[int]:
         """Slices to release before processing an epoch: asked for, or marked by an upstream
@@ -817,6 +836,11 @@ class ContainerCore:
         if t.num_rows and first_epoch > 0:
             t = t.filter(pa.array(np.asarray(t.column(ORDER)) >= first_epoch * self.plan.epoch_events))
         return t
+
+    def replay_floor(self) -> int:
+        """The first epoch this core's output log can replay to any consumer (older rows were
+        dropped by GC, or were not carried by the checkpoint its slices were restored from)."""
+        return max([self.low_water + 1] + [self.log_start[s] for s in self.slices])
 
     def progress_of(self, slice_id: int) -> dict[int, list[int]]:
         """A local slice's progress vector as plain data (stream id -> out_seq per producer slice)."""

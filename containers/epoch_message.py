@@ -10,9 +10,13 @@ a plain, picklable value (Ray pickles it into every push).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pyarrow as pa
 
 from chronostream.containers.routing import RoutedPart
+from chronostream.slices.types import SLICE
 
 
 @dataclass(slots=True)
@@ -48,6 +52,27 @@ class EpochMessage:
     #: Wall time (``time.time()``) the epoch's source rows were read, for end-to-end latency at
     #: the sinks; None when unknown (a replayed epoch).
     ingest: float | None = None
+
+    def restricted(self, producer_slices: frozenset[tuple[int, int]]) -> "EpochMessage":
+        """This message with only the rows of ``producer_slices`` ((stage id, slice id) pairs of
+        the sender's stage), declaring them as its coverage.
+
+        A receiver takes part of a message when another sender already gave it the rest (a
+        migration's destination after its source died mid-release: see
+        ``ContainerCore._epoch_messages``). Each routed row names its producer slice (``SLICE``).
+
+        >>> m = EpochMessage({0: (pa.table({"_slice": [0, 1, 0], "x": [1, 2, 3]}), np.array([0, 0, 1]))})
+        >>> r = m.restricted(frozenset({(5, 0)}))
+        >>> r.parts[0][0].column("x").to_pylist(), r.parts[0][1].tolist(), sorted(r.coverage)
+        ([1, 3], [0, 1], [(5, 0)])
+        """
+        keep = np.array(sorted(s for _stage, s in producer_slices), dtype=np.int64)
+        parts: dict[int, RoutedPart] = {}
+        for sid, (table, dst) in self.parts.items():
+            mask = np.isin(np.asarray(table.column(SLICE)), keep)
+            if mask.any():
+                parts[sid] = (table.filter(pa.array(mask)), dst[mask])
+        return replace(self, parts=parts, coverage=frozenset(producer_slices))
 
     def rows(self) -> int:
         """Rows over all parts (the parts must be read back: no ``ShmPart``)."""

@@ -45,14 +45,14 @@ from chronostream.master.launch import JobLaunch, plan_fingerprint
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
                               container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
-                              stage_id_of, warm_up_goals)
+                              settled_by_finishing, stage_id_of, warm_up_goals)
 from chronostream.master.placement import Placement, initial_placement
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.master.timeline import Timeline
 from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
                              floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
-                             raised, rebuildable_stages, recovery_slack, restore_floor, restore_order)
+                             raised, rebuildable_stages, recovery_slack, replay_targets, restore_floor, restore_order)
 
 log = logging.getLogger("chronostream.master")
 
@@ -738,6 +738,8 @@ class JobMaster:
         self._at_step("restored", lost, every)
         await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in every])
         replayed = await asyncio.gather(*[self._reroute_to(plan, infos) for (plan, _), infos in zip(runs, restored)])
+        await asyncio.gather(*[self._replay_to_consumers(plan, infos, {a.new_id for a in every})
+                               for (plan, _), infos in zip(runs, restored)])
         self._at_step("rerouted", lost, every)
         # 4. Backups over the stages' hosts as they are now (full checkpoints follow), also of
         # stages backed up off their own hosts: a dead host may have held their backups.
@@ -790,6 +792,21 @@ class JobMaster:
                         reroutes.append(self.handles[self.host_of[c]].reroute.remote(
                             c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
         return sum(r["epochs"] for r in await asyncio.gather(*reroutes))
+
+    async def _replay_to_consumers(self, plan: list[Adoption], infos: list[dict[str, Any]],
+                                   adopted: set[int]) -> None:
+        """Step 3b: each recovered container replays its relogged outputs to the live consumers
+        behind its resume epoch (``ResourceContainer.replay_to``; the adopted ones were rerouted to)."""
+        calls = []
+        for a, info in zip(plan, infos):
+            upto = min(info["resume"].values(), default=0)
+            for c, st in replay_targets(self.plan, self.placement.stage_of, a.stage_id, adopted):
+                if self.host_of.get(c) in self.alive:
+                    calls.append(self.handles[a.host].replay_to.remote(
+                        a.new_id, st, c, self.handles[self.host_of[c]], upto))
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, BaseException) and not isinstance(r, RayActorError):
+                raise r  # (a host that died on the way is recovered next: its consumers are rerouted to)
 
     async def _resume_recovery(self) -> None:
         """A master restarted in the middle of a recovery: plan again for the hosts it had not
@@ -1354,10 +1371,26 @@ class JobMaster:
         """Last step of a transfer: producers stop marking, the placement moves, pauses are measured."""
         try:
             st = await self._states([t], with_times=True)
-        except RayActorError:
+        except RayActorError:  # (one of the two hosts is dead: ask the source's alone)
             st = {}
+            if self.host_of.get(t.source) in self.alive:
+                try:
+                    st = await self.handles[self.host_of[t.source]].migration_state.remote([t.source], True)
+                except RayActorError:
+                    pass
         src, dst = st.get(t.source), st.get(t.new_id)
-        if src is not None:
+        if src is not None and not src["done"] and not set(t.slices) <= set(src["released"]):
+            # Settled early (a producer died mid-migration): its replacement routes the slices to
+            # their new container only and will never mark them to the source.
+            try:
+                await self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices)
+                src = (await self._states([t], with_times=True)).get(t.source)
+            except RayActorError:
+                src = None
+        if src is None:  # (died: no one is left to mark, nothing to send it)
+            await asyncio.gather(*[producer.forget_released.remote(c, t.source, t.slices)
+                                   for c, producer in self._producers(sid)], return_exceptions=True)
+        else:
             t.released_at = {s: e for s, e in src["released"].items() if s in t.slices}
             # The pause is known once the destination finished each release epoch; it may
             # still be on it (the demo printed no pause when it asked too early).
@@ -1410,9 +1443,7 @@ class JobMaster:
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
             dst_ok = t0.host is not None and t0.host not in dead
             # A compaction completes only once handed over; undone before, the sources keep their slices.
-            finish = t0.phase is P.RELEASING or (handed_over.get(t0.new_id, False) if t0.handover
-                                                 else t0.phase is P.DUAL and dst_ok)
-            if finish:
+            if settled_by_finishing(t0.phase, t0.handover, dst_ok, handed_over.get(t0.new_id, False)):
                 for t in live:  # (a handover the catalog had not seen reach DUAL yet)
                     if t.phase is P.REBUILDING:
                         t.advance(P.DUAL, reason="handed over before the master died")

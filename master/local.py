@@ -32,15 +32,15 @@ from chronostream.containers.output_log import OutputLog
 from chronostream.containers.spill import SpillStore
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
                               balanced_moves, by_destination, compaction_moves,
-                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
-                              stage_id_of)
+                              container_of_slices, group_transfers, migration_pauses, settled_by_finishing,
+                              slices_of, stage_hosts, stage_id_of)
 from chronostream.master.backups import chains_by_slice, stale_backups
 from chronostream.master.placement import Placement
 from chronostream.master.results import memory_sink_ids, sink_table
 from chronostream.master.timeline import Timeline
 from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
                              lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
-                             recovery_slack, restore_floor, restore_order)
+                             recovery_slack, replay_targets, restore_floor, restore_order)
 from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 from chronostream.slices.errors import RecoveryError
 
@@ -220,7 +220,8 @@ class LocalCluster:
         for r, hosts in (kills or {}).items():
             todo[r] = lambda cl, hosts=hosts: cl.kill(hosts)
         deadline = time.monotonic() + timeout_s
-        while not all(c.done for c in self.cores.values()) or self.migrations:
+        # (messages still in flight at the end arrive too: a late copy is refused, not lost from view)
+        while not all(c.done for c in self.cores.values()) or self.migrations or self.in_flight:
             rnd = self.round
             progressed, backups = self._step_all()
             if rnd in todo or on_round is not None:
@@ -580,7 +581,12 @@ class LocalCluster:
 
     def _complete(self, t: Transfer) -> None:
         src, dst = self.cores.get(t.source), self.cores.get(t.new_id)
-        if src is not None:
+        if src is None:  # (died: no one is left to mark, nothing to send it)
+            for _, producer in self._producers(t.stage_id):
+                producer.forget_released(t.source, t.slices)
+        else:
+            if not src.done and not set(t.slices) <= set(src.released):
+                src.request_release(t.slices)  # (settled early: a producer may never mark it)
             t.released_at = {s: e for s, e in src.released.items() if s in t.slices}
             if set(t.slices) <= set(src.released):
                 for _, producer in self._producers(t.stage_id):
@@ -609,17 +615,16 @@ class LocalCluster:
             if not live:
                 continue
             t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
-            dst_dead = t0.host in dead
-            if t0.handover and t0.phase is not P.RELEASING:
-                self._abort_handover(live, f"hosts {sorted(dead)} died before the handover")
-                continue
-            if t0.phase in (P.DUAL, P.RELEASING) and (not dst_dead or t0.phase is P.RELEASING):
+            # (in process, a compaction hands over within one step: RELEASING is handed over)
+            if settled_by_finishing(t0.phase, t0.handover, t0.host not in dead):
                 if t0.phase is P.DUAL:
                     self._release_routes(live)
                     for t in live:
                         t.advance(P.RELEASING)
                 for t in live:
                     self._complete(t)
+            elif t0.handover:
+                self._abort_handover(live, f"hosts {sorted(dead)} died before the handover")
             else:
                 for _, producer in self._producers(t0.stage_id):
                     producer.drop_dual(t0.stage_id, slices_of(live))
@@ -698,10 +703,30 @@ class LocalCluster:
                             a.stage_id, a.slices, a.new_id, {s: core.progress_of(s) for s in a.slices},
                             {s: core.slices[s].last_epoch + 1 for s in a.slices})
                         self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
+            self._replay_to_consumers(a.stage_id, a.new_id, {b.new_id for b in plan})
             self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
                         resume_epoch=core.next_epoch)
         if self.fault_tolerant:  # stages backed up off their hosts too: a dead host may have held them
             self._retarget(set(stages) | off_stage_backup_stages(self.placement, self.hosts, self.backup_factor))
+
+    def _replay_to_consumers(self, stage_id: int, new_id: int, adopted: set[int]) -> None:
+        """A recovered producer replays its relogged outputs to each live consumer behind its
+        restore point: the dead one's messages of those epochs may never have arrived (a
+        replay it owed a migration's destination, in flight when it died, is covered by no
+        checkpoint). A consumer keeps the dead sender's message of an epoch when it has it
+        (``ContainerCore._epoch_messages``); adopted consumers were rerouted to already."""
+        core = self.cores[new_id]
+        for c, d in replay_targets(self.plan, self.placement.stage_of, stage_id, adopted):
+            consumer = self.cores.get(c)
+            if consumer is None or consumer.done or not consumer.slices:
+                continue
+            first = max(consumer.next_epoch, core.replay_floor())
+            if first >= core.next_epoch:
+                continue
+            slices = sorted(consumer.slices)
+            replay = core.replay_epochs(d, slices, c, {s: consumer.progress_of(s) for s in slices},
+                                        {s: first for s in slices}, core.next_epoch)
+            self.in_flight += [(c, e, new_id, m) for e, m in replay.items()]
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
         """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""

@@ -327,6 +327,31 @@ def backed_up_off_host(t: Transfer, held: dict[int, dict[tuple[int, int], int]])
                    for h, own in held.items()) for s in t.slices)
 
 
+def settled_by_finishing(phase: MigrationPhase, handover: bool, dst_alive: bool, handed_over: bool = False) -> bool:
+    """How a host's death (or a stuck phase) settles the live transfers to one new container:
+    True to finish them (producers release the slices to it; a source still alive lets go of
+    them, ``ContainerCore.request_release``), False to abort them (the sources keep their
+    slices, dual copies stop). Both masters decide by this rule.
+
+    Finish once producers switched (RELEASING), or in DUAL while the destination runs (it has
+    every epoch from its resume point on); a compaction only once handed over (``handed_over``:
+    its slices live in the new container only).
+
+    >>> P = MigrationPhase
+    >>> [settled_by_finishing(p, False, True) for p in (P.WARMING, P.REBUILDING, P.DUAL, P.RELEASING)]
+    [False, False, True, True]
+    >>> settled_by_finishing(P.DUAL, False, dst_alive=False), settled_by_finishing(P.RELEASING, False, False)
+    (False, True)
+    >>> settled_by_finishing(P.DUAL, True, True), settled_by_finishing(P.DUAL, True, True, handed_over=True)
+    (False, True)
+    """
+    if phase is MigrationPhase.RELEASING:
+        return True
+    if handover:
+        return handed_over
+    return phase is MigrationPhase.DUAL and dst_alive
+
+
 def by_destination(transfers: list[Transfer]) -> dict[int, list[Transfer]]:
     """New container id -> its transfers (one per source container), in the transfers' order.
 

@@ -391,3 +391,22 @@ def restore_floor(plan, gc_marks: dict[int, int] | None) -> dict[int, int] | Non
 def recovery_slack(options) -> int:
     """Epochs a backup may lag the newest and still be restored from (see ``plan_recovery``)."""
     return max(2, 2 * options.checkpoint_every)
+
+
+def replay_targets(plan, stage_of: dict[int, int], stage_id: int, adopted: set[int]) -> list[tuple[int, int]]:
+    """(consumer, its stage) for every container downstream of ``stage_id`` that a recovered
+    container of that stage replays to from the consumer's own position (recovery step 3b:
+    the dead container's messages of epochs before the replacement's resume epoch may never
+    have arrived). ``stage_of``: every container of the job, migration destinations included;
+    ``adopted`` containers are left out (their producers reroute to them).
+
+    >>> import chronostream as cs
+    >>> from chronostream.dag import compile_query
+    >>> q = cs.Query()
+    >>> _ = q.source("w", [{"w": "a"}]).key_by("w").count(slices=2).sink(name="c")
+    >>> replay_targets(compile_query(q)[0], {0: 0, 1: 1, 2: 1, 3: 1}, 0, {3})
+    [(1, 1), (2, 1)]
+    """
+    downstream = set(plan.downstream_stages(stage_id))
+    return [(c, st) for c, st in sorted(stage_of.items()) if st in downstream and c not in adopted]
+

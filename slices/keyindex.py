@@ -27,8 +27,33 @@ class KeyCollision(RuntimeError):
     """Two different keys share a 64-bit hash (astronomically rare; never merged silently)."""
 
 
+def common_key_type(types: Sequence[pa.DataType]) -> pa.DataType:
+    """One type for key arrays of ``types``: a batch whose keys are all null has its key column
+    typed null (it takes the others' type); other types promote as Arrow unifies schemas
+    (``permissive``: int64 and float64 give float64).
+
+    >>> common_key_type([pa.null(), pa.string()]), common_key_type([pa.int64(), pa.float64()])
+    (DataType(string), DataType(double))
+    """
+    named = [pa.schema([("k", t)]) for t in types if not pa.types.is_null(t)]
+    if not named:
+        return pa.null()
+    return pa.unify_schemas(named, promote_options="permissive").field("k").type if len(named) > 1 \
+        else named[0].field("k").type
+
+
+def _unified(arrays: Sequence[pa.Array]) -> list[pa.Array]:
+    """``arrays`` (of one key column) in one type (``common_key_type``)."""
+    if all(a.type == arrays[0].type for a in arrays[1:]):
+        return list(arrays)
+    t = common_key_type([a.type for a in arrays])
+    return [a if a.type == t else a.cast(t) for a in arrays]
+
+
 def _same(a: pa.Array, b: pa.Array) -> np.ndarray:
     """Element-wise key equality: nulls equal nulls, NaN equals NaN, -0.0 equals 0.0."""
+    if a.type != b.type:
+        a, b = _unified([a, b])
     eq = pc.fill_null(pc.equal(a, b), False)
     both_null = pc.and_(pc.is_null(a), pc.is_null(b))
     out = pc.or_(eq, both_null)
@@ -279,11 +304,39 @@ class StoredKeys:
     def __len__(self) -> int:
         return self.size
 
+    def conform(self, columns: Sequence[pa.Array]) -> list[pa.Array]:
+        """``columns`` (new keys) in the stored keys' types, per key column: a batch whose key
+        column came out typed null (every key of the batch null) takes the stored type, and
+        stored keys typed null (or of a narrower type: permissive promotion, as Arrow unifies
+        schemas) take the new column's. Keys of different types then share one index.
+
+        >>> k = StoredKeys()
+        >>> k.append([pa.nulls(1)])
+        >>> cols = k.conform([pa.array(["a"])])
+        >>> k.append(cols); k.take(np.array([1, 0]))[0].to_pylist(), k.chunks[0][0].type
+        (['a', None], DataType(string))
+        """
+        if not self.chunks:
+            return list(columns)
+        out = []
+        for c, col in enumerate(columns):
+            have = self.chunks[0][c].type  # (every chunk of a column has one type)
+            if col.type == have:
+                out.append(col)
+                continue
+            common = common_key_type([have, col.type])
+            if common != have:
+                for chunk in self.chunks:
+                    chunk[c] = chunk[c].cast(common)
+            out.append(col if col.type == common else col.cast(common))
+        return out
+
     def append(self, columns: Sequence[pa.Array]) -> None:
-        """Add the keys of the next ``len(columns[0])`` slots."""
+        """Add the keys of the next ``len(columns[0])`` slots (in the stored types: ``conform``)."""
         k = len(columns[0])
         if not k:
             return
+        columns = self.conform(columns)
         self.chunks.append(list(columns))
         self.starts.append(self.size)
         self.size += k
@@ -338,7 +391,7 @@ class _GroupAdded:
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:
-    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(_unified(arrays))
 
 
 class KeyIndex:

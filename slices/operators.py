@@ -1104,7 +1104,8 @@ class KeyedJoin(Operator):
     Every event is stored under its key; it is joined with every event of the
     other side seen so far for that key and each pair is emitted as one row:
     the left columns, then the right columns prefixed ``right_`` when names
-    clash. Build it with ``cs.join(left.key_by(k), right.key_by(k))``.
+    clash (prefixed again while the name is taken: a join of joins keeps
+    every column). Build it with ``cs.join(left.key_by(k), right.key_by(k))``.
     """
 
     def __init__(self, left_key: Sequence[str], right_key: Sequence[str], how: str = "inner") -> None:
@@ -1135,5 +1136,17 @@ class KeyedJoin(Operator):
 def _merge(left: dict, right: dict) -> dict:
     out = dict(left)
     for k, v in right.items():
-        out[f"right_{k}" if k in left else k] = v
+        out[joined_name(k, out)] = v
     return out
+
+
+def joined_name(name: str, taken: Any) -> str:
+    """The output name of a join's right column ``name`` when the names in ``taken`` are used:
+    itself, or prefixed ``right_`` until it is free (no right column overwrites another one).
+
+    >>> joined_name("k", {"k", "right_k"}), joined_name("v", {"k"})
+    ('right_right_k', 'v')
+    """
+    while name in taken:
+        name = "right_" + name
+    return name

@@ -158,6 +158,7 @@ def test_cli_run_executes_a_query_file(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1])["c"] == 3
 
 
+@pytest.mark.ray
 def test_ray_started_by_the_runtime_is_its_own_even_when_ray_names_a_dead_cluster_as_the_latest():
     """Ray's default joins the cluster named in its ``ray_current_cluster`` file, which a killed
     cluster leaves behind: ``ensure_ray`` without an address then failed with Ray's 'num_cpus
@@ -207,6 +208,23 @@ def test_one_stream_as_both_inputs_of_a_join_matches_serial():
     expected = cs.run(build(), executor="serial").results("j").to_pylist()
     assert len(expected) > 20
     assert cs.run(build(), executor="local", containers=2).results("j").to_pylist() == expected
+
+
+def test_a_join_of_joins_keeps_every_column_under_its_own_name():
+    """Joining a self-join with itself: each side's ``right_k`` clashes again and is prefixed
+    again (``right_right_k``) instead of overwriting the left side's column."""
+    q = cs.Query(epoch_events=4)
+    s = q.source("s", [{"k": i % 2, "v": i} for i in range(4)]).key_by("k")
+    j = cs.join(s, s, slices=2).key_by("k")
+    cs.join(j, j, slices=2).sink(name="jj")
+    rows = cs.run(q, executor="serial").results("jj").to_pylist()
+    assert rows and all(set(r) >= {"k", "v", "right_k", "right_v", "right_right_k", "right_right_v",
+                                   "right_right_right_k", "right_right_right_v"} for r in rows)
+    # the left pair's own columns survive: (v, right_v) is a pair of the first join
+    assert all(r["k"] == r["right_k"] == r["right_right_k"] == r["right_right_right_k"] for r in rows)
+    lefts = {(r["v"], r["right_v"]) for r in rows}
+    rights = {(r["right_right_v"], r["right_right_right_v"]) for r in rows}
+    assert lefts == rights and len(lefts) == 8  # 2 keys x 2 x 2 pairs
 
 
 class Tagger(cs.Operator):

@@ -64,14 +64,14 @@ def test_a_keyed_join_through_faults_and_rescaling_ends_with_exact_output(ray_se
     shape_campaign(join_query(), JOIN_HOSTS, "join", 1201)
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(1200, 1210))
 def test_large_seeded_campaign_over_a_keyed_join(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 5 faults of every kind over the join."""
     shape_campaign(join_query(), JOIN_HOSTS, "join", seed)
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("kind", list(WINDOWS))
 @pytest.mark.parametrize("hot_entries", [None, 10])
 @pytest.mark.parametrize("seed", range(1300, 1303))

@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.ray  # each test runs a cluster of its own in a subprocess
+
 
 def test_job_on_a_three_node_cluster_spreads_stages_and_matches_serial():
     """Containers of one stage land on several nodes and the output equals the oracle's."""

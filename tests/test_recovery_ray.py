@@ -120,7 +120,7 @@ def test_seeded_random_fault_campaign_ends_with_exact_output(ray_session, seed):
     campaign(seed, 4)
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(100, 110))
 def test_large_seeded_fault_campaign(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults."""
@@ -159,7 +159,7 @@ def test_seeded_random_campaign_of_faults_and_rescaling_ends_with_exact_output(r
         assert firsts.get(c) == restored[c], (c, firsts.get(c), restored[c], report.format_timeline())
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(200, 210))
 def test_large_seeded_campaign_of_faults_and_rescaling(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults and rescalings."""
@@ -178,7 +178,7 @@ def test_a_seeded_campaign_with_master_deaths_in_recoveries_ends_with_exact_outp
     assert [k for k in kinds(report) if k == "recovery_resumed"], report.format_timeline()
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(400, 410))
 def test_large_seeded_campaign_with_master_deaths_in_recoveries(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, master deaths in recoveries among them."""
@@ -193,7 +193,7 @@ def test_a_seeded_campaign_of_kills_rescaling_and_compactions_ends_with_exact_ou
     assert len(merged) >= 2 and all(t["phase"] == "done" for i in merged for t in i["transfers"]), merged
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(300, 310))
 def test_large_seeded_campaign_of_faults_rescaling_and_compaction(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, rescalings and compactions (``compact``
@@ -220,7 +220,7 @@ def rekey_campaign(seed: int, kinds: tuple[str, ...]):
                            17, kinds, source_delay_s=0.4, settle_pace_s=REKEY_SETTLE_PACE_S, min_gap=3)
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(1, 9))
 def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed):
     """Opt-in (``pytest -m campaign``): the re-key pipeline (the built-in count, run as slice
@@ -229,7 +229,7 @@ def test_seeded_campaign_of_faults_and_rescaling_over_a_re_key(ray_session, seed
     rekey_campaign(seed, ELASTIC_KINDS)
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(600, 608))
 def test_seeded_campaign_of_hosts_dying_in_recoveries_over_a_re_key(ray_session, seed):
     """Opt-in (``pytest -m campaign``): the re-key pipeline, where a recovery's producers and
@@ -507,7 +507,7 @@ def test_a_seeded_campaign_with_hosts_dying_in_recoveries_ends_with_exact_output
     assert len([k for k in kinds(report) if k == "host_kill_injected"]) == 2, report.format_timeline()
 
 
-@pytest.mark.campaign
+@pytest.mark.extended
 @pytest.mark.parametrize("seed", range(500, 510))
 def test_large_seeded_campaign_with_hosts_dying_in_recoveries(ray_session, seed):
     """Opt-in (``pytest -m campaign``): 10 runs x 6 faults, hosts dying in recoveries among them

@@ -1,18 +1,21 @@
 """``python -m chronostream.sim``: run seeded simulations, report, and replay one seed's story.
 
     python -m chronostream.sim --seeds 1-1000 --json   # last line: one JSON object
+    python -m chronostream.sim --seeds 1-10000 --jobs 2 # on two processes
     python -m chronostream.sim --seed 42 --story       # one seed's timeline
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 import time
 
 from chronostream.sim.faults import FAULT_KINDS
-from chronostream.sim.runner import fault_counts, run_seed
+from chronostream.sim.runner import fault_counts, run_seeds
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS),
                         help=f"fault kinds to draw from (default all: {','.join(FAULT_KINDS)})")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of totals")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help=f"processes to run seeds on (this machine has {os.cpu_count()} CPUs; default 1)")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(FAULT_KINDS))
@@ -49,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = []
     failed = []
-    for seed in seeds:
-        r = run_seed(seed, kinds)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    for r in run_seeds(seeds, kinds, args.jobs):
+        seed = r.seed
         results.append(r)
         if args.story:
             print(r.format_story())
@@ -60,8 +67,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"seed {seed} FAILED: {r.failures[0].splitlines()[0]}\n  {r.shape}\n"
                       f"  replay: {r.replay_command()}", file=sys.stderr)
     by_kind = fault_counts(results)
-    totals = {"schedules": len(results), "faults": sum(by_kind.values()), "faults_by_kind": by_kind,
-              "failures": len(failed), "failed_seeds": failed[:100], "rounds": sum(r.rounds for r in results),
+    inapplicable = sum(x.effect.startswith("inapplicable") for r in results for x in r.faults)
+    # (``benchmark``, ``command``, ``date`` and ``rows``: a result line as the benchmarks print
+    # them, so the README's table of figures takes it: ``benchmarks.readme_table``)
+    command = "python -m chronostream.sim " + " ".join(argv if argv is not None else sys.argv[1:])
+    totals = {"benchmark": "sim", "command": command, "date": datetime.date.today().isoformat(),
+              "schedules": len(results), "faults": sum(by_kind.values()), "faults_by_kind": by_kind,
+              "inapplicable": inapplicable, "failures": len(failed), "failed_seeds": failed[:100],
+              "rounds": sum(r.rounds for r in results),
+              "rows": [{"kind": k, "landed": n} for k, n in by_kind.items()],
               "seconds": round(time.perf_counter() - t0, 2)}
     if args.json:
         print(json.dumps(totals))

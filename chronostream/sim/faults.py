@@ -37,14 +37,20 @@ FAULT_KINDS: dict[str, str] = {
     "scale_in": "a stage loses one host; its transfers finish",
 }
 
-#: Phases a transfer passes through that a crash can meet (``MigrationPhase``).
-#: A source near the end of its input steps every this many rounds while a fault waits to fire.
-THROTTLE = 8
+#: A source near the end of its input steps every this many rounds while a fault waits to fire
+#: (prime to every slow host's period, 2-4: a slowed host downstream then meets work on rounds
+#: it skips, whatever its distance from the sources).
+THROTTLE = 7
 #: A crash that missed its transfer's phase (another fault ended the transfer) tries again this often.
 REARMS = 3
-
+#: Phases a transfer passes through that a crash can meet (``MigrationPhase``).
 CRASH_PHASES = (MigrationPhase.PREPARING, MigrationPhase.WARMING, MigrationPhase.REBUILDING,
                 MigrationPhase.DUAL, MigrationPhase.RELEASING)
+#: Kinds that start a migration (the master runs one at a time), and kinds that kill a host.
+MOVES = ("migrate", "scale_out", "scale_in", "crash_in_migration")
+KILLS = ("host_crash", "damaged_backup")
+#: Moves a schedule draws at most.
+MOVES_MAX = 3
 
 
 @dataclass(frozen=True)
@@ -75,20 +81,34 @@ class Landing:
 
 
 def random_schedule(rng: random.Random, num_epochs: int, n: int, kinds: list[str]) -> list[Fault]:
-    """``n`` faults of ``kinds``, each firing at a random epoch in ``[1, num_epochs - 2]``.
+    """``n`` faults of ``kinds``, each firing at a random epoch in ``[1, num_epochs - 2]``, at
+    most ``MOVES_MAX`` of them moves; a move (a migration, with or without a crash in it) or a kill (which may first need a move to
+    widen the job: ``Injector._widen``) in the first two thirds: moves run one at a time and
+    take several epochs each, so one late in the input may meet no epoch left.
 
     >>> [f.kind for f in random_schedule(random.Random(1), 40, 3, ["host_crash", "delay"])]
-    ['host_crash', 'delay', 'host_crash']
+    ['host_crash', 'host_crash', 'delay']
     """
     last = max(1, num_epochs - 2)
+    last_move = max(1, 2 * num_epochs // 3)
     out = []
     for _ in range(n):
         kind = rng.choice(kinds)
+        others = [k for k in kinds if k not in MOVES]
+        if kind in MOVES and sum(f.kind in MOVES for f in out) >= MOVES_MAX and others:
+            kind = rng.choice(others)  # (moves queue one after another: a fourth meets no input left)
         param = {"delay": rng.randint(1, 4), "duplicate": rng.randint(1, 6), "slow_host": rng.randint(2, 4),
                  "crash_in_migration": rng.randrange(len(CRASH_PHASES) * 2),
                  "damaged_backup": rng.randint(0, 1)}.get(kind, 0)
-        out.append(Fault(kind, rng.randint(1, last), rng.randrange(1 << 30), param))
+        at = rng.randint(1, last_move if kind in MOVES or kind in KILLS else last)
+        out.append(Fault(kind, at, rng.randrange(1 << 30), param))
     return sorted(out, key=lambda f: f.at_epoch)
+
+
+def _moving(cl: LocalCluster) -> set[tuple[int, int]]:
+    """(source container, slice) of every transfer in progress."""
+    return {(t.source, s) for t in cl.migrations
+            if t.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED) for s in t.slices}
 
 
 def _abort_reason(t: Any) -> str:
@@ -114,12 +134,15 @@ class SimNetwork(Network):
             if f[3].end is not None and not f[3].parts:
                 continue  # an end-of-input notice is sent once, outside the epochs' flow
             if self.to_hold:
-                rounds, landing = self.to_hold.pop(0)
+                # (the fault that holds fewest so far first: two delays fired together both land soon)
+                i = min(range(len(self.to_hold)), key=lambda j: self.to_hold[j][1].data.get("held", 0))
+                rounds, landing = self.to_hold.pop(i)
                 self.held.append((self.round + rounds, f, landing))
                 self.tracked[id(f)] = (landing, "held")
                 landing.data["held"] = landing.data.get("held", 0) + 1
             elif self.to_copy:
-                rounds, landing = self.to_copy.pop(0)
+                i = min(range(len(self.to_copy)), key=lambda j: self.to_copy[j][1].data.get("copied", 0))
+                rounds, landing = self.to_copy.pop(i)
                 copy = (f[0], f[1], f[2], f[3])  # the same message, a second time
                 self.held.append((self.round + rounds, copy, landing))
                 self.tracked[id(copy)] = (landing, "copy")
@@ -139,6 +162,11 @@ class SimNetwork(Network):
         if tracked is None:
             return
         landing, how = tracked
+        if accepted is None and landing.data.get("resent", 0) < 3:
+            # (the receiver was gone: no one to hold it for or refuse it; the next message then)
+            landing.data["resent"] = landing.data.get("resent", 0) + 1
+            (self.to_hold if how == "held" else self.to_copy).append((1, landing))
+            return
         if how == "held":
             landing.data["arrived_late"] = landing.data.get("arrived_late", 0) + 1
         elif accepted is False:
@@ -157,9 +185,14 @@ class Injector:
         self.slow: list[tuple[int, int, Landing]] = []  # (host, until round, fault)
         self.watch: list[Landing] = []  # crash_in_migration faults waiting for their phase
         self.holding: set[int] = set()  # source hosts slowed near the end of the input
+        # (stage, slice, host) -> the damaged checkpoint: the copy counts as none while its chain
+        # holds it (a full checkpoint replaces the chain)
+        self.damaged: dict[tuple[int, int, int], bytes] = {}
 
     def __call__(self, cl: LocalCluster) -> None:
-        sources = [c for c in cl.cores.values() if c.reader is not None and c.slices]
+        # (a source feeding no stage sets no pace: its epochs send no message to copy or hold)
+        sources = [c for c in cl.cores.values() if c.reader is not None and c.slices and c.destinations] or \
+            [c for c in cl.cores.values() if c.reader is not None and c.slices]
         produced = min((c.next_epoch for c in sources), default=1 << 30)
         for landing in self.landings:
             if landing.fired_round is None and produced >= landing.fault.at_epoch:
@@ -209,10 +242,12 @@ class Injector:
         self.story.append((cl.round, "inject", f"{landing.fault.describe()}: {what}"))
 
     def _busy_hosts(self, cl: LocalCluster) -> list[int]:
-        """Live hosts with a container that owns slices and has work left."""
+        """Live hosts with a container that owns slices not moving away (a migration settled by
+        the host's death would take them off it: nothing to rebuild) and has work left."""
+        moving = _moving(cl)
         return sorted({cl.hosts[c] for c, core in cl.cores.items()
-                       if cl.hosts[c] in cl.alive and c in cl.placement.stage_of and cl.placement.slices_of(c)
-                       and not core.done})
+                       if cl.hosts[c] in cl.alive and c in cl.placement.stage_of and not core.done
+                       and any((c, s) not in moving for s in cl.placement.slices_of(c))})
 
     def _survivable(self, cl: LocalCluster, host: int, damaged: tuple[int, int, int] | None = None) -> bool:
         """True when the job survives ``host``'s death by design: every slice of its containers
@@ -228,23 +263,29 @@ class Injector:
             for s in core.slices:
                 if (st, s) in cl.checkpointed and not any(
                         h != host and h in cl.alive and (st, s) in cl.stores[h].holds() and (st, s, h) != damaged
-                        for h in cl.stores):
+                        and not self._is_damaged(cl, st, s, h) for h in cl.stores):
                     return False
         return True
 
-    def _widen(self, cl: LocalCluster, landing: Landing, why: str) -> None:
+    def _is_damaged(self, cl: LocalCluster, stage: int, slice_id: int, host: int) -> bool:
+        """True while the copy of a slice on ``host`` is one a fault damaged (no later full one)."""
+        bad = self.damaged.get((stage, slice_id, host))
+        return bad is not None and host in cl.stores and any(
+            blob is bad for blob in cl.stores[host].chains.get((stage, slice_id), []))
+
+    def _widen(self, cl: LocalCluster, landing: Landing, why: str) -> bool:
         """Give a stage one more host (a scale-out the story names), so a fault that needs more
-        room (another copy, another host) can fire once it is done; one at a time."""
-        if cl.migrations or landing.data.get("widened", 0) >= 3:
-            return
+        room (another copy, another host) can fire once it is done; one at a time. False when no
+        stage can take one (every container holds one slice)."""
         stages = [st.stage_id for st in cl.plan.stages
                   if 0 < len([c for c in cl.placement.containers[st.stage_id] if c in cl.cores]) < st.num_slices]
-        if not stages:
-            return
+        if cl.migrations or landing.data.get("widened", 0) >= 3 or not stages:
+            return bool(stages)
         st = stages[landing.fault.pick % len(stages)]
         landing.data["widened"] = landing.data.get("widened", 0) + 1
         self._say(cl, landing, f"first scale out stage {st}: {why}")
         cl.scale_out(st)
+        return True
 
     def _kill(self, cl: LocalCluster, landing: Landing, host: int) -> None:
         """Kill ``host``; record the containers whose recovery that started (``rebuilt`` is checked
@@ -272,11 +313,13 @@ class Injector:
         elif kind == "damaged_backup":
             candidates = sorted({(st, sl) for h in sorted(cl.stores) if h in cl.alive
                                  for st, sl in cl.stores[h].holds()})
-            held_by = {k: [h for h in sorted(cl.stores) if h in cl.alive and k in cl.stores[h].holds()]
-                       for k in candidates}
+            held_by = {k: [h for h in sorted(cl.stores) if h in cl.alive and k in cl.stores[h].holds()
+                           and not self._is_damaged(cl, *k, h)] for k in candidates}
             # A copy on a host other than the slice's own, with another live copy left to restore from.
+            # (not a slice moving away: the victim's death would settle its move, nothing rebuilt)
+            moving = _moving(cl)
             owner = {(cl.placement.stage_of[c], s): cl.hosts[c] for c in cl.cores if c in cl.placement.stage_of
-                     for s in cl.placement.slices_of(c)}
+                     for s in cl.placement.slices_of(c) if (c, s) not in moving}
             # Off the victim (the slice's host) two copies: one to damage, one to restore from.
             usable = [(k, [h for h in hs if h != owner[k]]) for k, hs in held_by.items()
                       if k in owner and len([h for h in hs if h != owner[k]]) >= 2]
@@ -291,6 +334,7 @@ class Injector:
             (st, sl), holders = usable[f.pick % len(usable)]
             h = holders[(f.pick // 7) % len(holders)]
             cl.stores[h].corrupt(st, sl, truncate=bool(f.param))
+            self.damaged[(st, sl, h)] = cl.stores[h].chains[(st, sl)][-1]
             victim = owner[(st, sl)]
             landing.data.update(stage=st, slice=sl, holder=h)
             landing.target = f"stage {st} slice {sl} copy on host {h}, then host {victim}"
@@ -334,7 +378,9 @@ class Injector:
                 wide = [s for s in stages
                         if len({cl.hosts[c] for c in cl.placement.containers[s] if c in cl.cores}) >= 2]
                 if not wide:
-                    self._widen(cl, landing, "every stage runs on one host")
+                    if not self._widen(cl, landing, "every stage runs on one host"):
+                        landing.fired_round = cl.round
+                        landing.effect = "inapplicable: every stage runs on one host and holds one slice"
                     return
                 stages = wide
                 st = stages[f.pick % len(stages)]
@@ -377,10 +423,12 @@ class Injector:
         phase = landing.data["phase"]
         for t in landing.data["transfers"]:
             if t.phase is phase:
-                host = cl.hosts.get(t.source) if landing.data["kill_source"] else cl.hosts.get(t.new_id)
-                if host is None or host not in cl.alive:
-                    host = cl.hosts.get(t.new_id) if landing.data["kill_source"] else cl.hosts.get(t.source)
-                if host is None or host not in cl.alive:
+                ends = [cl.hosts.get(t.source), cl.hosts.get(t.new_id)]
+                if not landing.data["kill_source"]:
+                    ends.reverse()
+                # (an end whose death would take a slice's last copy waits: the phase may come again)
+                host = next((h for h in ends if h is not None and h in cl.alive and self._survivable(cl, h)), None)
+                if host is None:
                     continue
                 landing.data["killed_in"] = phase
                 self.watch.remove(landing)

@@ -329,10 +329,17 @@ def _hopping_row(w: dict, start: int | float, size: int | float, specs: Sequence
 def join(left: pd.DataFrame, right: pd.DataFrame, left_key: Sequence[str], right_key: Sequence[str]) -> pd.DataFrame:
     """The keyed inner join: every pair of a left and a right row with equal keys (a null key
     equal to a null key), the left columns then the right ones (``right_<name>`` where a name
-    clashes); ``_o`` the later row's."""
+    clashes, ``right_right_<name>`` where that one is taken too...); ``_o`` the later row's."""
     lcols = [c for c in left.columns if c not in ("_o", "_p")]
     rcols = [c for c in right.columns if c not in ("_o", "_p")]
-    renamed = {c: f"right_{c}" if c in lcols else c for c in rcols}
+    renamed: dict[str, str] = {}
+    taken = set(lcols) | {"_o", "_p", "_ro", "_rp"}
+    for c in rcols:
+        name = c
+        while name in taken:
+            name = "right_" + name
+        renamed[c] = name
+        taken.add(name)
     lk = left.assign(__key=pd.Series(key_tuples(left, left_key), index=left.index, dtype=object))
     rk = right.rename(columns={**renamed, "_o": "_ro", "_p": "_rp"})
     rk = rk.assign(__key=pd.Series(key_tuples(right, right_key), index=right.index, dtype=object))

@@ -7,7 +7,7 @@ feature tags and, per memory sink, the independent pandas oracle), and ``check_o
 Must not touch the runtime's internals: a query is built from the public API only, and
 the oracle (``chronostream.sim.oracle``) imports nothing of chronostream.
 
-A query has 1-3 in-memory sources of 200-3000 rows (``chronostream.sim.data``), ordered by
+A query has 1-3 in-memory sources of 40-600 rows (``chronostream.sim.data``), ordered by
 event time or by position, small epochs (17-400 events) and 1-8 slices per stage; 1-4
 stateful stages, each reading a stream drawn from the sources and the earlier stages'
 outputs (a chain, a re-keying, a fan-out of one stream into two stages), through 0-2 stateless
@@ -148,6 +148,13 @@ class _Stream:
     time_ordered: bool  # its ``t`` does not decrease in the order a stage consumes it
     repeated: bool  # a flat map is upstream (one per lineage bounds the fan-out)
     after_stage: bool  # derives from a stage's output
+    # Steps upstream that may give one input row several output rows, each a lineage level
+    # (``chronostream.extend_sub_order``): flat maps and stages other than running aggregates.
+    levels: int = 0
+
+
+#: Lineage levels a row may pass (``chronostream.extend_sub_order`` numbers 3 of 20 bits each).
+LINEAGE_LEVELS = 3
 
 
 @dataclass
@@ -261,7 +268,8 @@ class _Draw:
         keyed = isinstance(step, (KeyBy, KeyByFunction))
         key = step.cols if keyed else info.key if isinstance(step, KeepMod) else None  # type: ignore[union-attr]
         new = _Stream(step.columns(info.cols), key, info.sources, info.time_ordered,
-                      info.repeated or isinstance(step, Repeat), info.after_stage)
+                      info.repeated or isinstance(step, Repeat), info.after_stage,
+                      info.levels + isinstance(step, Repeat))
         self.features |= step.tags()
         return self.add(DeriveNode(nid, step), new)
 
@@ -362,7 +370,9 @@ class _Draw:
         if len(inputs) == 1:
             self.stage_inputs.extend(s for s in inputs.values() if s not in self.stage_inputs)
         sources = frozenset().union(*(i.sources for i in infos))
-        return self.add(node, _Stream(cols, None, sources, time_ordered, any(i.repeated for i in infos), True))
+        levels = max(i.levels for i in infos) + (not isinstance(stage, Aggregate))
+        return self.add(node, _Stream(cols, None, sources, time_ordered, any(i.repeated for i in infos), True,
+                                      levels))
 
     def numeric(self, cols: Columns, exclude: frozenset[str] = frozenset()) -> list[str]:
         return [c for c, k in cols.items() if k in NUMERIC and c not in exclude]
@@ -525,7 +535,9 @@ class _Draw:
             p = np.array([weights[k] for k in kinds])
             kind = kinds[int(self.rng.choice(len(kinds), p=p / p.sum()))]
             size, features, stage_inputs = len(self.nodes), set(self.features), list(self.stage_inputs)
-            if tries[kind]():
+            # (a stage whose rows would pass more lineage levels than the runtime numbers is not
+            # drawn: ``LineageOverflow`` at run time, a limit a query build does not check yet)
+            if tries[kind]() and max(i.levels for i in self.streams.values()) <= LINEAGE_LEVELS:
                 return
             self.rollback(size, features, stage_inputs)
 
@@ -588,7 +600,9 @@ def random_query(seed: int) -> RandomQuery:
     d.features |= shape.features()
     n_sources = int(rng.choice([1, 2, 3], p=[0.45, 0.45, 0.1]))
     for s in range(n_sources):
-        table = draw_table(rng, shape, int(rng.integers(200, 3001)), int(rng.integers(0, 40)))
+        # (a few hundred rows pass in 12-30 epochs and reach every key shape's hot keys; more
+        # rows make a run slower, not its protocols' paths more varied)
+        table = draw_table(rng, shape, int(rng.integers(40, 601)), int(rng.integers(0, 40)))
         cols = {**SOURCE_KINDS, **{p: "other" for p in shape.payloads}}
         d.add(SourceNode(f"src{s}", table, d.order_by, int(rng.integers(1, 9))),
               _Stream(cols, None, frozenset({s}), True, False, False))

@@ -12,11 +12,14 @@ the seed.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import random
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -71,11 +74,11 @@ def serial_results(rq: RandomQuery, build: Callable[[], cs.Query]) -> dict[str, 
 
 def epochs_for_faults(rq: RandomQuery, rng: random.Random) -> int:
     """Source events per epoch for the run: the query's own, made smaller when its input would
-    pass in fewer than 12-30 epochs, so a schedule's faults meet a running job (the serial
+    pass in fewer than 16-32 epochs, so a schedule's faults meet a running job (the serial
     oracle runs with the same epochs: rows made at the end of the input take its last order)."""
     plan, _ = compile_query(rq.build())
     rows = plan.order_end or plan.total_events or 1
-    return max(4, min(plan.epoch_events, rows // rng.randint(12, 30)))
+    return max(2, min(plan.epoch_events, rows // rng.randint(16, 32)))
 
 
 def run_seed(seed: int, kinds: list[str] | None = None,
@@ -133,6 +136,18 @@ def run_seed(seed: int, kinds: list[str] | None = None,
     return SimResult(seed, shape, landings, failures, cl.round, time.perf_counter() - t0, story)
 
 
+def run_seeds(seeds: Iterable[int], kinds: list[str] | None = None, jobs: int = 1) -> Iterator[SimResult]:
+    """``run_seed`` over ``seeds``, in order, on ``jobs`` processes (each seed's run is the same
+    whichever process runs it: every choice comes from the seed)."""
+    if jobs <= 1:
+        for seed in seeds:
+            yield run_seed(seed, kinds)
+        return
+    # (spawned, not forked: the caller may hold threads, e.g. a Ray client's)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield from pool.map(functools.partial(run_seed, kinds=kinds), seeds, chunksize=2)
+
+
 def _plain(info: dict) -> str:
     """A timeline event's details, without wall-clock fields (the story repeats bit for bit): a
     migration's transfers without their measured pauses."""
@@ -151,4 +166,4 @@ def fault_counts(results: list[SimResult]) -> dict[str, int]:
     return out
 
 
-__all__ = ["SimResult", "run_seed", "serial_results", "fault_counts", "Fault"]
+__all__ = ["SimResult", "run_seed", "run_seeds", "serial_results", "fault_counts", "Fault"]

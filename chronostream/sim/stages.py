@@ -244,7 +244,10 @@ class Join:
         left, right = inputs["left"], inputs["right"]
         out = dict(left)
         for c, kind in right.items():
-            out[f"right_{c}" if c in left else c] = kind
+            name = c
+            while name in out:
+                name = "right_" + name
+            out[name] = kind
         return out
 
     def lineage(self, inputs: Mapping[str, Lineage]) -> Lineage:
