@@ -862,15 +862,13 @@ class ResourceContainer:
         destination is covered by no checkpoint). Returns the epochs pushed."""
         core = self.cores[container_id]
         pos = await target_host.position.remote(target)
-        if pos is None or not pos["progress"]:
+        if pos is None:
             return 0
-        first = max(pos["next_epoch"], core.replay_floor())
-        if first >= upto:
+        replay = await asyncio.to_thread(core.replay_behind, stage_id, target, pos["next_epoch"],
+                                         pos["progress"], upto)
+        if not replay:
             return 0
         await self._learn_nodes([target_host])
-        slices = sorted(pos["progress"])
-        replay = await asyncio.to_thread(core.replay_epochs, stage_id, slices, target, pos["progress"],
-                                         {s: first for s in slices}, upto)
         await self._push_replay(target, target_host, container_id, replay)
         return len(replay)
 

@@ -842,6 +842,18 @@ class ContainerCore:
         dropped by GC, or were not carried by the checkpoint its slices were restored from)."""
         return max([self.low_water + 1] + [self.log_start[s] for s in self.slices])
 
+    def replay_behind(self, stage_id: int, target: int, next_epoch: int,
+                      progress: dict[int, dict[int, list[int]]], upto: int) -> dict[int, EpochMessage]:
+        """The replay a recovered container owes consumer ``target`` of ``stage_id``, at
+        ``next_epoch`` with ``progress`` per slice: its logged epochs from there (or its
+        ``replay_floor``) up to ``upto``, its resume epoch (recovery step 3b); empty when the
+        consumer is not behind."""
+        first = max(next_epoch, self.replay_floor())
+        if first >= upto or not progress:
+            return {}
+        slices = sorted(progress)
+        return self.replay_epochs(stage_id, slices, target, progress, {s: first for s in slices}, upto)
+
     def progress_of(self, slice_id: int) -> dict[int, list[int]]:
         """A local slice's progress vector as plain data (stream id -> out_seq per producer slice)."""
         return {sid: arr.tolist() for sid, arr in self.slices[slice_id].progress.consumed.items()}

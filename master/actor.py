@@ -1372,21 +1372,16 @@ class JobMaster:
         try:
             st = await self._states([t], with_times=True)
         except RayActorError:  # (one of the two hosts is dead: ask the source's alone)
-            st = {}
-            if self.host_of.get(t.source) in self.alive:
-                try:
-                    st = await self.handles[self.host_of[t.source]].migration_state.remote([t.source], True)
-                except RayActorError:
-                    pass
+            st = await self._source_state(t)
         src, dst = st.get(t.source), st.get(t.new_id)
         if src is not None and not src["done"] and not set(t.slices) <= set(src["released"]):
             # Settled early (a producer died mid-migration): its replacement routes the slices to
             # their new container only and will never mark them to the source.
             try:
                 await self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices)
-                src = (await self._states([t], with_times=True)).get(t.source)
             except RayActorError:
-                src = None
+                pass
+            src = (await self._source_state(t)).get(t.source)
         if src is None:  # (died: no one is left to mark, nothing to send it)
             await asyncio.gather(*[producer.forget_released.remote(c, t.source, t.slices)
                                    for c, producer in self._producers(sid)], return_exceptions=True)
@@ -1415,6 +1410,15 @@ class JobMaster:
         self.placement.rehost(t.source, t.new_id, t.slices)
         t.advance(MigrationPhase.DONE, None if dst is None else dst["next_epoch"], released_at=t.released_at,
                   pause_ms=t.pause_ms)
+
+    async def _source_state(self, t: Transfer) -> dict[int, dict[str, Any]]:
+        """``migration_state`` of a transfer's source alone ({} when its host is dead)."""
+        if self.host_of.get(t.source) not in self.alive:
+            return {}
+        try:
+            return await self.handles[self.host_of[t.source]].migration_state.remote([t.source], True)
+        except RayActorError:
+            return {}
 
     async def _settle_migration(self, transfers: list[Transfer]) -> None:
         """A host died or a phase got stuck: finish transfers whose destination runs the slices

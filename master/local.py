@@ -718,14 +718,10 @@ class LocalCluster:
         core = self.cores[new_id]
         for c, d in replay_targets(self.plan, self.placement.stage_of, stage_id, adopted):
             consumer = self.cores.get(c)
-            if consumer is None or consumer.done or not consumer.slices:
+            if consumer is None or consumer.done:
                 continue
-            first = max(consumer.next_epoch, core.replay_floor())
-            if first >= core.next_epoch:
-                continue
-            slices = sorted(consumer.slices)
-            replay = core.replay_epochs(d, slices, c, {s: consumer.progress_of(s) for s in slices},
-                                        {s: first for s in slices}, core.next_epoch)
+            replay = core.replay_behind(d, c, consumer.next_epoch,
+                                        {s: consumer.progress_of(s) for s in consumer.slices}, core.next_epoch)
             self.in_flight += [(c, e, new_id, m) for e, m in replay.items()]
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
