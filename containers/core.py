@@ -348,7 +348,7 @@ class ContainerCore:
         self._release(self._releases_due(inbound), epoch)
         outputs = self._process(epoch, inbound)
         self._persist(epoch, outputs)
-        messages = self._route(outputs)
+        messages = self._route(self._with_held_outputs(epoch, outputs))
         self.next_epoch = epoch + 1
         self.epoch_done_at[epoch] = time.time()
         if len(self.epoch_done_at) > 256:
@@ -364,6 +364,34 @@ class ContainerCore:
         elif self.checkpointer is None:
             self._forget_changed_keys()
         return messages
+
+    def _with_held_outputs(self, epoch: int, outputs: dict[int, dict[int, pa.Table]]
+                           ) -> dict[int, dict[int, pa.Table]]:
+        """``outputs`` plus the logged rows of ``epoch`` of every slice restored past it.
+
+        A slice restored from a checkpoint newer than its container's next epoch skips the
+        epochs it holds; its rows of those epochs live only in the output log it was rebuilt
+        with (carried outputs). A consumer restored further back (a producer and its consumer
+        recovered together, or one after the other) needs them, and a replay reaches only up
+        to the producer's next epoch: so each epoch's message carries them, as the dead
+        container's did. A consumer that has them already drops them (its progress vector)."""
+        held = [s for s, rt in self.slices.items() if epoch <= rt.last_epoch and self.log_start.get(s, 0) <= epoch]
+        if not held or self.output_log is None:
+            return outputs
+        lo, hi = epoch * self.plan.epoch_events, (epoch + 1) * self.plan.epoch_events
+        out = dict(outputs)
+        for s in held:
+            per = dict(out.get(s, {}))
+            for sid in self._logged_streams():
+                t = self.output_log.read(sid, s, -1)
+                if t.num_rows:
+                    order = np.asarray(t.column(ORDER))
+                    t = t.filter(pa.array((order >= lo) & (order < hi)))
+                if t.num_rows:
+                    per[sid] = t
+            if per:
+                out[s] = per
+        return out
 
     def _forget_changed_keys(self) -> None:
         """Without checkpoints no delta will read the keys an epoch changed: the registered

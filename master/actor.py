@@ -42,17 +42,17 @@ from chronostream.master.catalog import CatalogError, MasterCatalog
 from chronostream.master.host_pool import take_spare
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
-from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
-                              balanced_moves, by_destination, compaction_moves,
-                              container_of_slices, group_transfers, migration_pauses, slices_of, stage_hosts,
-                              settled_by_finishing, stage_id_of, warm_up_goals)
+from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, compaction_moves,
+                                           container_of_slices, group_transfers, stage_hosts, stage_id_of)
+from chronostream.master.ray_migration import RayMigration
+from chronostream.master.ray_recovery import RayRecovery, kill_host
+from chronostream.master.protocols.recovery import HostsDied, PlanRecord, RecoveryProtocol
 from chronostream.master.placement import Placement, initial_placement
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.master.timeline import Timeline
-from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, Adoption, host_backup_peers, live_hosts, lost_containers,
-                             floors_of_sources, gc_marks_and_source_floors, off_stage_backup_stages, plan_recovery,
-                             raised, rebuildable_stages, recovery_slack, replay_targets, restore_floor, restore_order)
+from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, host_backup_peers, floors_of_sources,
+                                          gc_marks_and_source_floors, off_stage_backup_stages, raised, recovery_slack)
 
 log = logging.getLogger("chronostream.master")
 
@@ -209,7 +209,7 @@ class JobMaster:
             await self._settle_pending()
 
     async def _settle_pending(self) -> None:
-        """A master restarted in the middle of a migration: finish or undo it (``_settle_migration``)
+        """A master restarted in the middle of a migration: finish or undo it (``RayMigration.settle``)
         before anything else changes the placement. Called under the control lock."""
         if not self._unsettled:
             return
@@ -219,7 +219,7 @@ class JobMaster:
             if t.host is not None and t.phase is not MigrationPhase.PREPARING:
                 self.host_of.setdefault(t.new_id, t.host)
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
-        await self._settle_migration(transfers)
+        await RayMigration(self, transfers[0].stage_id, transfers).settle("the master restarted")
         released = await self._release_idle_hosts()
         await self._retarget_backups({t.stage_id for t in transfers} | self._off_stage_backup_stages())
         self._save_layout()
@@ -587,226 +587,13 @@ class JobMaster:
 
     async def _recover_hosts(self, dead: set[int], plans: list[dict[str, Any]] | None = None,
                              gone: set[int] = frozenset()) -> None:
-        """Recover every container on ``dead`` hosts: plan it, then run the plan, together with
-        ``plans`` (saved plans a previous master left unfinished), to its end even when more
-        hosts die on the way. ``gone``: hosts those plans were made for.
-
-        Durable steps (docs/design.md section 7d, "Master restart"): the
-        recovery record, saved with the layout in one transaction, holds the
-        dead hosts not planned for yet and the plans applied to the placement
-        and not finished. The layout without the dead hosts is saved with
-        them in the record (a restarted master plans again); the plan applied
-        to the placement is saved before any host hears of it (a restarted
-        master runs the same plan again: every step is idempotent); the
-        record is cleared with the final layout.
-
-        A step that raises because a host died (a consumer told of new
-        senders, a host restoring or starting adopted slices, a producer
-        rerouting, a backup re-planned) does not fail the job: every live
-        host is probed, the dead are planned for as above, and every
-        unfinished plan runs again without the adoptions on dead hosts
-        (their containers are placed there: the newer plan re-hosts them).
-        A step that raises with every host alive fails the job (the
-        caller's handler).
-        """
-        plans, gone = list(plans or []), set(gone)
-        while True:
-            if dead:
-                dead = await self._declare_dead(dead)
-                gone |= dead
-                made = await self._plan_for(dead, plans)
-                plans += [made] if made is not None else []
-            if not plans:
-                return
-            try:
-                replayed = await self._run_plans(plans, gone)
-                break
-            except Exception as exc:  # noqa: BLE001 - re-raised unless a host died
-                dead = await self._probe(sorted(self.alive)) if self.state is JobState.RUNNING else set()
-                if not dead:
-                    raise
-                first_line = next(iter(str(exc).splitlines()), "")  # (Ray's errors run to many lines)
-                self._event("fault_detected", hosts=sorted(dead),
-                            by=f"probe after a recovery step failed ({type(exc).__name__}: {first_line})")
-        self._save_layout(None)
-        for rec, (adopted, epochs) in zip(plans, replayed):
-            self._event("recovery_end", containers=sorted(rec["lost"]), new=[a.new_id for a in adopted],
-                        hosts=sorted({a.host for a in adopted}), epochs_replayed=epochs,
-                        seconds=round(time.time() - rec["t0"], 3), **({"resumed": True} if rec.get("resumed") else {}))
-
-    async def _declare_dead(self, dead: set[int]) -> set[int]:
-        """``dead`` and the hosts found dead with them (a node takes all its hosts; any other
-        host that no longer answers), fenced and out of the live set: one plan for them all."""
-        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
-        on_dead_nodes = {h for h in self.alive if self.nodes.get(h) in dead_nodes}
-        more = (on_dead_nodes | await self._probe(sorted(self.alive - dead))) - dead
-        if more:
-            self._event("fault_detected", hosts=sorted(more), by="probe during recovery"
-                        + (" (node died)" if on_dead_nodes else ""))
-            dead = dead | more
-        for h in dead:
-            _kill_host(h, self.handles.get(h))  # fence a host that only looked dead
-        self.alive -= dead
-        return dead
-
-    @staticmethod
-    def _recovery_record(dead: set[int], plans: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """What the catalog keeps of a recovery in progress: dead hosts not planned for yet, and
-        the plans applied to the placement and not finished (``Adoption.to_plain`` each)."""
-        return {"dead": sorted(dead), "plans": plans} if dead or plans else None
-
-    async def _plan_for(self, dead: set[int], plans: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """Plan the adoption of the containers of ``dead`` hosts and apply it to the placement;
-        save it (with the ``plans`` not finished); None when nothing was lost."""
-        t0 = time.time()
-        lost = lost_containers(self.placement, self.host_of, dead)
-        self._save_layout(self._recovery_record(dead if lost else set(), plans))
-        self._event("recovery_planning", hosts=sorted(dead), containers=sorted(lost))
-        if not lost:
-            return None
-        self._at_step("detected", lost)
-        backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        damaged: dict[tuple[int, int], list[str]] = {}
-        hosts = sorted(self.alive)
-        catalogs = await asyncio.gather(*[self.handles[h].backup_catalog.remote() for h in hosts],
-                                        return_exceptions=True)
-        for i, h in enumerate(hosts):
-            if isinstance(catalogs[i], BaseException) and not isinstance(catalogs[i], RayActorError):
-                # A live host that failed to answer (not a death: the watch loop finds those)
-                # holds copies the plan must not miss: ask once more.
-                self._event("backup_catalog_failed", host=h, error=repr(catalogs[i]))
-                await asyncio.sleep(0.2)
-                catalogs[i] = (await asyncio.gather(self.handles[h].backup_catalog.remote(),
-                                                    return_exceptions=True))[0]
-        for h, cat in zip(hosts, catalogs):
-            if isinstance(cat, BaseException):
-                continue
-            good, bad = cat
-            for st, sl, epoch in good:
-                backups.setdefault((st, sl), []).append((h, epoch))
-            for st, sl, error in bad:
-                self._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
-                damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
-        checkpointed = {(st, s) for c, (st, slices) in lost.items()
-                        if c in self.stats and self.stats[c].checkpoints > 0 for s in slices}
-        chain = {}
-        for st in {st for st, _ in lost.values()}:
-            for c, peers in self._backup_chain(st).items():
-                chain.update({(st, s): hs for s, hs in peers.items()})
-        plan = plan_recovery(lost, backups, live_hosts(self.placement, self.host_of, self.alive), self.next_id,
-                             checkpointed, self.opts.recompute_lost, {s.stage_id: s.name for s in self.plan.stages},
-                             chain, damaged, restore_floor(self.plan, self.gc_marks), recovery_slack(self.opts),
-                             rebuildable_stages(self.plan))
-        self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
-        new_hosts = []
-        for a in plan:
-            if a.host is None:  # every host of the stage died: start a new one
-                a.host = self.next_id
-                self.next_id += 1
-                new_hosts.append(a.host)
-            self.host_of[a.new_id] = a.host
-            self.placement.rehost(a.replaces, a.new_id, a.slices)
-        made = {"dead": sorted(dead), "lost": lost, "new_hosts": new_hosts, "plan": [a.to_plain() for a in plan],
-                "t0": t0}
-        self._save_layout(self._recovery_record(set(), plans + [made]))
-        self._at_step("planned", lost, plan)
-        return made
-
-    async def _run_plans(self, plans: list[dict[str, Any]], gone: set[int]) -> list[tuple[list[Adoption], int]]:
-        """Steps 1-4 of recovery plans already applied to the placement (``master.recovery``),
-        without the adoptions on ``gone`` hosts; for each plan, the adoptions run and the epochs
-        replayed.
-
-        Idempotent, so it runs again after a host died on the way, or in a
-        restarted master: a host found by name is not created again,
-        consumers accept the same senders again, a container a host already
-        restores or runs is not created again (its current progress is
-        replayed from), producers reroute to the same targets. Every plan's
-        containers are made and started before any producer reroutes: a
-        producer of one plan's containers may be another plan's (a producer
-        died while its consumers were recovered), and a reroute waits for
-        its target to take the replay.
-        """
-        runs = [([a for a in map(Adoption.from_plain, rec["plan"]) if a.host not in gone], rec) for rec in plans]
-        every = [a for plan, _ in runs for a in plan]
-        lost = {c: v for rec in plans for c, v in rec["lost"].items()}
-        restored = []
-        for i, (plan, rec) in enumerate(runs):
-            # (containers of this plan and later ones are made with the senders the placement names)
-            not_made = {a.new_id for later, _ in runs[i:] for a in later}
-            restored.append(await self._adopt(plan, [h for h in rec["new_hosts"] if h not in gone], not_made))
-        self._at_step("restored", lost, every)
-        await asyncio.gather(*[self.handles[a.host].start.remote([a.new_id]) for a in every])
-        replayed = await asyncio.gather(*[self._reroute_to(plan, infos) for (plan, _), infos in zip(runs, restored)])
-        await asyncio.gather(*[self._replay_to_consumers(plan, infos, {a.new_id for a in every})
-                               for (plan, _), infos in zip(runs, restored)])
-        self._at_step("rerouted", lost, every)
-        # 4. Backups over the stages' hosts as they are now (full checkpoints follow), also of
-        # stages backed up off their own hosts: a dead host may have held their backups.
-        await self._retarget_backups({a.stage_id for a in every} | self._off_stage_backup_stages(),
-                                     tolerate_dead=False)
-        return [(plan, epochs) for (plan, _), epochs in zip(runs, replayed)]
-
-    async def _adopt(self, plan: list[Adoption], new_hosts: list[int], not_made: set[int]) -> list[dict[str, Any]]:
-        """Steps 1-2 of a plan: consumers hear of the new containers, then each host restores its
-        share, in parallel; what each container restored (``add_container``)."""
-        for h in new_hosts:
-            await self._new_or_found_host(h)
-            await self._configure(h)
-        # 1. Consumers accept the new containers as senders (before any sends); ``not_made``
-        #    containers get theirs from the placement when they are made.
-        calls = []
-        for a in plan:
-            self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices,
-                        backup_epochs=a.epochs)
-            cov = frozenset((a.stage_id, s) for s in a.slices)
-            for d in self.plan.downstream_stages(a.stage_id):
-                for c in self.placement.containers[d]:
-                    if self.host_of[c] in self.alive and c not in not_made:
-                        calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {a.new_id: cov}))
-        await asyncio.gather(*calls)
-        # 2. Each host restores its share, in parallel.
-        infos = await asyncio.gather(*[self._add_container(
-            a.new_id, a.stage_id, a.slices, {}, {s: [(h, self.handles.get(h)) for h in restore_order(a.holders[s], a.host)]
-                                                 for s in a.slices}) for a in plan])
-        for a, info in zip(plan, infos):
-            for s, h, why in info["rejected"]:
-                self._event("backup_rejected", container=a.new_id, stage=a.stage_id, slice=s, host=h, error=why)
-            # restored_from[i]: the host whose copy of slices[i] was restored (None: rebuilt from the
-            # start), so a damaged copy's rejection shows which replica took its place.
-            self._event("slices_restored", container=a.new_id, host=a.host, slices=a.slices, stage=a.stage_id,
-                        restored_from=[info["restored_from"].get(s) for s in a.slices],
-                        seconds=round(info["restore_end"] - info["restore_start"], 4),
-                        fetch_s=round(info["fetch_s"], 4), resume=info["resume"],
-                        mb=round(info["bytes"] / 1e6, 3))
-        return list(infos)
-
-    async def _reroute_to(self, plan: list[Adoption], infos: list[dict[str, Any]]) -> int:
-        """Step 3 of a plan: producers reroute the slices and replay their output logs, in
-        parallel; the epochs replayed."""
-        reroutes = []
-        for a, info in zip(plan, infos):
-            for u in self.plan.upstream_stages(a.stage_id):
-                for c in self.placement.containers[u]:
-                    if self.host_of[c] in self.alive:
-                        reroutes.append(self.handles[self.host_of[c]].reroute.remote(
-                            c, a.stage_id, a.slices, a.new_id, self.handles[a.host], info["progress"], info["resume"]))
-        return sum(r["epochs"] for r in await asyncio.gather(*reroutes))
-
-    async def _replay_to_consumers(self, plan: list[Adoption], infos: list[dict[str, Any]],
-                                   adopted: set[int]) -> None:
-        """Step 3b: each recovered container replays its relogged outputs to the live consumers
-        behind its resume epoch (``ResourceContainer.replay_to``; the adopted ones were rerouted to)."""
-        calls = []
-        for a, info in zip(plan, infos):
-            upto = min(info["resume"].values(), default=0)
-            for c, st in replay_targets(self.plan, self.placement.stage_of, a.stage_id, adopted):
-                if self.host_of.get(c) in self.alive:
-                    calls.append(self.handles[a.host].replay_to.remote(
-                        a.new_id, st, c, self.handles[self.host_of[c]], upto))
-        for r in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(r, BaseException) and not isinstance(r, RayActorError):
-                raise r  # (a host that died on the way is recovered next: its consumers are rerouted to)
+        """Recover every container on ``dead`` hosts, together with ``plans`` (saved plans a
+        previous master left unfinished; ``gone``: the hosts they were made for), to the end even
+        when more hosts die on the way: ``master.protocols.recovery`` decides the steps,
+        ``master.ray_recovery`` carries them out (docs/design.md section 7d). A step that raises
+        with every host alive fails the job (the caller's handler)."""
+        machine = RecoveryProtocol([PlanRecord.from_plain(p) for p in plans or []], gone)
+        await RayRecovery(self).run(machine, HostsDied(frozenset(dead)))
 
     async def _resume_recovery(self) -> None:
         """A master restarted in the middle of a recovery: plan again for the hosts it had not
@@ -851,31 +638,6 @@ class JobMaster:
         if role not in RECOVERY_ROLES:
             raise ValueError(f"unknown role {role!r}; roles: {RECOVERY_ROLES}")
         self._kill_at = (step, role)
-
-    def _at_step(self, step: str, lost: dict[int, tuple[int, list[int]]], plan: list[Adoption] | None = None) -> None:
-        """A recovery reached ``step``: carry out the failure injection armed for it, if any."""
-        if self._crash_at == step:
-            log.warning("master: exiting at recovery step %r (failure injection)", step)
-            self._event("master_crash_injected", step=step)
-            os._exit(1)
-        if self._kill_at is None or self._kill_at[0] != step:
-            return
-        role, self._kill_at = self._kill_at[1], None
-        stages = {st for st, _ in lost.values()}
-        if role == "adopter":
-            hosts = {a.host for a in plan} if plan is not None else \
-                {self.host_of[c] for st in stages for c in self.placement.containers[st]}
-        else:
-            near = self.plan.upstream_stages if role == "producer" else self.plan.downstream_stages
-            hosts = {self.host_of[c] for st in stages for n in near(st) for c in self.placement.containers[n]}
-        hosts &= self.alive
-        if not hosts:
-            self._event("host_kill_skipped", step=step, role=role, why="no live host has that role")
-            return
-        victim = min(hosts)
-        log.warning("master: killing host %s (%s) at recovery step %r (failure injection)", victim, role, step)
-        self._event("host_kill_injected", step=step, role=role, host=victim)
-        ray.kill(self.handles[victim], no_restart=True)
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ------------
 
@@ -1059,7 +821,7 @@ class JobMaster:
                        reason: str, stop_copy: bool = False, request: str | None = None,
                        handover: bool = False) -> dict[str, Any]:
         """Run one migration (every transfer in parallel, phase by phase); under the control lock.
-        ``handover``: a compaction, whose slices stay in their processes (``_handover_phases``)."""
+        ``handover``: a compaction, whose slices stay in their processes (``master.ray_migration``)."""
         # (a source stage's migration has no producer to mark one release epoch for several
         # sources: one new container each; a handover's host fixes one epoch for all)
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
@@ -1076,15 +838,13 @@ class JobMaster:
         t0 = time.time()
         self._event("migration_start", stage=self.plan.stages[sid].name, reason=reason,
                     transfers=[{"from": t.source, "to": t.new_id, "slices": t.slices} for t in transfers])
+        driver = RayMigration(self, sid, transfers, stop_copy)
         try:
-            if handover:
-                await self._handover_phases(sid, transfers)
-            else:
-                await self._migration_phases(sid, transfers, stop_copy)
+            await driver.run()
         except (RayActorError, MigrationError, asyncio.TimeoutError) as exc:
             log.warning("migration interrupted: %s", exc)
             self._event("migration_interrupted", error=str(exc))
-            await self._settle_migration(transfers)
+            await driver.settle(str(exc))
         released = await self._release_idle_hosts()
         # Stages backed up off their own hosts too, hosts added or released: their chains run over
         # the job's hosts, and the master's view of every chain (GC of stale copies, ``placement()``)
@@ -1106,155 +866,6 @@ class JobMaster:
             self.catalog.save_request(request, summary)
         return summary
 
-    async def _migration_phases(self, sid: int, transfers: list[Transfer], stop_copy: bool = False) -> None:
-        P = MigrationPhase
-        # 0. PREPARING: a new host per placeholder, on the node running the fewest hosts.
-        made: dict[int, int] = {}
-        for t in transfers:
-            if t.host is None:
-                if t.target not in made:
-                    h = self.next_id
-                    self.next_id += 1
-                    await self._new_or_found_host(h, self._least_used_node())
-                    await self._configure(h)
-                    made[t.target] = h
-                t.host = made[t.target]
-            t.advance(P.WARMING, host=t.host)
-        self._save_layout()  # the new hosts (a restarted master releases them if the migration is undone)
-        # 1. WARMING: the destination holds the newest backup, or gets a snapshot.
-        warm_wait_s = 0.0 if stop_copy else await self._await_fresh_backups(sid, transfers)
-        held = dict(zip(sorted(self.alive), await asyncio.gather(
-            *[self.handles[h].backup_epochs.remote() for h in sorted(self.alive)])))
-        snaps = []
-        if stop_copy:  # the baseline: the sources stop while their state is copied
-            await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, True)
-                                   for t in transfers])
-        for t in transfers:
-            newest = {s: max([e.get((sid, s), -1) for e in held.values()], default=-1) for s in t.slices}
-            own = held.get(t.host, {})
-            missing = [s for s in t.slices if newest[s] < 0 or own.get((sid, s), -1) < newest[s] or stop_copy]
-            snaps.append(self.handles[self.host_of[t.source]].migration_snapshot.remote(
-                t.source, missing, t.host, self.handles[t.host]) if missing else None)
-            t.snapshot = missing
-        for t, ref in zip(transfers, snaps):
-            info = await ref if ref is not None else {"epoch": None, "bytes": 0}
-            t.advance(P.REBUILDING, info["epoch"], snapshot=t.snapshot, mb=round(info["bytes"] / 1e6, 3),
-                      warm_wait_s=warm_wait_s,
-                      local=sorted(set(t.slices) - set(t.snapshot)))
-        # 2. REBUILDING: consumers accept the new containers; each restores from its host's store
-        # (one new container per destination host takes the slices of all its transfers).
-        groups = by_destination(transfers)
-        await self._accept_new_senders(sid, groups)
-        # Backup peers as after the move from the start: the moved slices' first checkpoints reach a
-        # peer before their sources release them (``_await_off_host_backups``).
-        peers_after: dict[int, dict[int, list[int]]] = {}
-        if self.opts.checkpointing and self.opts.backup_factor and not stop_copy:
-            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor,
-                                             self._chain_hosts(transfers), self.nodes)
-        infos = dict(zip(groups, await asyncio.gather(*[self._add_container(
-            new_id, sid, slices_of(group), peers_after.get(new_id, {}),
-            {s: [(group[0].host, self.handles[group[0].host])] for s in slices_of(group)})
-            for new_id, group in groups.items()])))
-        await asyncio.gather(*[self.handles[g[0].host].set_extra_window.remote(i, 64) for i, g in groups.items()])
-        await asyncio.gather(*[self.handles[g[0].host].start.remote([i]) for i, g in groups.items()])
-        # 3. DUAL: producers send the slices to both copies, replaying to the new one.
-        reroutes, who = [], []
-        for new_id, group in groups.items():
-            info, host = infos[new_id], group[0].host
-            for c, producer in self._producers(sid, live_only=False):
-                reroutes.append(producer.reroute.remote(
-                    c, sid, slices_of(group), new_id, self.handles[host], info["progress"], info["resume"], True))
-                who.append((group, c))
-            for t in group:
-                t.resume = {s: info["resume"][s] for s in t.slices}
-                t.advance(P.DUAL, min(t.resume.values()), resume=t.resume,
-                          restore_ms=round((info["restore_end"] - info["restore_start"]) * 1000, 1))
-        for (group, c), caught_up in zip(who, await asyncio.gather(*reroutes)):
-            for t in group:
-                t.catch_up[c] = caught_up  # producer -> epochs replayed and rounds before joining live
-        if not stop_copy:
-            await self._until(transfers, lambda t, st: st[t.new_id]["next_epoch"] >= st[t.source]["next_epoch"] - 1
-                              or st[t.source]["done"] or st[t.new_id]["done"], "catching up")
-        if peers_after:
-            await self._await_off_host_backups(transfers)
-        # 4. RELEASING: producers switch to the new copy and mark the switch to the sources, in one
-        # call per new container (its sources then release at one epoch).
-        for group in groups.values():
-            await self._release_routes(sid, group)
-            for t in group:
-                t.advance(P.RELEASING)
-        if stop_copy:
-            await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
-                                   for t in transfers])
-        await self._until(transfers, lambda t, st: set(t.slices) <= set(st[t.source]["released"])
-                          or st[t.source]["done"], "releasing")
-        # 5. DONE.
-        for t in transfers:
-            await self._complete(sid, t)
-
-    async def _accept_new_senders(self, sid: int, groups: dict[int, list[Transfer]]) -> None:
-        """Consumers of ``sid`` accept each new container as a sender covering its slices."""
-        calls = []
-        for new_id, group in groups.items():
-            self.placement.stage_of[new_id] = sid
-            self.host_of[new_id] = group[0].host
-            cov = frozenset((sid, s) for s in slices_of(group))
-            for d in self.plan.downstream_stages(sid):
-                for c in self.placement.containers[d]:
-                    calls.append(self.handles[self.host_of[c]].add_senders.remote(c, {new_id: cov}))
-        await asyncio.gather(*calls)
-
-    async def _handover_phases(self, sid: int, transfers: list[Transfer]) -> None:
-        """A compaction: each host's containers of the stage give their slices to one new container
-        there, in process, at one epoch (``containers.core.hand_over``). Nothing is snapshotted,
-        restored or replayed, so the slices' pause does not grow with their state. The phases are
-        the migration's, with these steps: REBUILDING makes the new container (waiting, accepted
-        by consumers); DUAL has producers send it the slices' rows too and fixes the handover
-        epoch; RELEASING follows the handover; DONE as for a migration."""
-        P = MigrationPhase
-        for t in transfers:
-            t.advance(P.WARMING, host=t.host, handover=True)
-        for t in transfers:
-            t.advance(P.REBUILDING, None, snapshot=[], handover=True)
-        groups = by_destination(transfers)
-        await self._accept_new_senders(sid, groups)
-        peers_after: dict[int, dict[int, list[int]]] = {}
-        if self.opts.checkpointing and self.opts.backup_factor:
-            peers_after = backup_peers_after(self.placement, self.host_of, transfers, sid, self.opts.backup_factor,
-                                             self._chain_hosts(transfers), self.nodes)
-        await asyncio.gather(*[self._add_container(new_id, sid, [], peers_after.get(new_id, {}),
-                                                   hand_over_from=[t.source for t in group])
-                               for new_id, group in groups.items()])
-        await asyncio.gather(*[self.handles[g[0].host].set_extra_window.remote(i, 64) for i, g in groups.items()])
-        await asyncio.gather(*[self.handles[g[0].host].start.remote([i]) for i, g in groups.items()])
-        for new_id, group in groups.items():
-            host = self.handles[group[0].host]
-            dual_from = await asyncio.gather(*[producer.begin_dual.remote(c, sid, slices_of(group), new_id, host)
-                                               for c, producer in self._producers(sid, live_only=False)])
-            epoch = await host.hand_over.remote(new_id, [t.source for t in group], max(dual_from, default=0))
-            for t in group:
-                t.hand_over_epoch = epoch
-                t.advance(P.DUAL, epoch, hand_over_epoch=epoch)
-        deadline = time.monotonic() + 120.0
-        probed = time.monotonic()
-        for new_id, group in groups.items():
-            while (state := await self.handles[group[0].host].handover_state.remote(new_id)) == "pending":
-                if time.monotonic() > deadline:
-                    raise MigrationError(f"compaction stuck before the handover epoch {group[0].hand_over_epoch}: "
-                                         + "; ".join(t.describe() for t in group))
-                if time.monotonic() - probed > 1.0:  # a dead producer would keep the sources from the epoch
-                    probed = time.monotonic()
-                    if dead := await self._probe(sorted(self.alive)):
-                        raise MigrationError(f"hosts {sorted(dead)} died before the handover")
-                await asyncio.sleep(0.02)
-            if state != "done":
-                raise MigrationError(f"compaction to container {new_id} undone: the input ended first")
-            await self._release_routes(sid, group)
-            for t in group:
-                t.advance(P.RELEASING, t.hand_over_epoch, handed_over=t.slices)
-        for t in transfers:
-            await self._complete(sid, t)
-
     def _least_used_node(self) -> str | None:
         alive_nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         if len(alive_nodes) <= 1:
@@ -1265,211 +876,12 @@ class JobMaster:
                 used[self.nodes[h]] += 1
         return min(alive_nodes, key=lambda n: (used[n], n))
 
-    async def _states(self, transfers: list[Transfer], with_times: bool = False) -> dict[int, dict[str, Any]]:
-        ids: dict[int, list[int]] = {}
-        for t in transfers:
-            ids.setdefault(self.host_of[t.source], []).append(t.source)
-            ids.setdefault(t.host, []).append(t.new_id)
-        out: dict[int, dict[str, Any]] = {}
-        for part in await asyncio.gather(*[self.handles[h].migration_state.remote(cs_, with_times)
-                                           for h, cs_ in ids.items()]):
-            out.update(part)
-        return out
-
-    async def _await_fresh_backups(self, sid: int, transfers: list[Transfer]) -> float:
-        """Warm-up: wait, pausing nothing, until each destination host's own backup of its moving
-        slices is from the source's current epoch or later.
-
-        A chained backup can be many epochs old when the migration starts
-        (deltas deferred while the peers were behind, as during a state
-        load). Every epoch it lags is an epoch the new copy must catch up by
-        replay after the rebuild, which costs far more than waiting here for
-        the next checkpoint round or two to arrive. Waits at most
-        ``JobOptions.migration_warm_up_s``, then goes on with what the host holds.
-        Destinations holding no backup of a slice get a fresh snapshot anyway.
-        Returns the seconds waited.
-        """
-        if not self.opts.checkpointing:
-            return 0.0  # no checkpoint rounds will come (a backup it holds is a migration's snapshot)
-        t0 = time.monotonic()
-        peers = self._backup_chain(sid)
-        hosts = sorted({t.host for t in transfers if t.host is not None})
-        src_hosts = sorted({self.host_of[t.source] for t in transfers})
-        goals: dict[int, tuple[list[int], int]] | None = None
-        while True:
-            held = dict(zip(hosts, await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])))
-            sources: dict[int, dict] = {}
-            for st in await asyncio.gather(*[self.handles[h].migration_state.remote(
-                    [t.source for t in transfers if self.host_of[t.source] == h]) for h in src_hosts]):
-                sources.update(st)
-            if goals is None:  # the epochs to reach: each source's last at the call
-                goals = warm_up_goals(sid, transfers, peers, held, sources)
-            # Reached, or a source that finished meanwhile (no more checkpoint rounds): done.
-            goals = {i: (slices, epoch) for i, (slices, epoch) in goals.items()
-                     if not sources.get(transfers[i].source, {"done": True})["done"]
-                     and not all(held[transfers[i].host].get((sid, s), -1) >= epoch for s in slices)}
-            if not goals or time.monotonic() - t0 >= self.opts.migration_warm_up_s:
-                break
-            await asyncio.sleep(0.05)
-        waited = round(time.monotonic() - t0, 3)
-        log.info("migration of stage %s: waited %.2f s for fresh backups%s", self.plan.stages[sid].name,
-                 waited, f" (still old: transfers {sorted(goals)})" if goals else "")
-        return waited
-
-    async def _await_off_host_backups(self, transfers: list[Transfer], timeout_s: float = 60.0) -> None:
-        """Before the sources release: wait until every moved slice has a backup at least as new as
-        its restore point on a live host other than its new one (``backed_up_off_host``), or the
-        job's end, or ``timeout_s`` (then go on, with a warning)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            hosts = sorted(self.alive)
-            held = dict(zip(hosts, await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])))
-            if all(backed_up_off_host(t, held) for t in transfers):
-                return
-            st = await self._states(transfers)
-            if any(st.get(t.new_id, {"done": True})["done"] for t in transfers):
-                return
-            if time.monotonic() > deadline:
-                log.warning("migration: the moved slices have no backup off their new host after %.0f s; "
-                            "releasing anyway: %s", timeout_s, "; ".join(t.describe() for t in transfers))
-                return
-            await asyncio.sleep(0.05)
-
-    async def _until(self, transfers: list[Transfer], ok, what: str, timeout_s: float = 120.0) -> None:
-        """Poll the transfers' containers until ``ok(t, states)`` holds for every transfer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            st = await self._states(transfers)
-            if all(t.source in st and t.new_id in st and ok(t, st) for t in transfers):
-                return
-            missing = [c for t in transfers for c in (t.source, t.new_id) if c not in st]
-            if missing:
-                raise MigrationError(f"containers {missing} are gone while {what}")
-            if time.monotonic() > deadline:
-                raise MigrationError(f"migration stuck {what} for {timeout_s}s: "
-                                     + "; ".join(t.describe() for t in transfers))
-            await asyncio.sleep(0.02)
-
     def _producers(self, stage_id: int, dead: set[int] = frozenset(),
                    live_only: bool = True) -> list[tuple[int, Any]]:
         """(container, host actor) of the containers of the stages feeding ``stage_id`` (the live
         ones; with ``live_only=False`` all, so that a call to a dead one fails loudly)."""
         return [(c, self.handles[self.host_of[c]]) for u in self.plan.upstream_stages(stage_id)
                 for c in self.placement.containers[u] if not live_only or self.host_of[c] in self.alive - dead]
-
-    async def _release_routes(self, sid: int, group: list[Transfer]) -> None:
-        """Every producer switches the slices of one new container's transfers (``group``) in one
-        call: their sources see the first marked epoch alike (``master.migration``)."""
-        calls = [producer.release_route.remote(c, sid, slices_of(group), group[0].new_id)
-                 for c, producer in self._producers(sid)]
-        if self.plan.stages[sid].kind == "source":
-            calls += [self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices)
-                      for t in group if self.host_of[t.source] in self.alive]
-        await asyncio.gather(*calls)
-
-    async def _complete(self, sid: int, t: Transfer) -> None:
-        """Last step of a transfer: producers stop marking, the placement moves, pauses are measured."""
-        try:
-            st = await self._states([t], with_times=True)
-        except RayActorError:  # (one of the two hosts is dead: ask the source's alone)
-            st = await self._source_state(t)
-        src, dst = st.get(t.source), st.get(t.new_id)
-        if src is not None and not src["done"] and not set(t.slices) <= set(src["released"]):
-            # Settled early (a producer died mid-migration): its replacement routes the slices to
-            # their new container only and will never mark them to the source.
-            try:
-                await self.handles[self.host_of[t.source]].release_slices.remote(t.source, t.slices)
-            except RayActorError:
-                pass
-            src = (await self._source_state(t)).get(t.source)
-        if src is None:  # (died: no one is left to mark, nothing to send it)
-            await asyncio.gather(*[producer.forget_released.remote(c, t.source, t.slices)
-                                   for c, producer in self._producers(sid)], return_exceptions=True)
-        else:
-            t.released_at = {s: e for s, e in src["released"].items() if s in t.slices}
-            # The pause is known once the destination finished each release epoch; it may
-            # still be on it (the demo printed no pause when it asked too early).
-            deadline = time.monotonic() + 3.0
-            while dst is not None and not dst["done"] and time.monotonic() < deadline \
-                    and any(r not in dst["epoch_done_at"] for r in t.released_at.values()):
-                await asyncio.sleep(0.05)
-                try:
-                    dst = (await self._states([t], with_times=True)).get(t.new_id)
-                except RayActorError:
-                    dst = None
-            if set(t.slices) <= set(src["released"]):
-                await asyncio.gather(*[producer.forget_released.remote(c, t.source, t.slices)
-                                       for c, producer in self._producers(sid)], return_exceptions=True)
-            if dst is not None:
-                t.pause_ms = migration_pauses(t.released_at, src["epoch_done_at"], dst["epoch_done_at"])
-        if t.host in self.alive:
-            try:
-                await self.handles[t.host].set_extra_window.remote(t.new_id, 0)
-            except RayActorError:
-                pass
-        self.placement.rehost(t.source, t.new_id, t.slices)
-        t.advance(MigrationPhase.DONE, None if dst is None else dst["next_epoch"], released_at=t.released_at,
-                  pause_ms=t.pause_ms)
-
-    async def _source_state(self, t: Transfer) -> dict[int, dict[str, Any]]:
-        """``migration_state`` of a transfer's source alone ({} when its host is dead)."""
-        if self.host_of.get(t.source) not in self.alive:
-            return {}
-        try:
-            return await self.handles[self.host_of[t.source]].migration_state.remote([t.source], True)
-        except RayActorError:
-            return {}
-
-    async def _settle_migration(self, transfers: list[Transfer]) -> None:
-        """A host died or a phase got stuck: finish transfers whose destination runs the slices
-        (the source may be gone), abort the others (the source keeps its slices)."""
-        P = MigrationPhase
-        dead = await self._probe(sorted(self.alive))
-        # A compaction's fate is decided first, on its host, atomically against the handover:
-        # cancelled unless it happened already (before any source is let go on below).
-        handed_over: dict[int, bool] = {}
-        for new_id, group in by_destination(transfers).items():
-            t0 = group[0]
-            if t0.handover and t0.host is not None and t0.host not in dead and t0.phase is not P.RELEASING \
-                    and t0.phase not in (P.DONE, P.ABORTED):
-                try:
-                    handed_over[new_id] = await self.handles[t0.host].handover_state.remote(new_id, cancel=True) \
-                        == "done"
-                except RayActorError:
-                    dead.add(t0.host)
-        await asyncio.gather(*[self.handles[self.host_of[t.source]].freeze.remote(t.source, False)
-                               for t in transfers if self.host_of[t.source] not in dead],
-                             return_exceptions=True)  # (a stop-copy baseline may have paused them)
-        for group in by_destination(transfers).values():
-            live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
-            if not live:
-                continue
-            t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
-            dst_ok = t0.host is not None and t0.host not in dead
-            # A compaction completes only once handed over; undone before, the sources keep their slices.
-            if settled_by_finishing(t0.phase, t0.handover, dst_ok, handed_over.get(t0.new_id, False)):
-                for t in live:  # (a handover the catalog had not seen reach DUAL yet)
-                    if t.phase is P.REBUILDING:
-                        t.advance(P.DUAL, reason="handed over before the master died")
-                dual = [t for t in live if t.phase is P.DUAL]
-                if dual:
-                    await self._release_routes(t0.stage_id, dual)
-                    for t in dual:
-                        t.advance(P.RELEASING)
-                for t in live:
-                    await self._complete(t.stage_id, t)
-                continue
-            await asyncio.gather(*[producer.drop_dual.remote(c, t0.stage_id, slices_of(live))
-                                   for c, producer in self._producers(t0.stage_id, dead)], return_exceptions=True)
-            if dst_ok and t0.host in self.handles and self.handles[t0.host] is not None:
-                try:
-                    await self.handles[t0.host].remove_container.remote(t0.new_id)
-                except RayActorError:
-                    pass
-            self.host_of.pop(t0.new_id, None)
-            self.placement.stage_of.pop(t0.new_id, None)
-            for t in live:
-                t.advance(P.ABORTED, reason="a host died or a phase got stuck")
 
     async def _release_idle_hosts(self) -> list[int]:
         """Hosts running no container of the placement any more (scale-in): keep their sink rows, stop them."""
@@ -1805,17 +1217,4 @@ class JobMaster:
         # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
         remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
         for h, handle in self.handles.items():
-            _kill_host(h, handle)  # detached: nothing else would release them
-
-
-def _kill_host(host_id: int, handle: Any) -> None:
-    """``ray.kill`` a host's actor for good. A host with no handle (one a restarted master did
-    not find by name, or one declared dead before that master's restart) is gone already; a
-    kill Ray refuses (an actor it no longer knows, a worker disconnecting) leaves nothing to
-    end either, so it is logged and the caller goes on."""
-    if handle is None:
-        return
-    try:
-        ray.kill(handle, no_restart=True)
-    except RayError as exc:
-        log.debug("host %s: kill refused (%s)", host_id, exc)
+            kill_host(h, handle)  # detached: nothing else would release them

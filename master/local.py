@@ -30,16 +30,25 @@ from chronostream.containers.core import ContainerCore, SinkParts, add_sink_part
 from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.spill import SpillStore
-from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backed_up_off_host, backup_peers_after,
-                              balanced_moves, by_destination, compaction_moves,
-                              container_of_slices, group_transfers, migration_pauses, settled_by_finishing,
-                              slices_of, stage_hosts, stage_id_of)
+from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backup_peers_after,
+                                           balanced_moves, compaction_moves, container_of_slices, group_transfers,
+                                           stage_hosts, stage_id_of)
+from chronostream.master.protocols.migration import (
+    AcceptSenders, Begin, BeginDual, ContainerView, DropDual, DualBegun, FixHandover, ForgetReleased,
+    Freeze, HandoverFixed, HostMade, Interrupted, MakeHost, MigrationOptions, MigrationProtocol, Observe, Observed,
+    ReleaseRoutes, ReleaseSource, Rehost, RemoveContainer, Reroute, Rerouted, RestoreFailed, Snapshot, Snapshotted,
+    SourceReleased, Started, StartContainer, View, Warn)
+from chronostream.master.protocols.recovery import (
+    AcceptSenders as RecoveryAcceptSenders, ApplyPlan, AtStep, BackupsRead, Declared, DeclareDead, Finish,
+    HostMade as RecoveryHostMade, HostsDied, MakeHost as RecoveryMakeHost, PlanInputs, ReadBackups, RecoveryProtocol,
+    ReplayToConsumers, Reroute as RecoveryReroute, Rerouted as RecoveryRerouted, Restore, Restored, RestoreSlices,
+    Retargeted, RetargetBackups, StartContainers, StepFailed, Survey, Surveyed)
 from chronostream.master.backups import chains_by_slice, stale_backups
 from chronostream.master.placement import Placement
 from chronostream.master.results import memory_sink_ids, sink_table
 from chronostream.master.timeline import Timeline
 from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
-                             lost_containers, off_stage_backup_stages, plan_recovery, raised, rebuildable_stages,
+                             lost_containers, off_stage_backup_stages, raised, rebuildable_stages,
                              recovery_slack, replay_targets, restore_floor, restore_order)
 from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 from chronostream.slices.errors import RecoveryError
@@ -178,7 +187,12 @@ class LocalCluster:
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
         self.source_floors: dict[str, int] = {}  # source stage -> first order a restore may read (grows)
         self.stale_backups_dropped = 0  # copies off their slice's chain dropped by GC
-        self.migrations: list[Transfer] = []  # in progress, advanced once per round
+        self.migration: MigrationProtocol | None = None  # in progress, advanced once per round
+        self._observe: Observe | None = None  # what it asked to see at the next round
+        # A recovery's step hook (failure injection: ``kill`` from it fails the step) and its state.
+        self.recovery_hook: Callable[["LocalCluster", AtStep], None] | None = None
+        self._recovering = False
+        self._died_in_step: set[int] = set()
         self.migrated: list[Transfer] = []  # finished or aborted
         self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
         self.round = 0
@@ -398,204 +412,196 @@ class LocalCluster:
                                  "output_logs=True or checkpoints")
         # (a source stage's migration has no producer to mark one release epoch for several
         # sources: one new container each; a handover's host fixes one epoch for all)
+        source_stage = self.plan.stages[sid].kind == "source"
         transfers = group_transfers(moves, container_of_slices(self.placement, sid), sid, self.next_id, new_hosts,
-                                    shared_destination=handover or self.plan.stages[sid].kind != "source")
+                                    shared_destination=handover or not source_stage)
         if not transfers:
             return []
         for t in transfers:
             t.handover = handover
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
         self._placeholders.clear()
-        self.migrations = transfers
+        self.migration = MigrationProtocol(sid, transfers, MigrationOptions(
+            off_host=self.fault_tolerant and self.backup_factor > 0, source_stage=source_stage))
+        self._observe: Observe | None = None
         self._event("migration_start", stage=sid, transfers=[(t.source, t.new_id, t.slices) for t in transfers])
         return transfers
 
+    @property
+    def migrations(self) -> list[Transfer]:
+        """The transfers of the migration in progress (empty: none)."""
+        return self.migration.transfers if self.migration is not None else []
+
     def _advance_migrations(self) -> bool:
-        """Move every transfer on by at most one phase (run calls this once per round)."""
-        if not self.migrations:
+        """Answer the migration's pending observation (one a round: a phase lasts at least a round)."""
+        m = self.migration
+        if m is None:
             return False
-        before = [t.phase for t in self.migrations]
-        for group in by_destination(self.migrations).values():
-            self._advance(group)
-        moved = before != [t.phase for t in self.migrations]
-        if all(t.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED) for t in self.migrations):
+        before = [t.phase for t in m.transfers]
+        if not m.story:
+            self._drive(Begin())
+        elif self._observe is not None:
+            ask, self._observe = self._observe, None
+            self._drive(Observed(self._view(ask)))
+        if m.finished:
             self._finish_migrations()
-        return moved
+        return before != [t.phase for t in m.transfers]
 
-    def _advance(self, group: list[Transfer]) -> None:
-        """Move the transfers to one new container on by one phase. They go phase by phase together
-        up to RELEASING (the new container is one: restored once, rerouted and released once,
-        see ``master.migration``); each then completes when its source released its slices."""
-        P = MigrationPhase
-        phase = min((t.phase for t in group), key=list(P).index)
-        if group[0].handover and phase in (P.PREPARING, P.WARMING, P.REBUILDING, P.DUAL):
-            self._advance_handover(group, phase)
-            return
-        if phase is P.PREPARING:
-            for t in group:
-                if t.host is None:  # transfers to one placeholder share the new host
-                    if t.target not in self._placeholders:
-                        self._placeholders[t.target] = self._new_host()
-                    t.host = self._placeholders[t.target]
-                t.advance(P.WARMING)
-        elif phase is P.WARMING:
-            for t in group:
-                src = self.cores.get(t.source)
-                store = self._store(t.host)
-                newest = {s: max((st.epochs().get((t.stage_id, s), -1) for st in self.stores.values()), default=-1)
-                          for s in t.slices}
-                missing = [s for s in t.slices if store.epochs().get((t.stage_id, s), -1) < max(newest[s], 0)]
-                if missing:
-                    # The slices' sink parts up to the snapshot go to the master first, as at a
-                    # checkpoint (``ResourceContainer.migration_snapshot``).
-                    taken = src.take_sink_parts_of(missing)
-                    add_sink_parts(self.sink_parts, taken)
-                    src.drop_handed_sink_parts(taken)
-                    for b in src.migration_snapshot(missing):
-                        store.put(b)
-                t.snapshot = missing
-                t.advance(P.REBUILDING, src.next_epoch - 1, snapshot=missing,
-                          local=sorted(set(t.slices) - set(missing)))
-        elif phase is P.REBUILDING:
-            t0, slices = group[0], slices_of(group)
-            # (backup peers as after the move from the start: the moved slices' first
-            # checkpoints reach a peer before the sources release them, see the DUAL step)
-            core = self._core(t0.new_id, slices, self._accept_new_container(group))
-            core.restore_slices({s: self._load_backup(t0.stage_id, s, [t0.host]) for s in slices})
-            self.cores[t0.new_id] = core
-            resume = {s: core.slices[s].last_epoch + 1 for s in slices}
-            for c, producer in self._producers(t0.stage_id):
-                replay = producer.reroute(t0.stage_id, slices, t0.new_id, {s: core.progress_of(s) for s in slices},
-                                          resume, dual=True)
-                self.in_flight += [(t0.new_id, e, c, m) for e, m in replay.items()]
-            for t in group:
-                t.resume = {s: resume[s] for s in t.slices}
-                t.advance(P.DUAL, core.next_epoch, resume=t.resume)
-        elif phase is P.DUAL:
-            dst = self.cores[group[0].new_id]
-            sources = [self.cores.get(t.source) for t in group]
-            if any(src is not None and not src.done and dst.next_epoch < src.next_epoch for src in sources):
-                return  # catching up (with every source: they release at one epoch)
-            if self.fault_tolerant and self.backup_factor and not dst.done:
-                held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive}
-                if not all(backed_up_off_host(t, held) for t in group):
-                    return  # the new container's first checkpoints have not reached a peer yet
-            self._release_routes(group)
-            for t, src in zip(group, sources):
-                if src is not None and src.reader is not None:
-                    src.request_release(t.slices)  # a source stage has no upstream marker to tell it
-                t.advance(P.RELEASING, dst.next_epoch)
-        else:
-            for t in group:
-                src = self.cores.get(t.source)
-                if t.phase is not P.RELEASING or (src is not None and not src.done
-                                                  and not set(t.slices) <= set(src.released)):
-                    continue  # done, or the source has not reached a marked epoch yet
-                self._complete(t)
+    def _drive(self, event: Any) -> None:
+        """Hand ``event`` to the migration machine and carry out its commands, feeding their results
+        back at once; an ``Observe`` waits for the next round."""
+        m = self.migration
+        assert m is not None
+        todo = [event]
+        while todo:
+            for cmd in m.handle(todo.pop(0)):
+                if isinstance(cmd, Observe):
+                    self._observe = cmd
+                    continue
+                result = self._carry_out(cmd)
+                if result is not None:
+                    todo.append(result)
 
-    def _accept_new_container(self, group: list[Transfer]) -> dict | None:
-        """REBUILDING's first step for one new container: it joins the placement's books and every
-        consumer accepts it as a sender covering its slices. Returns its backup peers as they will
-        be after the move (None without checkpoints)."""
-        t0 = group[0]
-        self.placement.stage_of[t0.new_id] = t0.stage_id
-        self.hosts[t0.new_id] = t0.host
-        cov = frozenset((t0.stage_id, s) for s in slices_of(group))
-        for d in self.plan.downstream_stages(t0.stage_id):
-            for c in self.placement.containers[d]:
-                if c in self.cores:
-                    self.cores[c].add_senders({t0.new_id: cov})
-        job_hosts = sorted(self.alive | {t.host for t in self.migrations if t.host is not None})
-        return backup_peers_after(self.placement, self.hosts, self.migrations, t0.stage_id,
-                                  self.backup_factor, job_hosts).get(t0.new_id) if self.fault_tolerant else None
+    def _view(self, ask: Observe) -> View:
+        """What ``ask`` wants to see, as this process has it; a compaction's host part (hand the
+        slices over once every source stands at the epoch) happens here."""
+        cores = {c: self.cores[c] for c in ask.containers if c in self.cores}
+        handovers = {new_id: self._hand_over_if_due(new_id) for new_id in ask.handovers}
+        held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive} if ask.held else {}
+        return View(float(self.round), {c: _container_view(core) for c, core in cores.items()}, held, handovers)
 
-    def _advance_handover(self, group: list[Transfer], phase: MigrationPhase) -> None:
-        """A compaction's transfers to one new container on their own host, one phase on: nothing
-        to snapshot or restore; the new container waits while producers send it the slices' rows
-        too (dual mode, no replay), and the sources stop before the handover epoch; once every
-        source is there, their slices move into it in process (``containers.core.hand_over``)."""
-        P = MigrationPhase
-        t0, slices = group[0], slices_of(group)
-        sources = [self.cores[t.source] for t in group]
-        if phase is P.PREPARING:
-            for t in group:
-                t.advance(P.WARMING, handover=True)
-        elif phase is P.WARMING:
-            for t in group:
-                t.advance(P.REBUILDING, self.cores[t.source].next_epoch - 1, snapshot=[], handover=True)
-        elif phase is P.REBUILDING:
-            core = self._core(t0.new_id, [], self._accept_new_container(group))
-            core.awaiting_handover = True
-            core.next_epoch = min(src.next_epoch for src in sources)
-            self.cores[t0.new_id] = core
-            dual_from = []
-            for _, producer in self._producers(t0.stage_id):
-                producer.switch_route(t0.stage_id, slices, t0.new_id, dual=True)
-                dual_from.append(producer.next_epoch)
-            # Every producer sends the new container these slices from here on: it has all it needs
-            # from the latest of their switch epochs.
-            epoch = max(dual_from + [src.next_epoch for src in sources])
+    def _hand_over_if_due(self, new_id: int) -> str:
+        """``ResourceContainer._try_hand_over`` in process: ``done``, ``pending`` or ``cancelled``."""
+        group = [t for t in self.migrations if t.new_id == new_id]
+        dest = self.cores.get(new_id)
+        sources = [self.cores.get(t.source) for t in group]
+        epoch = group[0].hand_over_epoch
+        if dest is None or any(src is None for src in sources) or epoch is None:
+            return "cancelled"
+        if not dest.awaiting_handover:
+            return "done"
+        if any(src.done for src in sources):  # type: ignore[union-attr]
             for src in sources:
-                src.stop_before = epoch
-            for t in group:
-                t.hand_over_epoch = epoch
-                t.advance(P.DUAL, epoch, hand_over_epoch=epoch)
-        else:  # DUAL
-            epoch = t0.hand_over_epoch
-            assert epoch is not None
-            if any(src.done for src in sources):
-                self._abort_handover(group, "the input ended before the handover epoch")
-                return
-            if any(src.next_epoch < epoch for src in sources):
-                return  # a source is still on its way to the handover epoch
-            hand_over(sources, self.cores[t0.new_id], epoch)
-            self._release_routes(group)
-            for t in group:
-                t.advance(P.RELEASING, epoch, handed_over=t.slices)
+                src.stop_before = None  # type: ignore[union-attr]
+            return "cancelled"
+        if any(src.next_epoch < epoch for src in sources):  # type: ignore[union-attr]
+            return "pending"
+        hand_over(sources, dest, epoch)  # type: ignore[arg-type]
+        return "done"
 
-    def _abort_handover(self, group: list[Transfer], reason: str) -> None:
-        """Undo a compaction's transfers before the handover: sources go on, the new container goes."""
-        P = MigrationPhase
-        live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
-        for t in live:
-            src = self.cores.get(t.source)
-            if src is not None:
-                src.stop_before = None
-        for _, producer in self._producers(group[0].stage_id):
-            producer.drop_dual(group[0].stage_id, slices_of(live))
-        if group[0].new_id in self.cores:
-            self.cores.pop(group[0].new_id).close()
-        for t in live:
-            t.advance(P.ABORTED, reason=reason)
+    def _carry_out(self, cmd: Any) -> Any:
+        """One command of the migration machine, in this process; returns its result event (or None)."""
+        m = self.migration
+        assert m is not None
+        if isinstance(cmd, MakeHost):
+            if cmd.target not in self._placeholders:
+                self._placeholders[cmd.target] = self._new_host()
+            return HostMade(cmd.target, self._placeholders[cmd.target])
+        if isinstance(cmd, Snapshot):
+            src, store = self.cores[cmd.source], self._store(cmd.host)
+            # The slices' sink parts up to the snapshot go to the master first, as at a
+            # checkpoint (``ResourceContainer.migration_snapshot``).
+            taken = src.take_sink_parts_of(list(cmd.slices))
+            add_sink_parts(self.sink_parts, taken)
+            src.drop_handed_sink_parts(taken)
+            blobs = src.migration_snapshot(list(cmd.slices))
+            for b in blobs:
+                store.put(b)
+            return Snapshotted(cmd.index, src.next_epoch - 1, sum(len(b) for b in blobs))
+        if isinstance(cmd, AcceptSenders):
+            self.placement.stage_of[cmd.new_id] = cmd.stage_id
+            self.hosts[cmd.new_id] = cmd.host
+            cov = frozenset((cmd.stage_id, s) for s in cmd.slices)
+            for d in self.plan.downstream_stages(cmd.stage_id):
+                for c in self.placement.containers[d]:
+                    if c in self.cores:
+                        self.cores[c].add_senders({cmd.new_id: cov})
+            return None
+        if isinstance(cmd, StartContainer):
+            # (backup peers as after the move from the start: the moved slices' first
+            # checkpoints reach a peer before the sources release them)
+            job_hosts = sorted(self.alive | {t.host for t in m.transfers if t.host is not None})
+            peers = backup_peers_after(self.placement, self.hosts, m.transfers, cmd.stage_id, self.backup_factor,
+                                       job_hosts).get(cmd.new_id) if self.fault_tolerant else None
+            core = self._core(cmd.new_id, list(cmd.slices), peers)
+            self.cores[cmd.new_id] = core
+            if cmd.hand_over_from:
+                core.awaiting_handover = True
+                core.next_epoch = min(self.cores[c].next_epoch for c in cmd.hand_over_from)
+                return Started(cmd.new_id)
+            points, bad = {}, {}
+            for s in cmd.slices:
+                try:
+                    points[s] = self._load_backup(cmd.stage_id, s, [cmd.host])
+                except RecoveryError as exc:
+                    bad[s] = str(exc)
+            if bad:  # (the destination's own copy did not verify: a snapshot replaces it)
+                self.cores.pop(cmd.new_id).close()
+                return RestoreFailed(cmd.new_id, tuple(sorted(bad)), "; ".join(bad.values()))
+            core.restore_slices(points)
+            return Started(cmd.new_id, {s: core.progress_of(s) for s in cmd.slices},
+                           {s: core.slices[s].last_epoch + 1 for s in cmd.slices})
+        if isinstance(cmd, Reroute):
+            for c, producer in self._producers(cmd.stage_id):
+                replay = producer.reroute(cmd.stage_id, list(cmd.slices), cmd.new_id, cmd.progress, cmd.resume,
+                                          dual=True)
+                self.in_flight += [(cmd.new_id, e, c, msg) for e, msg in replay.items()]
+            return Rerouted(cmd.new_id)
+        if isinstance(cmd, BeginDual):
+            epochs = []
+            for _, producer in self._producers(cmd.stage_id):
+                producer.switch_route(cmd.stage_id, list(cmd.slices), cmd.new_id, dual=True)
+                epochs.append(producer.next_epoch)
+            return DualBegun(cmd.new_id, epochs)
+        if isinstance(cmd, FixHandover):
+            # the first epoch no source has reached, at or after every producer's switch
+            epoch = max([cmd.not_before] + [self.cores[c].next_epoch for c in cmd.sources])
+            for c in cmd.sources:
+                self.cores[c].stop_before = epoch
+            return HandoverFixed(cmd.new_id, epoch)
+        if isinstance(cmd, ReleaseRoutes):
+            for _, producer in self._producers(cmd.stage_id):
+                producer.release_route(cmd.stage_id, list(cmd.slices), cmd.new_id)
+            for c, slices in cmd.release.items():
+                if c in self.cores:
+                    self.cores[c].request_release(list(slices))  # a source stage has no upstream marker
+            return None
+        if isinstance(cmd, ReleaseSource):
+            src = self.cores.get(cmd.source)
+            if src is not None and not src.done and not set(cmd.slices) <= set(src.released):
+                src.request_release(list(cmd.slices))  # (settled early: a producer may never mark it)
+            dst = self.cores.get(cmd.dest)
+            return SourceReleased(cmd.index, None if src is None else _container_view(src, True),
+                                  None if dst is None else _container_view(dst, True))
+        if isinstance(cmd, ForgetReleased):
+            for _, producer in self._producers(cmd.stage_id):
+                producer.forget_released(cmd.source, list(cmd.slices))
+            return None
+        if isinstance(cmd, Rehost):
+            self.placement.rehost(cmd.source, cmd.new_id, list(cmd.slices))
+            return None
+        if isinstance(cmd, DropDual):
+            for _, producer in self._producers(cmd.stage_id):
+                producer.drop_dual(cmd.stage_id, list(cmd.slices))
+            return None
+        if isinstance(cmd, RemoveContainer):
+            for c in cmd.sources:
+                if c in self.cores:
+                    self.cores[c].stop_before = None
+            if cmd.new_id in self.cores:
+                self.cores.pop(cmd.new_id).close()
+            return None
+        if isinstance(cmd, Warn):
+            self._event("migration_warning", message=cmd.message)
+            return None
+        if isinstance(cmd, Freeze) and not cmd.on:  # (nothing here pauses a core)
+            return None
+        raise MigrationError(f"the in-process driver cannot carry out {cmd}")  # (Freeze, Abandon: Ray only)
 
     def _producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
         """The live containers of every stage feeding ``stage_id``."""
         return [(c, self.cores[c]) for u in self.plan.upstream_stages(stage_id)
                 for c in self.placement.containers[u] if c in self.cores]
-
-    def _release_routes(self, group: list[Transfer]) -> None:
-        """Every producer switches the slices of one new container's transfers in one call: their
-        sources see the first marked epoch alike (``master.migration``)."""
-        for _, producer in self._producers(group[0].stage_id):
-            producer.release_route(group[0].stage_id, slices_of(group), group[0].new_id)
-
-    def _complete(self, t: Transfer) -> None:
-        src, dst = self.cores.get(t.source), self.cores.get(t.new_id)
-        if src is None:  # (died: no one is left to mark, nothing to send it)
-            for _, producer in self._producers(t.stage_id):
-                producer.forget_released(t.source, t.slices)
-        else:
-            if not src.done and not set(t.slices) <= set(src.released):
-                src.request_release(t.slices)  # (settled early: a producer may never mark it)
-            t.released_at = {s: e for s, e in src.released.items() if s in t.slices}
-            if set(t.slices) <= set(src.released):
-                for _, producer in self._producers(t.stage_id):
-                    producer.forget_released(t.source, t.slices)
-            if dst is not None:
-                t.pause_ms = migration_pauses(t.released_at, src.epoch_done_at, dst.epoch_done_at)
-        self.placement.rehost(t.source, t.new_id, t.slices)
-        t.advance(MigrationPhase.DONE, None if dst is None else dst.next_epoch, released_at=t.released_at,
-                  pause_ms=t.pause_ms)
 
     def _finish_migrations(self) -> None:
         stages = sorted({t.stage_id for t in self.migrations})
@@ -604,41 +610,24 @@ class LocalCluster:
         self._event("migration_end", transfers=[(t.source, t.new_id, t.slices, t.phase.value, t.pause_ms)
                                                  for t in self.migrations])
         self.migrated += self.migrations
-        self.migrations = []
+        self.migration = None
 
     def _settle_migrations(self, dead: set[int]) -> None:
         """Hosts died mid-migration: finish what can finish (the destination has the slices),
         abort what cannot (the destination died before the source let go)."""
-        P = MigrationPhase
-        for group in by_destination(self.migrations).values():
-            live = [t for t in group if t.phase not in (P.DONE, P.ABORTED)]
-            if not live:
-                continue
-            t0 = live[0]  # (transfers to one new container are in one phase up to RELEASING)
-            # (in process, a compaction hands over within one step: RELEASING is handed over)
-            if settled_by_finishing(t0.phase, t0.handover, t0.host not in dead):
-                if t0.phase is P.DUAL:
-                    self._release_routes(live)
-                    for t in live:
-                        t.advance(P.RELEASING)
-                for t in live:
-                    self._complete(t)
-            elif t0.handover:
-                self._abort_handover(live, f"hosts {sorted(dead)} died before the handover")
-            else:
-                for _, producer in self._producers(t0.stage_id):
-                    producer.drop_dual(t0.stage_id, slices_of(live))
-                if t0.new_id in self.cores:
-                    self.cores.pop(t0.new_id).close()
-                for t in live:
-                    t.advance(P.ABORTED, reason=f"hosts {sorted(dead)} died")
-        if self.migrations:
+        if self.migration is None:
+            return
+        self._observe = None
+        self._drive(Interrupted(frozenset(dead), f"hosts {sorted(dead)} died"))
+        if self.migration.finished:
             self._finish_migrations()
 
     # -- faults and recovery -------------------------------------------------------
 
     def kill(self, hosts: list[int]) -> None:
-        """Hosts die: their cores, output logs and backups are gone; then recover their slices."""
+        """Hosts die: their cores, output logs and backups are gone; then recover their slices
+        (``master.protocols.recovery``). Called from a recovery's step hook (``recovery_hook``),
+        the step fails and the recovery plans for these hosts too."""
         dead = {h for h in hosts if h in self.alive}
         if not dead:
             return
@@ -653,11 +642,110 @@ class LocalCluster:
                 store.close(flush=False)
         # Messages of the dead still in flight: some arrived, some were lost.
         self.in_flight = [m for m in self.in_flight if m[2] not in lost or self.rng.random() < 0.5]
+        if self._recovering:
+            self._died_in_step |= dead
+            return
         self._settle_migrations(dead)
-        self.recover(lost_containers(self.placement, self.hosts, dead))
+        self._recover(RecoveryProtocol(), HostsDied(frozenset(dead)))
 
-    def recover(self, lost: dict[int, tuple[int, list[int]]]) -> None:
-        """Re-host the ``lost`` containers' slices on live hosts (see ``master.recovery``)."""
+    def _recover(self, machine: RecoveryProtocol, first: Any) -> None:
+        """Drive a recovery machine to its end, in process: its commands in order, their results
+        fed back; a host killed during a command (the step hook) fails the step."""
+        self._recovering = True
+        try:
+            events = [first]
+            while events:
+                commands = [c for e in events for c in machine.handle(e)]
+                events = []
+                for cmd in commands:
+                    result = self._recovery_step(cmd)
+                    if self._died_in_step:
+                        dead, self._died_in_step = frozenset(self._died_in_step), set()
+                        self._event("recovery_step_failed", hosts=sorted(dead), step=type(cmd).__name__)
+                        self._settle_migrations(set(dead))
+                        events = [StepFailed(dead)]
+                        break
+                    if result is not None:
+                        events.append(result)
+        finally:
+            self._recovering = False
+            self._died_in_step = set()
+
+    def _recovery_step(self, cmd: Any) -> Any:
+        """One command of the recovery machine, in this process; returns its result event (or None)."""
+        if isinstance(cmd, DeclareDead):
+            return Declared(cmd.dead)  # (fenced by ``kill``)
+        if isinstance(cmd, Survey):
+            return Surveyed(lost_containers(self.placement, self.hosts, set(cmd.dead)), float(self.round))
+        if isinstance(cmd, AtStep):
+            if self.recovery_hook is not None:
+                self.recovery_hook(self, cmd)
+            return None
+        if isinstance(cmd, ReadBackups):
+            return BackupsRead(self._plan_inputs(cmd.lost))
+        if isinstance(cmd, ApplyPlan):
+            self.next_id = max(self.next_id, cmd.next_id)
+            for a in cmd.made.plan:
+                self.hosts[a.new_id] = a.host  # type: ignore[assignment]
+                self.placement.rehost(a.replaces, a.new_id, a.slices)
+            return None
+        if isinstance(cmd, RecoveryMakeHost):
+            self.alive.add(cmd.host)
+            self._store(cmd.host)
+            return RecoveryHostMade(cmd.host)
+        if isinstance(cmd, RecoveryAcceptSenders):
+            for a in cmd.plan:
+                self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices)
+                coverage = frozenset((a.stage_id, s) for s in a.slices)
+                for d in self.plan.downstream_stages(a.stage_id):
+                    for c in self.placement.containers[d]:
+                        if c in self.cores and c not in cmd.not_made:
+                            self.cores[c].add_senders({a.new_id: coverage})
+            return None
+        if isinstance(cmd, RestoreSlices):
+            restores = {}
+            for a in cmd.plan:
+                core = self.cores.get(a.new_id)
+                if core is None:  # (a step run again after a host died: made once)
+                    core = self._core(a.new_id, a.slices, None)
+                    core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
+                                         for s in a.slices})
+                    self.cores[a.new_id] = core
+                restores[a.new_id] = Restore({s: core.progress_of(s) for s in a.slices},
+                                             {s: core.slices[s].last_epoch + 1 for s in a.slices})
+            return Restored(cmd.plan_index, restores)
+        if isinstance(cmd, StartContainers):
+            return None  # (a core here runs once it exists)
+        if isinstance(cmd, RecoveryReroute):
+            a, epochs = cmd.adoption, 0
+            for u in self.plan.upstream_stages(a.stage_id):
+                for c in self.placement.containers[u]:
+                    if c in self.cores:
+                        replay = self.cores[c].reroute(a.stage_id, a.slices, a.new_id, cmd.restore.progress,
+                                                       cmd.restore.resume)
+                        self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
+                        epochs += len(replay)
+            return RecoveryRerouted(a.new_id, epochs)
+        if isinstance(cmd, ReplayToConsumers):
+            self._replay_to_consumers(cmd)
+            return None
+        if isinstance(cmd, RetargetBackups):
+            if self.fault_tolerant:  # stages backed up off their hosts too: a dead host may have held them
+                self._retarget(set(cmd.stages) | off_stage_backup_stages(self.placement, self.hosts,
+                                                                         self.backup_factor))
+            return Retargeted()
+        if isinstance(cmd, Finish):
+            for run in cmd.ran:
+                for a in run:
+                    core = self.cores.get(a.new_id)
+                    self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
+                                resume_epoch=None if core is None else core.next_epoch)
+            return None
+        raise RecoveryError(f"the in-process driver cannot carry out {cmd}")
+
+    def _plan_inputs(self, lost: dict[int, tuple[int, list[int]]]) -> PlanInputs:
+        """What the recovery planner needs: the live stores' catalogs (damaged copies named), the live
+        hosts, the chains, the restore floor."""
         backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         damaged: dict[tuple[int, int], list[str]] = {}
         for h, store in self.stores.items():
@@ -667,62 +755,27 @@ class LocalCluster:
             for st, sl, error in bad:
                 self._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
-        plan = plan_recovery(lost, backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
-                             self.checkpointed, self.recompute_lost,
-                             {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
-                             restore_floor(self.plan, self.gc_marks), recovery_slack(self),
-                             rebuildable_stages(self.plan))
-        self.next_id = max([self.next_id] + [a.new_id + 1 for a in plan])
-        for a in plan:
-            if a.host is None:  # no live container left in the stage: a new host
-                a.host = self.next_id
-                self.next_id += 1
-                self.alive.add(a.host)
-                self._store(a.host)
-            self.hosts[a.new_id] = a.host
-        stages = sorted({a.stage_id for a in plan})
-        for a in plan:
-            self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices)
-            coverage = frozenset((a.stage_id, s) for s in a.slices)
-            for d in self.plan.downstream_stages(a.stage_id):
-                for c in self.placement.containers[d]:
-                    if c in self.cores:
-                        self.cores[c].add_senders({a.new_id: coverage})
-            self.placement.rehost(a.replaces, a.new_id, a.slices)
-        for a in plan:
-            core = self._core(a.new_id, a.slices, None)
-            core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
-                                 for s in a.slices})
-            self.cores[a.new_id] = core
-        for a in plan:  # after every new core exists: a lost producer's replacement reroutes too
-            core = self.cores[a.new_id]
-            for u in self.plan.upstream_stages(a.stage_id):
-                for c in self.placement.containers[u]:
-                    if c in self.cores:
-                        replay = self.cores[c].reroute(
-                            a.stage_id, a.slices, a.new_id, {s: core.progress_of(s) for s in a.slices},
-                            {s: core.slices[s].last_epoch + 1 for s in a.slices})
-                        self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
-            self._replay_to_consumers(a.stage_id, a.new_id, {b.new_id for b in plan})
-            self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
-                        resume_epoch=core.next_epoch)
-        if self.fault_tolerant:  # stages backed up off their hosts too: a dead host may have held them
-            self._retarget(set(stages) | off_stage_backup_stages(self.placement, self.hosts, self.backup_factor))
+        return PlanInputs(backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
+                          frozenset(self.checkpointed), self.recompute_lost,
+                          {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
+                          restore_floor(self.plan, self.gc_marks), recovery_slack(self),
+                          frozenset(rebuildable_stages(self.plan)))
 
-    def _replay_to_consumers(self, stage_id: int, new_id: int, adopted: set[int]) -> None:
+    def _replay_to_consumers(self, cmd: ReplayToConsumers) -> None:
         """A recovered producer replays its relogged outputs to each live consumer behind its
         restore point: the dead one's messages of those epochs may never have arrived (a
         replay it owed a migration's destination, in flight when it died, is covered by no
         checkpoint). A consumer keeps the dead sender's message of an epoch when it has it
         (``ContainerCore._epoch_messages``); adopted consumers were rerouted to already."""
-        core = self.cores[new_id]
-        for c, d in replay_targets(self.plan, self.placement.stage_of, stage_id, adopted):
+        a = cmd.adoption
+        core = self.cores[a.new_id]
+        for c, d in replay_targets(self.plan, self.placement.stage_of, a.stage_id, set(cmd.adopted)):
             consumer = self.cores.get(c)
             if consumer is None or consumer.done:
                 continue
             replay = core.replay_behind(d, c, consumer.next_epoch,
                                         {s: consumer.progress_of(s) for s in consumer.slices}, core.next_epoch)
-            self.in_flight += [(c, e, new_id, m) for e, m in replay.items()]
+            self.in_flight += [(c, e, a.new_id, m) for e, m in replay.items()]
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
         """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""
@@ -809,3 +862,9 @@ def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str) -> p
     for core in cores.values():
         add_sink_parts(parts, core.sink_parts(ids))
     return sink_table(parts, plan.source_dead_letters)
+
+
+def _container_view(core: ContainerCore, times: bool = False) -> ContainerView:
+    """A core as the migration machine sees it (``ResourceContainer.migration_state``)."""
+    return ContainerView(core.next_epoch, core.done, dict(core.released),
+                         dict(core.epoch_done_at) if times else {})

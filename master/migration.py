@@ -1,8 +1,9 @@
-"""Owns live slice migration as a protocol: its phases, their legal order, and the plans for scaling.
+"""Owns live slice migration's phases, their legal order, transfers, and the plans for scaling.
 
-Pure data and planning; no Ray, no I/O. The Ray master (``master.actor``)
-and the in-process driver (``master.local``) execute a migration the same
-way (paper III-C; docs/design.md section 7f):
+Pure data and planning; no Ray, no I/O. When each transfer moves on, and
+what the drivers do for it, is ``master.protocols.migration``'s (one
+machine, run by ``master.ray_migration`` on Ray and by ``master.local`` in
+process; paper III-C; docs/design.md section 7f):
 
 0. ``PREPARING``: the destination host exists (a new one for scale-out);
 1. ``WARMING``: the destination holds a backup of every moving slice,

@@ -217,7 +217,7 @@ def test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_obj
 
 def test_a_migration_returns_only_once_the_moved_slice_is_backed_up_off_its_new_host(ray_session):
     """Two hosts: the sources release a moved slice only once a backup of it at least as new as
-    its restore point sits on the other host (``_await_off_host_backups``), so when the call
+    its restore point sits on the other host (the machine's DUAL wait: ``backed_up_off_host``), so when the call
     returns that backup is in the master's catalog, and killing the new host at once (no wait)
     recovers the slice from it, exactly. Before (backup peers given at DONE), the other host held
     no backup of the slice when the call returned. (With the early peers but no wait, the

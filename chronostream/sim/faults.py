@@ -23,11 +23,15 @@ from typing import Any
 
 from chronostream.master.local import Flight, LocalCluster, Network
 from chronostream.master.migration import MigrationError, MigrationPhase
+from chronostream.master.protocols.recovery import AtStep
+from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
 
 #: Every kind of fault, and what landing means for it.
 FAULT_KINDS: dict[str, str] = {
     "host_crash": "a host with containers dies; every one of them is rebuilt elsewhere",
     "crash_in_migration": "a host of a migrating slice dies while its transfer is in a chosen phase",
+    "crash_in_recovery": "a host dies, then another with a chosen role while the recovery is at a chosen step; "
+                         "the recovery plans for it too and every slice ends on a live container",
     "damaged_backup": "a slice's backup copy is damaged or truncated, then its host dies; recovery refuses that copy",
     "duplicate": "a message arrives a second time, later; the receiver drops it",
     "delay": "messages are held back for rounds; they arrive late and out of order",
@@ -48,7 +52,7 @@ CRASH_PHASES = (MigrationPhase.PREPARING, MigrationPhase.WARMING, MigrationPhase
                 MigrationPhase.DUAL, MigrationPhase.RELEASING)
 #: Kinds that start a migration (the master runs one at a time), and kinds that kill a host.
 MOVES = ("migrate", "scale_out", "scale_in", "crash_in_migration")
-KILLS = ("host_crash", "damaged_backup")
+KILLS = ("host_crash", "damaged_backup", "crash_in_recovery")
 #: Moves a schedule draws at most.
 MOVES_MAX = 3
 
@@ -99,6 +103,7 @@ def random_schedule(rng: random.Random, num_epochs: int, n: int, kinds: list[str
             kind = rng.choice(others)  # (moves queue one after another: a fourth meets no input left)
         param = {"delay": rng.randint(1, 4), "duplicate": rng.randint(1, 6), "slow_host": rng.randint(2, 4),
                  "crash_in_migration": rng.randrange(len(CRASH_PHASES) * 2),
+                 "crash_in_recovery": rng.randrange(len(RECOVERY_STEPS) * len(RECOVERY_ROLES)),
                  "damaged_backup": rng.randint(0, 1)}.get(kind, 0)
         at = rng.randint(1, last_move if kind in MOVES or kind in KILLS else last)
         out.append(Fault(kind, at, rng.randrange(1 << 30), param))
@@ -256,11 +261,15 @@ class Injector:
         simulator checks what the runtime promises to survive."""
         if len(cl.alive) < 2:
             return False
-        for c, core in cl.cores.items():
-            if cl.hosts[c] != host:
+        # (the containers of a recovery's plan are placed before they exist: their slices count too)
+        placed = {c for ids in cl.placement.containers.values() for c in ids}
+        for c in sorted(set(cl.cores) | placed):
+            # (and a recovery's lost containers, still placed on a dead host: their copies count too)
+            if c not in cl.placement.stage_of or (cl.hosts.get(c) != host and cl.hosts.get(c) in cl.alive):
                 continue
             st = cl.placement.stage_of[c]
-            for s in core.slices:
+            slices = cl.cores[c].slices if c in cl.cores else cl.placement.slices_of(c)
+            for s in slices:
                 if (st, s) in cl.checkpointed and not any(
                         h != host and h in cl.alive and (st, s) in cl.stores[h].holds() and (st, s, h) != damaged
                         and not self._is_damaged(cl, st, s, h) for h in cl.stores):
@@ -297,6 +306,30 @@ class Injector:
         started = [e for e in cl.timeline if e[1] == "recovery_start"][before:]
         landing.data["lost"] = sorted(e[2]["container"] for e in started)
 
+    def _kill_in_recovery(self, cl: LocalCluster, cmd: AtStep, landing: Landing) -> None:
+        """The recovery hook of a ``crash_in_recovery``: at its step, kill the lowest host with its
+        role that the job survives (once)."""
+        d = landing.data
+        if cmd.step != d["step"] or "second" in d:
+            return
+        stages = {st for st, _ in cmd.lost.values()}
+        if d["role"] == "adopter":
+            hosts = {a.host for a in cmd.plan} if cmd.plan is not None else \
+                {cl.hosts[c] for st in stages for c in cl.placement.containers[st]}
+        else:
+            near = cl.plan.upstream_stages if d["role"] == "producer" else cl.plan.downstream_stages
+            hosts = {cl.hosts[c] for st in stages for n in near(st) for c in cl.placement.containers[n]}
+        hosts = {h for h in hosts if h in cl.alive and self._survivable(cl, h)}
+        if not hosts:  # (no host has the role now: any other the job survives, the step is the point)
+            hosts = {h for h in cl.alive if self._survivable(cl, h)}
+            if not hosts:
+                return
+            d["role"] = f"any host (no {d['role']} could die)"
+        d["second"] = victim = min(hosts)
+        d["second_round"] = cl.round
+        self._say(cl, landing, f"kill host {victim} ({d['role']}) at recovery step {cmd.step}")
+        cl.kill([victim])
+
     def _fire(self, cl: LocalCluster, landing: Landing) -> None:
         f = landing.fault
         kind = f.kind
@@ -310,6 +343,25 @@ class Injector:
             landing.fired_round = cl.round
             self._say(cl, landing, f"kill host {h}")
             self._kill(cl, landing, h)
+        elif kind == "crash_in_recovery":
+            hosts = [h for h in self._busy_hosts(cl) if self._survivable(cl, h)]
+            if len(cl.alive) < 3 or not hosts:
+                if not self._widen(cl, landing, "two hosts must be able to die"):
+                    landing.fired_round = cl.round
+                    landing.effect = "inapplicable: no stage can take another host for a second death"
+                return
+            h = hosts[f.pick % len(hosts)]
+            step = RECOVERY_STEPS[f.param % len(RECOVERY_STEPS)]
+            role = RECOVERY_ROLES[f.param // len(RECOVERY_STEPS)]
+            landing.data.update(step=step, role=role)
+            landing.target = f"host {h}, then a host ({role}) at recovery step {step}"
+            landing.fired_round = cl.round
+            self._say(cl, landing, f"kill host {h}; a {role} dies at recovery step {step}")
+            cl.recovery_hook = lambda cl_, cmd, landing=landing: self._kill_in_recovery(cl_, cmd, landing)
+            try:
+                self._kill(cl, landing, h)
+            finally:
+                cl.recovery_hook = None
         elif kind == "damaged_backup":
             candidates = sorted({(st, sl) for h in sorted(cl.stores) if h in cl.alive
                                  for st, sl in cl.stores[h].holds()})
@@ -474,6 +526,18 @@ class Injector:
                     landing.effect += f" in phase {d['killed_in'].value}; transfers ended {phases}"
                     landing.landed = landing.landed and all(
                         t.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED) for t in d["transfers"])
+            elif k == "crash_in_recovery":
+                if "second" not in d:
+                    landing.effect = (f"inapplicable: no host of role {d['role']} could die at recovery step "
+                                      f"{d['step']}")
+                    continue
+                failed = [e for e in cl.timeline if e[1] == "recovery_step_failed" and d["second"] in e[2]["hosts"]]
+                unplaced = sorted((st, s) for st, c_of in cl.placement.slice_to_container.items()
+                                  for s, c in enumerate(c_of.tolist()) if int(c) not in cl.cores)
+                landing.landed = bool(failed) and not unplaced
+                landing.effect = (f"host {d['killed']} died; host {d['second']} ({d['role']}) died at recovery "
+                                  f"step {d['step']}; the step failed and was planned for: {bool(failed)}; "
+                                  f"slices on no live container: {unplaced[:5]}")
             elif k == "crash_in_migration":
                 landing.effect = (f"the transfers ended {[t.phase.value for t in d['transfers']]} before "
                                   f"phase {d['phase'].value}")
