@@ -288,6 +288,8 @@ class Injector:
         stage can take one (every container holds one slice)."""
         stages = [st.stage_id for st in cl.plan.stages
                   if 0 < len([c for c in cl.placement.containers[st.stage_id] if c in cl.cores]) < st.num_slices]
+        if landing.data.get("widened", 0) >= 3 or not stages:
+            landing.data["no_room"] = True  # (judged inapplicable if it never fires)
         if cl.migrations or landing.data.get("widened", 0) >= 3 or not stages:
             return bool(stages)
         st = stages[landing.fault.pick % len(stages)]
@@ -506,6 +508,10 @@ class Injector:
             k, d = landing.fault.kind, landing.data
             if landing.fired_round is None:
                 landing.effect = "never fired: no candidate while the job ran"
+                if k in KILLS and d.get("no_room"):
+                    # Earlier deaths left no host the job survives losing, and no stage can take
+                    # another: the runtime promises nothing here.
+                    landing.effect = "inapplicable: no host the job survives losing was left, and no room to add one"
                 continue
             if landing.effect.startswith(("refused", "inapplicable")):
                 continue
