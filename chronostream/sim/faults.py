@@ -91,7 +91,7 @@ def random_schedule(rng: random.Random, num_epochs: int, n: int, kinds: list[str
     take several epochs each, so one late in the input may meet no epoch left.
 
     >>> [f.kind for f in random_schedule(random.Random(1), 40, 3, ["host_crash", "delay"])]
-    ['host_crash', 'host_crash', 'delay']
+    ['delay', 'host_crash', 'host_crash']
     """
     last = max(1, num_epochs - 2)
     last_move = max(1, 2 * num_epochs // 3)
