@@ -537,6 +537,7 @@ class LocalCluster:
                     bad[s] = str(exc)
             if bad:  # (the destination's own copy did not verify: a snapshot replaces it)
                 self.cores.pop(cmd.new_id).close()
+                self._event("migration_restore_failed", container=cmd.new_id, host=cmd.host, slices=sorted(bad))
                 return RestoreFailed(cmd.new_id, tuple(sorted(bad)), "; ".join(bad.values()))
             core.restore_slices(points)
             return Started(cmd.new_id, {s: core.progress_of(s) for s in cmd.slices},

@@ -193,7 +193,10 @@ class RayMigration:
                                               {s: [(cmd.host, host)] for s in cmd.slices})
             except RecoveryError as exc:  # (the host's own copy did not verify: snapshots replace it)
                 await host.remove_container.remote(cmd.new_id)
-                return RestoreFailed(cmd.new_id, tuple(cmd.slices), next(iter(str(exc).splitlines()), ""))
+                why = next(iter(str(exc).splitlines()), "")
+                m._event("migration_restore_failed", container=cmd.new_id, host=cmd.host, slices=list(cmd.slices),
+                         error=why)
+                return RestoreFailed(cmd.new_id, tuple(cmd.slices), why)
         await host.set_extra_window.remote(cmd.new_id, 64)  # catching up: it may run ahead
         await host.start.remote([cmd.new_id])
         return Started(cmd.new_id, info["progress"], info["resume"],
