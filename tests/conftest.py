@@ -111,10 +111,10 @@ def pytest_collection_finish(session):
         return
     out = Path(tempfile.mkdtemp(prefix="chronostream-sim-campaign-"))
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
-        # (at a lower priority: the Ray tests' hosts get the cores when they need them, the campaign
-        # the time they wait; it still ends well before the rest of the suite)
+        # (at a lower priority, on two processes: the Ray tests' hosts get the cores when they need
+        # them, the campaign both cores while the suite waits on Ray)
         proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "chronostream.sim", "--seeds",
-                                 SIM_CAMPAIGN_SEEDS, "--json"],
+                                 SIM_CAMPAIGN_SEEDS, "--jobs", "2", "--json"],
                                 stdout=stdout, stderr=stderr, cwd=Path(__file__).parent.parent)
     session.config.stash[_CAMPAIGN] = (proc, out)
 
