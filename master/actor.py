@@ -1106,7 +1106,11 @@ class JobMaster:
         own = [g for g in self.sink_groups if g[0] in ids]
         refs = [ray.put(PackedSinkParts(own))] if own else []
         hosts = sorted(self.alive)
-        held = await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) for h in hosts], return_exceptions=True)
+
+        async def not_found() -> Any:  # (a restarted master did not find the host by name: dead)
+            raise RayActorError()
+        held = await asyncio.gather(*[self.handles[h].sink_parts.remote(ids) if self.handles.get(h) is not None
+                                      else not_found() for h in hosts], return_exceptions=True)
         for h, got in zip(hosts, held):
             if isinstance(got, RayActorError):
                 self._lost_after_end(h, got)
