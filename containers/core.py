@@ -156,6 +156,8 @@ class ContainerCore:
         # First epoch each local slice's outputs are in this container's output log
         # (0 here; a slice restored from a checkpoint at epoch C logs from C + 1).
         self.log_start: dict[int, int] = {s: 0 for s in local_slices}
+        # (stream, slice) -> (epoch, out_seq) where _with_held_outputs last stopped reading the log
+        self._held_read: dict[tuple[int, int], tuple[int, int]] = {}
         self.restored_at: dict[int, float] = {}
         self.first_output_at: dict[int, float] = {}
         # Output GC: epochs <= low_water are covered by every consumer's checkpoint.
@@ -377,16 +379,17 @@ class ContainerCore:
         container's did. A consumer that has them already drops them (its progress vector)."""
         held = [s for s, rt in self.slices.items() if epoch <= rt.last_epoch and self.log_start.get(s, 0) <= epoch]
         if not held or self.output_log is None:
+            self._held_read.clear()
             return outputs
         lo, hi = epoch * self.plan.epoch_events, (epoch + 1) * self.plan.epoch_events
         out = dict(outputs)
         for s in held:
             per = dict(out.get(s, {}))
             for sid in self._logged_streams():
-                t = self.output_log.read(sid, s, -1)
-                if t.num_rows:
-                    order = np.asarray(t.column(ORDER))
-                    t = t.filter(pa.array((order >= lo) & (order < hi)))
+                # (where the previous epoch's read stopped, when it was the previous epoch)
+                was_epoch, after = self._held_read.get((sid, s), (None, -1))
+                t, last = self.output_log.read_orders(sid, s, lo, hi, after if was_epoch == epoch - 1 else -1)
+                self._held_read[(sid, s)] = (epoch, last)
                 if t.num_rows:
                     per[sid] = t
             if per:

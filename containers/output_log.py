@@ -90,6 +90,39 @@ class OutputLog:
             return pa.table({})
         return pa.concat_tables(parts, promote_options="permissive")
 
+    def read_orders(self, stream_id: int, slice_id: int, lo: int, hi: int, after_seq: int = -1
+                    ) -> tuple[pa.Table, int]:
+        """The logged rows of (stream, slice) with ``lo <= _order < hi`` and out_seq >
+        ``after_seq``, and the out_seq of the last row read before ``hi`` (the next call's
+        ``after_seq`` when epochs are read one after the other: nothing is read twice).
+
+        >>> import tempfile
+        >>> log = OutputLog(d := tempfile.mkdtemp())
+        >>> log.append_epoch({(0, 3): pa.table({"x": [1, 2], "_order": [0, 5], "_seq": [0, 1]})})
+        >>> log.append_epoch({(0, 3): pa.table({"x": [3], "_order": [12], "_seq": [2]})})
+        >>> t, last = log.read_orders(0, 3, 0, 10)
+        >>> t["x"].to_pylist(), last
+        ([1, 2], 1)
+        >>> t, last = log.read_orders(0, 3, 10, 20, after_seq=last)
+        >>> t["x"].to_pylist(), last
+        ([3], 2)
+        >>> import shutil; log.close(); shutil.rmtree(d)
+        """
+        parts = []
+        with self._resize_lock:
+            for table in self.scan(stream_id, slice_id, after_seq):
+                order = np.asarray(table.column(ORDER))
+                if order[0] >= hi:  # (batches are in epoch order: the rest is later)
+                    break
+                before = order < hi
+                after_seq = int(np.asarray(table.column(SEQ))[before][-1])
+                keep = before & (order >= lo)
+                if keep.any():
+                    parts.append(table if keep.all() else table.filter(pa.array(keep)))
+        if not parts:
+            return pa.table({}), after_seq
+        return pa.concat_tables(parts, promote_options="permissive"), after_seq
+
     def drop(self, stream_id: int, slice_id: int) -> int:
         """Delete every logged batch of (stream, slice) (the slice migrated away); return how many."""
         prefix = struct.pack(">II", stream_id, slice_id)

@@ -60,11 +60,24 @@ def kill_a_node(cluster: Cluster, master_dies_at: str | None = None, one_host: b
         one_host_stage = next(name for name in ("running_sum", "payments") if node_of(name) in worker_ids)
         victim = worker_ids[node_of(one_host_stage)]
     lost = sorted(h for h, node in placement.nodes.items() if node == victim.node_id)
+    # The source slows to a crawl until the loss is recovered: on a loaded machine the job would
+    # otherwise run out of input before the node is gone and no recovery would be needed.
+    handles = ray.get(job.master.container_handles.remote())
+    sources = [handles[c] for c in placement.stages["payments"]]
+    ray.get([h.inject_delay.remote(0.5) for h in sources])
     pool_before = cs.keep_warm_hosts(spares, wait_s=60, address=cluster.address) if spares else None
     cluster.remove_node(victim)
     workdir = Path(job.workdir)
     for h in lost:  # the node's local store goes with it
         shutil.rmtree(workdir / f"host-{h}", ignore_errors=True)
+    deadline = time.monotonic() + 300
+    while (p := job.progress())["recoveries"] == 0 and not p["state"].terminal and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for h in sources:  # (a source host that died with the node has a successor at full pace)
+        try:
+            ray.get(h.inject_delay.remote(0.08))
+        except ray.exceptions.RayActorError:
+            pass
     job.wait(timeout_s=300)
     same = all(job.results(s).to_pylist() == cs.run(build(7), executor="serial").results(s).to_pylist()
                for s in sinks)

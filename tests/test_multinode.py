@@ -26,7 +26,7 @@ def test_job_on_a_three_node_cluster_spreads_stages_and_matches_serial():
     proc = subprocess.run([sys.executable, str(here / "multinode_job.py")], capture_output=True, text=True,
                           timeout=600, env=env, cwd=here)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    verdict = last_json_line(proc.stdout)
     assert verdict["nodes"] == 3
     assert verdict["equal"] is True
     assert all(n >= 2 for n in verdict["stage_nodes"].values()), verdict
@@ -39,7 +39,13 @@ def run_node_kill(*args: str) -> dict:
     proc = subprocess.run([sys.executable, str(here / "multinode_job.py"), "kill-node", *args], capture_output=True,
                           text=True, timeout=600, env=env, cwd=here)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json_line(proc.stdout)
+
+
+def last_json_line(stdout: str) -> dict:
+    """The script's verdict: its last line that is a JSON object (Ray's log monitor may print
+    a worker's line to the driver's stdout after it)."""
+    return json.loads(next(line for line in reversed(stdout.strip().splitlines()) if line.startswith("{")))
 
 
 def test_a_node_killed_mid_stream_loses_one_container_per_stage_and_the_output_is_exact():
