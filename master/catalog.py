@@ -97,11 +97,13 @@ def catalog_identity(path: str | os.PathLike) -> dict[str, Any] | None:
 class MasterCatalog:
     """The master's state in lmdb (``exists()`` tells a restarted master to resume)."""
 
-    def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30, sync: bool = True) -> None:
+        """``sync``: each save reaches the disk before it returns (the catalog is small and must
+        survive the master's process and its machine); the in-process driver's catalog, whose
+        master dies only in simulation, skips it."""
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # sync=True: the catalog is small and must survive the master's process.
-        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0)
+        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=0, sync=sync, metasync=sync)
         self.closed = False
         self.sink_keys: int | None = None  # sink-part keys stored (counted on the first add)
 

@@ -2,10 +2,13 @@
 
 Owns: running every ``ContainerCore`` of a job in this process, delivering
 messages in a seeded random order (to show that the output does not depend
-on delivery order) and, when asked, killing hosts between rounds and
-recovering their slices with the same plan the Ray master executes
-(``master.recovery``). Used by unit and property tests and as a debug mode
-(``cs.run(query, executor="local")``). The real runtime is ``master.actor``.
+on delivery order), the master's books and its catalog, and, when asked,
+killing hosts or the master between rounds. Migrations and recoveries run
+the same protocol machines as the Ray master (``master.protocols``),
+carried out by ``master.local_migration`` and ``master.local_recovery``.
+Used by unit and property tests, the simulator (``chronostream.sim``) and as
+a debug mode (``cs.run(query, executor="local")``). The real runtime is
+``master.actor``.
 
 A *host* stands for a ResourceContainer actor: it keeps a ``BackupStore``
 and runs one or more cores (a recovery adds cores to live hosts). One round
@@ -26,30 +29,24 @@ import pyarrow as pa
 
 from chronostream.slices.plan import JobPlan
 from chronostream.containers.backup_store import BackupStore
-from chronostream.containers.core import ContainerCore, SinkParts, add_sink_parts, hand_over
+from chronostream.containers.core import ContainerCore, SinkParts, add_sink_parts
 from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.spill import SpillStore
-from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, backup_peers_after,
-                                           balanced_moves, compaction_moves, container_of_slices, group_transfers,
-                                           stage_hosts, stage_id_of)
-from chronostream.master.protocols.migration import (
-    AcceptSenders, Begin, BeginDual, ContainerView, DropDual, DualBegun, FixHandover, ForgetReleased,
-    Freeze, HandoverFixed, HostMade, Interrupted, MakeHost, MigrationOptions, MigrationProtocol, Observe, Observed,
-    ReleaseRoutes, ReleaseSource, Rehost, RemoveContainer, Reroute, Rerouted, RestoreFailed, Snapshot, Snapshotted,
-    SourceReleased, Started, StartContainer, View, Warn)
-from chronostream.master.protocols.recovery import (
-    AcceptSenders as RecoveryAcceptSenders, ApplyPlan, AtStep, BackupsRead, Declared, DeclareDead, Finish,
-    HostMade as RecoveryHostMade, HostsDied, MakeHost as RecoveryMakeHost, PlanInputs, ReadBackups, RecoveryProtocol,
-    ReplayToConsumers, Reroute as RecoveryReroute, Rerouted as RecoveryRerouted, Restore, Restored, RestoreSlices,
-    Retargeted, RetargetBackups, StartContainers, StepFailed, Survey, Surveyed)
+from chronostream.master.catalog import MasterCatalog
+from chronostream.master.local_migration import LocalMigration
+from chronostream.master.local_recovery import LocalRecovery
+from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
+                                           compaction_moves, container_of_slices, group_transfers, stage_hosts,
+                                           stage_id_of)
+from chronostream.master.protocols.migration import Interrupted
+from chronostream.master.protocols.recovery import AtStep, HostsDied, PlanRecord, RecoveryProtocol
 from chronostream.master.backups import chains_by_slice, stale_backups
 from chronostream.master.placement import Placement
 from chronostream.master.results import memory_sink_ids, sink_table
 from chronostream.master.timeline import Timeline
-from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers, live_hosts,
-                             lost_containers, off_stage_backup_stages, raised, rebuildable_stages,
-                             recovery_slack, replay_targets, restore_floor, restore_order)
+from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers,
+                                          lost_containers, off_stage_backup_stages, raised, recovery_slack)
 from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 from chronostream.slices.errors import RecoveryError
 
@@ -165,7 +162,8 @@ class LocalCluster:
         self.root = Path(workdir or self._made_dir.name) if self.logged else None  # type: ignore[union-attr]
         ids = [c for cs_ in placement.containers.values() for c in cs_]
         self.hosts: dict[int, int] = {c: c for c in ids}  # container -> host
-        self.alive: set[int] = set(ids)
+        self.alive: set[int] = set(ids)  # the master's view of the live hosts
+        self.processes: set[int] = set(ids)  # the hosts that really run (a restarted master probes them)
         self.next_id = max(ids) + 1
         self.stores: dict[int, BackupStore] = {}
         # Each host's spill store (long queues' middle chunks): under the workdir, or a
@@ -187,15 +185,20 @@ class LocalCluster:
         self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
         self.source_floors: dict[str, int] = {}  # source stage -> first order a restore may read (grows)
         self.stale_backups_dropped = 0  # copies off their slice's chain dropped by GC
-        self.migration: MigrationProtocol | None = None  # in progress, advanced once per round
-        self._observe: Observe | None = None  # what it asked to see at the next round
-        # A recovery's step hook (failure injection: ``kill`` from it fails the step) and its state.
-        self.recovery_hook: Callable[["LocalCluster", AtStep], None] | None = None
-        self._recovering = False
-        self._died_in_step: set[int] = set()
+        self.migration: LocalMigration | None = None  # in progress, advanced once per round
         self.migrated: list[Transfer] = []  # finished or aborted
-        self._placeholders: dict[int, int] = {}  # placeholder host id (< 0) -> the host PREPARING made
+        # A recovery's step hook (failure injection: ``kill`` or ``crash_master`` from it) and the
+        # recovery in progress.
+        self.recovery_hook: Callable[["LocalCluster", AtStep], None] | None = None
+        self.recovery: LocalRecovery | None = None
         self.round = 0
+        # The master's books, saved where and when the Ray master saves them (``master.catalog``):
+        # a master that dies (``crash_master``) comes back with them alone. The hosts' reports
+        # (``checkpointed``), the sink parts and the timeline stay in memory here; the Ray master
+        # hears the reports again and keeps the rest in its catalog.
+        self.catalog = MasterCatalog(self.root / "master", sync=False) if self.fault_tolerant else None
+        self.master_restarts = 0
+        self._save_layout()
 
     def _core(self, c: int, slices: list[int] | None, backup_peers: dict | None) -> ContainerCore:
         log = OutputLog(self.root / f"container-{c}" / "output-log") if self.logged else None
@@ -215,6 +218,12 @@ class LocalCluster:
 
     def _event(self, kind: str, **info: Any) -> None:
         self.timeline.add((time.time(), kind, info))
+
+    def _save_layout(self, recovery: Any = ...) -> None:
+        """Save the placement, hosts and next id (``JobMaster._save_layout``); ``recovery``: the
+        recovery record saved with them (None once it ended; ``...``: unchanged)."""
+        if self.catalog is not None:
+            self.catalog.save_layout(self.placement, self.hosts, self.alive, {}, self.next_id, recovery)
 
     # -- running ---------------------------------------------------------------
 
@@ -320,7 +329,10 @@ class LocalCluster:
         held = {h: store.epochs() for h, store in self.stores.items()}  # (a dead host's store is gone)
         marks, floors = gc_marks_and_source_floors(self.plan, list(held.values()), recovery_slack(self))
         self.source_floors = raised(self.source_floors, floors, 0)
-        self.gc_marks = raised(self.gc_marks, marks, -1)
+        gc_marks = raised(self.gc_marks, marks, -1)
+        if gc_marks != self.gc_marks and self.catalog is not None:
+            self.catalog.save_gc_marks(gc_marks)
+        self.gc_marks = gc_marks
         dropped = 0
         for core in self.cores.values():
             dropped += core.gc(marks.get(core.stage.stage_id, -1))
@@ -345,6 +357,7 @@ class LocalCluster:
         h = self.next_id
         self.next_id += 1
         self.alive.add(h)
+        self.processes.add(h)
         return h
 
     def _store(self, h: int) -> BackupStore:
@@ -420,10 +433,8 @@ class LocalCluster:
         for t in transfers:
             t.handover = handover
         self.next_id = max([self.next_id] + [t.new_id + 1 for t in transfers])
-        self._placeholders.clear()
-        self.migration = MigrationProtocol(sid, transfers, MigrationOptions(
-            off_host=self.fault_tolerant and self.backup_factor > 0, source_stage=source_stage))
-        self._observe: Observe | None = None
+        self._save_layout()  # (next_id: a restarted master never reuses the new ids)
+        self.migration = LocalMigration(self, sid, transfers)
         self._event("migration_start", stage=sid, transfers=[(t.source, t.new_id, t.slices) for t in transfers])
         return transfers
 
@@ -433,173 +444,15 @@ class LocalCluster:
         return self.migration.transfers if self.migration is not None else []
 
     def _advance_migrations(self) -> bool:
-        """Answer the migration's pending observation (one a round: a phase lasts at least a round)."""
-        m = self.migration
-        if m is None:
+        """Advance the migration in progress by a round (``LocalMigration.advance``)."""
+        if self.migration is None:
             return False
-        before = [t.phase for t in m.transfers]
-        if not m.story:
-            self._drive(Begin())
-        elif self._observe is not None:
-            ask, self._observe = self._observe, None
-            self._drive(Observed(self._view(ask)))
-        if m.finished:
+        changed = self.migration.advance()
+        if self.migration.finished:
             self._finish_migrations()
-        return before != [t.phase for t in m.transfers]
+        return changed
 
-    def _drive(self, event: Any) -> None:
-        """Hand ``event`` to the migration machine and carry out its commands, feeding their results
-        back at once; an ``Observe`` waits for the next round."""
-        m = self.migration
-        assert m is not None
-        todo = [event]
-        while todo:
-            for cmd in m.handle(todo.pop(0)):
-                if isinstance(cmd, Observe):
-                    self._observe = cmd
-                    continue
-                result = self._carry_out(cmd)
-                if result is not None:
-                    todo.append(result)
-
-    def _view(self, ask: Observe) -> View:
-        """What ``ask`` wants to see, as this process has it; a compaction's host part (hand the
-        slices over once every source stands at the epoch) happens here."""
-        cores = {c: self.cores[c] for c in ask.containers if c in self.cores}
-        handovers = {new_id: self._hand_over_if_due(new_id) for new_id in ask.handovers}
-        held = {h: store.epochs() for h, store in self.stores.items() if h in self.alive} if ask.held else {}
-        return View(float(self.round), {c: _container_view(core) for c, core in cores.items()}, held, handovers)
-
-    def _hand_over_if_due(self, new_id: int) -> str:
-        """``ResourceContainer._try_hand_over`` in process: ``done``, ``pending`` or ``cancelled``."""
-        group = [t for t in self.migrations if t.new_id == new_id]
-        dest = self.cores.get(new_id)
-        sources = [self.cores.get(t.source) for t in group]
-        epoch = group[0].hand_over_epoch
-        if dest is None or any(src is None for src in sources) or epoch is None:
-            return "cancelled"
-        if not dest.awaiting_handover:
-            return "done"
-        if any(src.done for src in sources):  # type: ignore[union-attr]
-            for src in sources:
-                src.stop_before = None  # type: ignore[union-attr]
-            return "cancelled"
-        if any(src.next_epoch < epoch for src in sources):  # type: ignore[union-attr]
-            return "pending"
-        hand_over(sources, dest, epoch)  # type: ignore[arg-type]
-        return "done"
-
-    def _carry_out(self, cmd: Any) -> Any:
-        """One command of the migration machine, in this process; returns its result event (or None)."""
-        m = self.migration
-        assert m is not None
-        if isinstance(cmd, MakeHost):
-            if cmd.target not in self._placeholders:
-                self._placeholders[cmd.target] = self._new_host()
-            return HostMade(cmd.target, self._placeholders[cmd.target])
-        if isinstance(cmd, Snapshot):
-            src, store = self.cores[cmd.source], self._store(cmd.host)
-            # The slices' sink parts up to the snapshot go to the master first, as at a
-            # checkpoint (``ResourceContainer.migration_snapshot``).
-            taken = src.take_sink_parts_of(list(cmd.slices))
-            add_sink_parts(self.sink_parts, taken)
-            src.drop_handed_sink_parts(taken)
-            blobs = src.migration_snapshot(list(cmd.slices))
-            for b in blobs:
-                store.put(b)
-            return Snapshotted(cmd.index, src.next_epoch - 1, sum(len(b) for b in blobs))
-        if isinstance(cmd, AcceptSenders):
-            self.placement.stage_of[cmd.new_id] = cmd.stage_id
-            self.hosts[cmd.new_id] = cmd.host
-            cov = frozenset((cmd.stage_id, s) for s in cmd.slices)
-            for d in self.plan.downstream_stages(cmd.stage_id):
-                for c in self.placement.containers[d]:
-                    if c in self.cores:
-                        self.cores[c].add_senders({cmd.new_id: cov})
-            return None
-        if isinstance(cmd, StartContainer):
-            # (backup peers as after the move from the start: the moved slices' first
-            # checkpoints reach a peer before the sources release them)
-            job_hosts = sorted(self.alive | {t.host for t in m.transfers if t.host is not None})
-            peers = backup_peers_after(self.placement, self.hosts, m.transfers, cmd.stage_id, self.backup_factor,
-                                       job_hosts).get(cmd.new_id) if self.fault_tolerant else None
-            core = self._core(cmd.new_id, list(cmd.slices), peers)
-            self.cores[cmd.new_id] = core
-            if cmd.hand_over_from:
-                core.awaiting_handover = True
-                core.next_epoch = min(self.cores[c].next_epoch for c in cmd.hand_over_from)
-                return Started(cmd.new_id)
-            points, bad = {}, {}
-            for s in cmd.slices:
-                try:
-                    points[s] = self._load_backup(cmd.stage_id, s, [cmd.host])
-                except RecoveryError as exc:
-                    bad[s] = str(exc)
-            if bad:  # (the destination's own copy did not verify: a snapshot replaces it)
-                self.cores.pop(cmd.new_id).close()
-                self._event("migration_restore_failed", container=cmd.new_id, host=cmd.host, slices=sorted(bad))
-                return RestoreFailed(cmd.new_id, tuple(sorted(bad)), "; ".join(bad.values()))
-            core.restore_slices(points)
-            return Started(cmd.new_id, {s: core.progress_of(s) for s in cmd.slices},
-                           {s: core.slices[s].last_epoch + 1 for s in cmd.slices})
-        if isinstance(cmd, Reroute):
-            for c, producer in self._producers(cmd.stage_id):
-                replay = producer.reroute(cmd.stage_id, list(cmd.slices), cmd.new_id, cmd.progress, cmd.resume,
-                                          dual=True)
-                self.in_flight += [(cmd.new_id, e, c, msg) for e, msg in replay.items()]
-            return Rerouted(cmd.new_id)
-        if isinstance(cmd, BeginDual):
-            epochs = []
-            for _, producer in self._producers(cmd.stage_id):
-                producer.switch_route(cmd.stage_id, list(cmd.slices), cmd.new_id, dual=True)
-                epochs.append(producer.next_epoch)
-            return DualBegun(cmd.new_id, epochs)
-        if isinstance(cmd, FixHandover):
-            # the first epoch no source has reached, at or after every producer's switch
-            epoch = max([cmd.not_before] + [self.cores[c].next_epoch for c in cmd.sources])
-            for c in cmd.sources:
-                self.cores[c].stop_before = epoch
-            return HandoverFixed(cmd.new_id, epoch)
-        if isinstance(cmd, ReleaseRoutes):
-            for _, producer in self._producers(cmd.stage_id):
-                producer.release_route(cmd.stage_id, list(cmd.slices), cmd.new_id)
-            for c, slices in cmd.release.items():
-                if c in self.cores:
-                    self.cores[c].request_release(list(slices))  # a source stage has no upstream marker
-            return None
-        if isinstance(cmd, ReleaseSource):
-            src = self.cores.get(cmd.source)
-            if src is not None and not src.done and not set(cmd.slices) <= set(src.released):
-                src.request_release(list(cmd.slices))  # (settled early: a producer may never mark it)
-            dst = self.cores.get(cmd.dest)
-            return SourceReleased(cmd.index, None if src is None else _container_view(src, True),
-                                  None if dst is None else _container_view(dst, True))
-        if isinstance(cmd, ForgetReleased):
-            for _, producer in self._producers(cmd.stage_id):
-                producer.forget_released(cmd.source, list(cmd.slices))
-            return None
-        if isinstance(cmd, Rehost):
-            self.placement.rehost(cmd.source, cmd.new_id, list(cmd.slices))
-            return None
-        if isinstance(cmd, DropDual):
-            for _, producer in self._producers(cmd.stage_id):
-                producer.drop_dual(cmd.stage_id, list(cmd.slices))
-            return None
-        if isinstance(cmd, RemoveContainer):
-            for c in cmd.sources:
-                if c in self.cores:
-                    self.cores[c].stop_before = None
-            if cmd.new_id in self.cores:
-                self.cores.pop(cmd.new_id).close()
-            return None
-        if isinstance(cmd, Warn):
-            self._event("migration_warning", message=cmd.message)
-            return None
-        if isinstance(cmd, Freeze) and not cmd.on:  # (nothing here pauses a core)
-            return None
-        raise MigrationError(f"the in-process driver cannot carry out {cmd}")  # (Freeze, Abandon: Ray only)
-
-    def _producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
+    def producers(self, stage_id: int) -> list[tuple[int, ContainerCore]]:
         """The live containers of every stage feeding ``stage_id``."""
         return [(c, self.cores[c]) for u in self.plan.upstream_stages(stage_id)
                 for c in self.placement.containers[u] if c in self.cores]
@@ -610,16 +463,20 @@ class LocalCluster:
             self._retarget(set(stages) | off_stage_backup_stages(self.placement, self.hosts, self.backup_factor))
         self._event("migration_end", transfers=[(t.source, t.new_id, t.slices, t.phase.value, t.pause_ms)
                                                  for t in self.migrations])
+        assert self.migration is not None
+        self.migration.forget()
         self.migrated += self.migrations
         self.migration = None
+        self._save_layout()
+        if self.catalog is not None:
+            self.catalog.save_migration(None, [])
 
     def _settle_migrations(self, dead: set[int]) -> None:
         """Hosts died mid-migration: finish what can finish (the destination has the slices),
         abort what cannot (the destination died before the source let go)."""
         if self.migration is None:
             return
-        self._observe = None
-        self._drive(Interrupted(frozenset(dead), f"hosts {sorted(dead)} died"))
+        self.migration.settle(Interrupted(frozenset(dead), f"hosts {sorted(dead)} died"))
         if self.migration.finished:
             self._finish_migrations()
 
@@ -635,6 +492,7 @@ class LocalCluster:
         lost = lost_containers(self.placement, self.hosts, dead)
         self._event("fault", hosts=sorted(dead), containers=sorted(lost))
         self.alive -= dead
+        self.processes -= dead
         for c in [c for c in self.cores if self.hosts[c] in dead]:  # (migration destinations too)
             self.cores.pop(c).close()
         for h in dead:
@@ -643,140 +501,83 @@ class LocalCluster:
                 store.close(flush=False)
         # Messages of the dead still in flight: some arrived, some were lost.
         self.in_flight = [m for m in self.in_flight if m[2] not in lost or self.rng.random() < 0.5]
-        if self._recovering:
-            self._died_in_step |= dead
+        if self.recovery is not None:
+            self.recovery.died_in_step |= dead
             return
         self._settle_migrations(dead)
-        self._recover(RecoveryProtocol(), HostsDied(frozenset(dead)))
+        LocalRecovery(self).run(RecoveryProtocol(), HostsDied(frozenset(dead)))
 
-    def _recover(self, machine: RecoveryProtocol, first: Any) -> None:
-        """Drive a recovery machine to its end, in process: its commands in order, their results
-        fed back; a host killed during a command (the step hook) fails the step."""
-        self._recovering = True
-        try:
-            events = [first]
-            while events:
-                commands = [c for e in events for c in machine.handle(e)]
-                events = []
-                for cmd in commands:
-                    result = self._recovery_step(cmd)
-                    if self._died_in_step:
-                        dead, self._died_in_step = frozenset(self._died_in_step), set()
-                        self._event("recovery_step_failed", hosts=sorted(dead), step=type(cmd).__name__)
-                        self._settle_migrations(set(dead))
-                        events = [StepFailed(dead)]
-                        break
-                    if result is not None:
-                        events.append(result)
-        finally:
-            self._recovering = False
-            self._died_in_step = set()
+    def crash_master(self) -> None:
+        """The master dies and a new one starts: everything it held in memory is gone (the
+        migration and recovery in progress, its placement and hosts); it comes back from its
+        catalog alone, finds which hosts still run, settles a migration it left and runs a
+        recovery it left again (``JobMaster._resume``). Called from a recovery's step hook, the
+        recovery stops at that step and the new master resumes it."""
+        if self.catalog is None:
+            raise RecoveryError("a master without checkpoints keeps no catalog to restart from")
+        if self.recovery is not None:
+            self.recovery.master_crashed = True
+            return
+        self._restart_master()
 
-    def _recovery_step(self, cmd: Any) -> Any:
-        """One command of the recovery machine, in this process; returns its result event (or None)."""
-        if isinstance(cmd, DeclareDead):
-            return Declared(cmd.dead)  # (fenced by ``kill``)
-        if isinstance(cmd, Survey):
-            return Surveyed(lost_containers(self.placement, self.hosts, set(cmd.dead)), float(self.round))
-        if isinstance(cmd, AtStep):
-            if self.recovery_hook is not None:
-                self.recovery_hook(self, cmd)
-            return None
-        if isinstance(cmd, ReadBackups):
-            return BackupsRead(self._plan_inputs(cmd.lost))
-        if isinstance(cmd, ApplyPlan):
-            self.next_id = max(self.next_id, cmd.next_id)
-            for a in cmd.made.plan:
-                self.hosts[a.new_id] = a.host  # type: ignore[assignment]
-                self.placement.rehost(a.replaces, a.new_id, a.slices)
-            return None
-        if isinstance(cmd, RecoveryMakeHost):
-            self.alive.add(cmd.host)
-            self._store(cmd.host)
-            return RecoveryHostMade(cmd.host)
-        if isinstance(cmd, RecoveryAcceptSenders):
-            for a in cmd.plan:
-                self._event("recovery_start", container=a.replaces, new=a.new_id, host=a.host, slices=a.slices)
-                coverage = frozenset((a.stage_id, s) for s in a.slices)
-                for d in self.plan.downstream_stages(a.stage_id):
-                    for c in self.placement.containers[d]:
-                        if c in self.cores and c not in cmd.not_made:
-                            self.cores[c].add_senders({a.new_id: coverage})
-            return None
-        if isinstance(cmd, RestoreSlices):
-            restores = {}
-            for a in cmd.plan:
-                core = self.cores.get(a.new_id)
-                if core is None:  # (a step run again after a host died: made once)
-                    core = self._core(a.new_id, a.slices, None)
-                    core.restore_slices({s: self._load_backup(a.stage_id, s, restore_order(a.holders[s], a.host))
-                                         for s in a.slices})
-                    self.cores[a.new_id] = core
-                restores[a.new_id] = Restore({s: core.progress_of(s) for s in a.slices},
-                                             {s: core.slices[s].last_epoch + 1 for s in a.slices})
-            return Restored(cmd.plan_index, restores)
-        if isinstance(cmd, StartContainers):
-            return None  # (a core here runs once it exists)
-        if isinstance(cmd, RecoveryReroute):
-            a, epochs = cmd.adoption, 0
-            for u in self.plan.upstream_stages(a.stage_id):
-                for c in self.placement.containers[u]:
-                    if c in self.cores:
-                        replay = self.cores[c].reroute(a.stage_id, a.slices, a.new_id, cmd.restore.progress,
-                                                       cmd.restore.resume)
-                        self.in_flight += [(a.new_id, e, c, m) for e, m in replay.items()]
-                        epochs += len(replay)
-            return RecoveryRerouted(a.new_id, epochs)
-        if isinstance(cmd, ReplayToConsumers):
-            self._replay_to_consumers(cmd)
-            return None
-        if isinstance(cmd, RetargetBackups):
-            if self.fault_tolerant:  # stages backed up off their hosts too: a dead host may have held them
-                self._retarget(set(cmd.stages) | off_stage_backup_stages(self.placement, self.hosts,
-                                                                         self.backup_factor))
-            return Retargeted()
-        if isinstance(cmd, Finish):
-            for run in cmd.ran:
-                for a in run:
-                    core = self.cores.get(a.new_id)
-                    self._event("recovery_end", container=a.replaces, new=a.new_id, host=a.host,
-                                resume_epoch=None if core is None else core.next_epoch)
-            return None
-        raise RecoveryError(f"the in-process driver cannot carry out {cmd}")
+    def _restart_master(self) -> None:
+        assert self.catalog is not None
+        self.master_restarts += 1
+        if self.migration is not None:  # (the dead master's: nothing of it is saved any more)
+            self.migration.forget()
+        self.migration = None
+        self.placement, self.hosts, self.alive, _nodes, self.next_id = self.catalog.load_layout()
+        self.gc_marks = self.catalog.load_gc_marks()
+        record = self.catalog.load_recovery()
+        _request, left = self.catalog.load_migration()
+        self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.hosts))
+        # A recovery left unfinished comes first (``JobMaster._ensure_watching``), with the hosts
+        # that died while the master was away (its probe).
+        found = self.alive - self.processes
+        if record is not None or found:
+            plans = [PlanRecord.from_plain({**p, "resumed": True}) for p in (record or {}).get("plans", [])]
+            planned = {h for p in plans for h in p.dead}
+            dead = set((record or {}).get("dead", [])) | found
+            self.alive -= found
+            self._event("recovery_resumed", hosts=sorted(planned | dead))
+            if left:  # (a migration meeting a death settles first, as ``kill`` does)
+                self._settle_left_over(left, found)
+                left = []
+            LocalRecovery(self).run(RecoveryProtocol(plans, planned), HostsDied(frozenset(dead)))
+        if left:
+            self._settle_left_over(left, set())
 
-    def _plan_inputs(self, lost: dict[int, tuple[int, list[int]]]) -> PlanInputs:
-        """What the recovery planner needs: the live stores' catalogs (damaged copies named), the live
-        hosts, the chains, the restore floor."""
-        backups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        damaged: dict[tuple[int, int], list[str]] = {}
-        for h, store in self.stores.items():
-            good, bad = store.catalog()
-            for st, sl, epoch in good:
-                backups.setdefault((st, sl), []).append((h, epoch))
-            for st, sl, error in bad:
-                self._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
-                damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
-        return PlanInputs(backups, live_hosts(self.placement, self.hosts, self.alive), self.next_id,
-                          frozenset(self.checkpointed), self.recompute_lost,
-                          {s.stage_id: s.name for s in self.plan.stages}, self.chain_order(lost), damaged,
-                          restore_floor(self.plan, self.gc_marks), recovery_slack(self),
-                          frozenset(rebuildable_stages(self.plan)))
+    def _settle_left_over(self, left: list[dict[str, Any]], dead: set[int]) -> None:
+        """A restarted master's migration in progress: finish or undo it (``JobMaster._settle_pending``)."""
+        transfers = [Transfer.from_plain(d) for d in left]
+        self._event("migration_resumed", transfers=[t.to_plain() for t in transfers])
+        for t in transfers:
+            if t.host is not None and t.phase is not MigrationPhase.PREPARING:
+                self.hosts.setdefault(t.new_id, t.host)
+                self.placement.stage_of.setdefault(t.new_id, t.stage_id)
+        # A compaction's fate is decided first, on its host, against the handover itself
+        # (``ResourceContainer.handover_state``): cancelled unless it happened already.
+        handed_over = {}
+        live = [t for t in transfers if t.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)]
+        for new_id, group in by_destination(live).items():
+            t0 = group[0]
+            if t0.handover and t0.host in self.alive and t0.phase is not MigrationPhase.RELEASING:
+                handed_over[new_id] = self._cancel_handover(new_id, [t.source for t in group])
+        self.migration = LocalMigration(self, transfers[0].stage_id, transfers)
+        why = f"hosts {sorted(dead)} died" if dead else "the master restarted"
+        self.migration.settle(Interrupted(frozenset(dead), why, handed_over))
+        if self.migration.finished:
+            self._finish_migrations()
 
-    def _replay_to_consumers(self, cmd: ReplayToConsumers) -> None:
-        """A recovered producer replays its relogged outputs to each live consumer behind its
-        restore point: the dead one's messages of those epochs may never have arrived (a
-        replay it owed a migration's destination, in flight when it died, is covered by no
-        checkpoint). A consumer keeps the dead sender's message of an epoch when it has it
-        (``ContainerCore._epoch_messages``); adopted consumers were rerouted to already."""
-        a = cmd.adoption
-        core = self.cores[a.new_id]
-        for c, d in replay_targets(self.plan, self.placement.stage_of, a.stage_id, set(cmd.adopted)):
-            consumer = self.cores.get(c)
-            if consumer is None or consumer.done:
-                continue
-            replay = core.replay_behind(d, c, consumer.next_epoch,
-                                        {s: consumer.progress_of(s) for s in consumer.slices}, core.next_epoch)
-            self.in_flight += [(c, e, a.new_id, m) for e, m in replay.items()]
+    def _cancel_handover(self, new_id: int, sources: list[int]) -> bool:
+        """Cancel a compaction's handover unless it happened; True when it had."""
+        dest = self.cores.get(new_id)
+        if dest is not None and not dest.awaiting_handover:
+            return True
+        for c in sources:
+            if c in self.cores:
+                self.cores[c].stop_before = None
+        return False
 
     def _backup_chain(self, stage_id: int) -> dict[int, dict[int, list[int]]]:
         """``host_backup_peers`` as placed now: a stage on one host backs up to the other live hosts."""
@@ -829,6 +630,8 @@ class LocalCluster:
         for spill in self.spills.values():
             spill.close()
         self.spills.clear()
+        if self.catalog is not None:
+            self.catalog.close()
         if self._made_dir is not None:
             self._made_dir.cleanup()
 
@@ -863,9 +666,3 @@ def collect(plan: JobPlan, cores: dict[int, ContainerCore], sink_name: str) -> p
     for core in cores.values():
         add_sink_parts(parts, core.sink_parts(ids))
     return sink_table(parts, plan.source_dead_letters)
-
-
-def _container_view(core: ContainerCore, times: bool = False) -> ContainerView:
-    """A core as the migration machine sees it (``ResourceContainer.migration_state``)."""
-    return ContainerView(core.next_epoch, core.done, dict(core.released),
-                         dict(core.epoch_done_at) if times else {})

@@ -129,9 +129,12 @@ class Transfer:
 
     @staticmethod
     def from_plain(d: dict[str, Any]) -> "Transfer":
-        """Inverse of ``to_plain``."""
-        return Transfer(d["new_id"], d["source"], d["stage_id"], d["host"], list(d["slices"]), d["target"],
-                        MigrationPhase(d["phase"]), handover=bool(d.get("handover", False)))
+        """Inverse of ``to_plain``; its story begins with the saved phase (a restarted master's
+        view: the transfer got there before the catalog was read)."""
+        phase = MigrationPhase(d["phase"])
+        return Transfer(d["new_id"], d["source"], d["stage_id"], d["host"], list(d["slices"]), d["target"], phase,
+                        [(next(_story_ids), phase.value, None, {"from_catalog": True, "at": round(time.time(), 3)})],
+                        handover=bool(d.get("handover", False)))
 
     def describe(self) -> str:
         """``stage 1 slices [0, 4] container 3 -> 9 (host 5)``: for logs and errors."""

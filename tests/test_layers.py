@@ -193,7 +193,8 @@ def test_no_file_imports_a_layer_by_its_directory_name():
 #: The actors and the in-process driver are shells around the protocols (``master/protocols/``):
 #: their size may only shrink. The goal is about 400 lines each; these are today's ceilings, lowered
 #: as protocols leave them (deploy, checkpoint shipping and GC still live in the actors).
-SHELL_LINES_MAX = {"master/actor.py": 1250, "containers/actor.py": 1300, "master/local.py": 880}
+SHELL_LINES_MAX = {"master/actor.py": 1250, "containers/actor.py": 1300, "master/local.py": 700,
+                   "master/local_migration.py": 260, "master/local_recovery.py": 200}
 
 
 def test_the_actor_shells_do_not_grow_back():
@@ -206,6 +207,7 @@ def test_no_protocol_decision_is_left_in_the_drivers():
     """The migration and recovery decisions (phase guards, settling, planning) live in the machines:
     the drivers name none of the rules they used to apply themselves."""
     rules = ("settled_by_finishing", "backed_up_off_host", "warm_up_goals", "plan_recovery")
-    for f in ("master/actor.py", "master/local.py", "master/ray_migration.py", "master/ray_recovery.py"):
+    for f in ("master/actor.py", "master/local.py", "master/local_migration.py", "master/local_recovery.py",
+              "master/ray_migration.py", "master/ray_recovery.py"):
         source = (ROOT / f).read_text()
         assert not [r for r in rules if r in source], (f, [r for r in rules if r in source])

@@ -299,7 +299,7 @@ def test_a_compaction_asked_as_the_input_ends_is_undone_and_the_output_is_exact(
     sid = cl.stage_id(stage)
 
     def compact_at_the_end(cl):
-        producers = [core for _, core in cl._producers(sid)]
+        producers = [core for _, core in cl.producers(sid)]
         if "merged" not in state and "host" in state and not cl.migrations and all(p.done for p in producers) \
                 and not all(cl.cores[c].done for c in cl.placement.containers[sid]):
             state["merged"] = cl.compact(stage)

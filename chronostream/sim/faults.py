@@ -32,6 +32,8 @@ FAULT_KINDS: dict[str, str] = {
     "crash_in_migration": "a host of a migrating slice dies while its transfer is in a chosen phase",
     "crash_in_recovery": "a host dies, then another with a chosen role while the recovery is at a chosen step; "
                          "the recovery plans for it too and every slice ends on a live container",
+    "master_crash": "the master dies while a transfer is in a chosen phase or a recovery at a chosen step; the "
+                    "new master, from its catalog alone, settles the migration or finishes the recovery",
     "damaged_backup": "a slice's backup copy is damaged or truncated, then its host dies; recovery refuses that copy",
     "duplicate": "a message arrives a second time, later; the receiver drops it",
     "delay": "messages are held back for rounds; they arrive late and out of order",
@@ -50,8 +52,11 @@ REARMS = 3
 #: Phases a transfer passes through that a crash can meet (``MigrationPhase``).
 CRASH_PHASES = (MigrationPhase.PREPARING, MigrationPhase.WARMING, MigrationPhase.REBUILDING,
                 MigrationPhase.DUAL, MigrationPhase.RELEASING)
+#: Where a master crash meets the job: a transfer's phase (the fault starts a migration) or a
+#: recovery's step (the fault kills a host first).
+MASTER_CRASH_POINTS = tuple(p.value for p in CRASH_PHASES) + RECOVERY_STEPS
 #: Kinds that start a migration (the master runs one at a time), and kinds that kill a host.
-MOVES = ("migrate", "scale_out", "scale_in", "crash_in_migration")
+MOVES = ("migrate", "scale_out", "scale_in", "crash_in_migration", "master_crash")
 KILLS = ("host_crash", "damaged_backup", "crash_in_recovery")
 #: Moves a schedule draws at most.
 MOVES_MAX = 3
@@ -105,6 +110,8 @@ def random_schedule(rng: random.Random, num_epochs: int, n: int, kinds: list[str
                  "crash_in_migration": rng.randrange(len(CRASH_PHASES) * 2),
                  "crash_in_recovery": rng.randrange(len(RECOVERY_STEPS) * len(RECOVERY_ROLES)),
                  "damaged_backup": rng.randint(0, 1)}.get(kind, 0)
+        if kind == "master_crash":  # (drawn apart: a schedule without one draws what it always drew)
+            param = rng.randrange(len(MASTER_CRASH_POINTS))
         at = rng.randint(1, last_move if kind in MOVES or kind in KILLS else last)
         out.append(Fault(kind, at, rng.randrange(1 << 30), param))
     return sorted(out, key=lambda f: f.at_epoch)
@@ -114,6 +121,15 @@ def _moving(cl: LocalCluster) -> set[tuple[int, int]]:
     """(source container, slice) of every transfer in progress."""
     return {(t.source, s) for t in cl.migrations
             if t.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED) for s in t.slices}
+
+
+def _refresh(cl: LocalCluster, landing: Landing) -> None:
+    """A fault's transfers as the master knows them now: a restarted master settles the ones
+    its predecessor left as new objects (from its catalog)."""
+    if "transfers" in landing.data:
+        known = {(t.stage_id, t.source, t.new_id): t for t in cl.migrated + cl.migrations}  # (the newest wins)
+        landing.data["transfers"] = [known.get((t.stage_id, t.source, t.new_id), t)
+                                     for t in landing.data["transfers"]]
 
 
 def _abort_reason(t: Any) -> str:
@@ -364,6 +380,21 @@ class Injector:
                 self._kill(cl, landing, h)
             finally:
                 cl.recovery_hook = None
+        elif kind == "master_crash" and MASTER_CRASH_POINTS[f.param] in RECOVERY_STEPS:
+            hosts = [h for h in self._busy_hosts(cl) if self._survivable(cl, h)]
+            if not hosts:
+                self._widen(cl, landing, "every busy host holds the only copy of some slice")
+                return
+            h = hosts[f.pick % len(hosts)]
+            step = landing.data["point"] = MASTER_CRASH_POINTS[f.param]
+            landing.target = f"host {h}, then the master at recovery step {step}"
+            landing.fired_round = cl.round
+            self._say(cl, landing, f"kill host {h}; the master dies at recovery step {step}")
+            cl.recovery_hook = lambda cl_, cmd, landing=landing: self._crash_master_at(cl_, cmd, landing)
+            try:
+                self._kill(cl, landing, h)
+            finally:
+                cl.recovery_hook = None
         elif kind == "damaged_backup":
             candidates = sorted({(st, sl) for h in sorted(cl.stores) if h in cl.alive
                                  for st, sl in cl.stores[h].holds()})
@@ -418,7 +449,7 @@ class Injector:
             landing.fired_round = cl.round
             landing.target = f"host {h}"
             self._say(cl, landing, f"host {h} steps every {f.param} rounds for {6 * f.param} rounds")
-        elif kind in ("migrate", "scale_out", "scale_in", "crash_in_migration"):
+        elif kind in MOVES:
             self._start_move(cl, landing)
 
     def _start_move(self, cl: LocalCluster, landing: Landing) -> None:
@@ -470,12 +501,34 @@ class Injector:
         if f.kind == "crash_in_migration":
             landing.data["phase"] = CRASH_PHASES[f.param % len(CRASH_PHASES)]
             landing.data["kill_source"] = f.param // len(CRASH_PHASES) == 0
+        elif f.kind == "master_crash":
+            landing.data["phase"] = MigrationPhase(MASTER_CRASH_POINTS[f.param])
+            landing.data["point"] = landing.data["phase"].value
+        if f.kind in ("crash_in_migration", "master_crash"):
             self.watch.append(landing)
             self._crash_when_in_phase(cl, landing)
 
+    def _crash_master_at(self, cl: LocalCluster, cmd: AtStep, landing: Landing) -> None:
+        """The recovery hook of a ``master_crash`` at a recovery step: the master dies there (once)."""
+        d = landing.data
+        if cmd.step != d["point"] or "crashed" in d:
+            return
+        d["crashed"] = cl.round
+        d["restarts_before"] = cl.master_restarts
+        self._say(cl, landing, f"the master dies at recovery step {cmd.step}")
+        cl.crash_master()
+
     def _crash_when_in_phase(self, cl: LocalCluster, landing: Landing) -> None:
         phase = landing.data["phase"]
+        _refresh(cl, landing)
         for t in landing.data["transfers"]:
+            if t.phase is phase and landing.fault.kind == "master_crash":
+                landing.data["crashed"] = cl.round
+                landing.data["restarts_before"] = cl.master_restarts
+                self.watch.remove(landing)
+                self._say(cl, landing, f"the master dies while {t.describe()} is {phase.value}")
+                cl.crash_master()
+                return
             if t.phase is phase:
                 ends = [cl.hosts.get(t.source), cl.hosts.get(t.new_id)]
                 if not landing.data["kill_source"]:
@@ -506,12 +559,16 @@ class Injector:
                     for e in cl.timeline if e[1] == "backup_rejected"]
         for landing in self.landings:
             k, d = landing.fault.kind, landing.data
+            _refresh(cl, landing)
             if landing.fired_round is None:
                 landing.effect = "never fired: no candidate while the job ran"
-                if k in KILLS and d.get("no_room"):
+                if (k in KILLS or k == "master_crash") and d.get("no_room"):
                     # Earlier deaths left no host the job survives losing, and no stage can take
                     # another: the runtime promises nothing here.
                     landing.effect = "inapplicable: no host the job survives losing was left, and no room to add one"
+                elif (k in KILLS or k == "master_crash") and d.get("widened"):
+                    landing.effect = (f"inapplicable: no host the job survives losing was left, and the input "
+                                      f"ended while stages were widened for one ({d['widened']} scale-outs)")
                 continue
             if landing.effect.startswith(("refused", "inapplicable")):
                 continue
@@ -544,6 +601,8 @@ class Injector:
                 landing.effect = (f"host {d['killed']} died; host {d['second']} ({d['role']}) died at recovery "
                                   f"step {d['step']}; the step failed and was planned for: {bool(failed)}; "
                                   f"slices on no live container: {unplaced[:5]}")
+            elif k == "master_crash":
+                self._judge_master_crash(cl, landing)
             elif k == "crash_in_migration":
                 landing.effect = (f"the transfers ended {[t.phase.value for t in d['transfers']]} before "
                                   f"phase {d['phase'].value}")
@@ -565,3 +624,34 @@ class Injector:
                 landing.landed = d.get("skipped", 0) >= 1
                 landing.effect = f"{d.get('skipped', 0)} rounds skipped with work ready"
         return self.landings
+
+    def _judge_master_crash(self, cl: LocalCluster, landing: Landing) -> None:
+        """Landed: the master died at its point and a new one started from the catalog; a
+        migration it left ended (done or undone), a recovery it left rebuilt every lost container,
+        and every slice is on a live container."""
+        d = landing.data
+        if "crashed" not in d:
+            where = f"phase {d['phase'].value}" if "phase" in d else f"recovery step {d.get('point')}"
+            landing.effect = f"the master never met {where}"
+            if "transfers" in d:
+                landing.effect += f": the transfers ended {[t.phase.value for t in d['transfers']]} first"
+            return
+        restarted = cl.master_restarts > d["restarts_before"]
+        unplaced = sorted((st, s) for st, c_of in cl.placement.slice_to_container.items()
+                          for s, c in enumerate(c_of.tolist()) if int(c) not in cl.cores)
+        kinds = [e[1] for e in cl.timeline]
+        if "transfers" in d:
+            phases = [t.phase.value for t in d["transfers"]]
+            settled = "migration_resumed" in kinds and all(p in ("done", "aborted") for p in phases)
+            landing.landed = restarted and settled and not unplaced
+            landing.effect = (f"the master died in phase {d['phase'].value}; restarted: {restarted}; the new "
+                              f"master settled the transfers: {phases}")
+        else:
+            ended = {e[2].get("container") for e in cl.timeline if e[1] == "recovery_end"}
+            lost = d.get("lost", [])
+            rebuilt = sorted({c for c in lost if c in ended})
+            landing.landed = (restarted and "recovery_resumed" in kinds and bool(lost)
+                              and len(rebuilt) == len(set(lost)) and not unplaced)
+            landing.effect = (f"host {d['killed']} died, the master at recovery step {d['point']}; restarted: "
+                              f"{restarted}; the new master rebuilt {rebuilt} of {sorted(set(lost))}")
+        landing.effect += f"; slices on no live container: {unplaced[:5]}"
