@@ -43,7 +43,8 @@ from chronostream.master.host_pool import take_spare
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, compaction_moves,
-                                           container_of_slices, group_transfers, stage_hosts, stage_id_of)
+                                           container_of_slices, group_transfers, rehost_finished, stage_hosts,
+                                           stage_id_of)
 from chronostream.master.ray_migration import RayMigration
 from chronostream.master.ray_recovery import RayRecovery, kill_host
 from chronostream.master.protocols.recovery import HostsDied, PlanRecord, RecoveryProtocol
@@ -219,6 +220,8 @@ class JobMaster:
             if t.host is not None and t.phase is not MigrationPhase.PREPARING:
                 self.host_of.setdefault(t.new_id, t.host)
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
+        for t in rehost_finished(self.placement, transfers):
+            self._event("migration_rehosted", container=t.new_id, slices=t.slices)
         await RayMigration(self, transfers[0].stage_id, transfers).settle("the master restarted")
         released = await self._release_idle_hosts()
         await self._retarget_backups({t.stage_id for t in transfers} | self._off_stage_backup_stages())

@@ -37,8 +37,8 @@ from chronostream.master.catalog import MasterCatalog
 from chronostream.master.local_migration import LocalMigration
 from chronostream.master.local_recovery import LocalRecovery
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
-                                           compaction_moves, container_of_slices, group_transfers, stage_hosts,
-                                           stage_id_of)
+                                           compaction_moves, container_of_slices, group_transfers, rehost_finished,
+                                           stage_hosts, stage_id_of)
 from chronostream.master.protocols.migration import Interrupted
 from chronostream.master.protocols.recovery import AtStep, HostsDied, PlanRecord, RecoveryProtocol
 from chronostream.master.backups import chains_by_slice, stale_backups
@@ -555,6 +555,8 @@ class LocalCluster:
             if t.host is not None and t.phase is not MigrationPhase.PREPARING:
                 self.hosts.setdefault(t.new_id, t.host)
                 self.placement.stage_of.setdefault(t.new_id, t.stage_id)
+        for t in rehost_finished(self.placement, transfers):
+            self._event("migration_rehosted", container=t.new_id, slices=t.slices)
         # A compaction's fate is decided first, on its host, against the handover itself
         # (``ResourceContainer.handover_state``): cancelled unless it happened already.
         handed_over = {}

@@ -369,6 +369,32 @@ def by_destination(transfers: list[Transfer]) -> dict[int, list[Transfer]]:
     return out
 
 
+def rehost_finished(placement: Any, transfers: list[Transfer]) -> list[Transfer]:
+    """A restarted master's catch-up: the transfers its catalog has DONE whose slices the saved
+    placement still puts on their source, rehosted now; returns them.
+
+    The migration record is saved at every phase change and the layout once the migration ends:
+    a master dying in between (one transfer done, another still waiting for its pause to be
+    measured) leaves a DONE transfer the placement does not show.
+
+    >>> from chronostream.master.placement import Placement
+    >>> import numpy as np
+    >>> p = Placement({1: [3]}, {1: np.array([3, 3])}, {3: 1})
+    >>> t = Transfer(9, 3, 1, 5, [1], phase=MigrationPhase.DONE)
+    >>> [x.new_id for x in rehost_finished(p, [t])], p.slice_to_container[1].tolist()
+    ([9], [3, 9])
+    >>> rehost_finished(p, [t])  # (once only)
+    []
+    """
+    out = []
+    for t in transfers:
+        on = placement.slice_to_container.get(t.stage_id)
+        if t.phase is MigrationPhase.DONE and on is not None and all(int(on[s]) == t.source for s in t.slices):
+            placement.rehost(t.source, t.new_id, list(t.slices))
+            out.append(t)
+    return out
+
+
 def slices_of(transfers: list[Transfer]) -> list[int]:
     """Every slice the ``transfers`` move, sorted."""
     return sorted(s for t in transfers for s in t.slices)

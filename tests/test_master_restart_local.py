@@ -87,3 +87,34 @@ def test_a_master_without_checkpoints_has_no_catalog_to_restart_from():
     cl = cluster("running_sum", checkpoint_every=0)
     with pytest.raises(RecoveryError, match="no catalog"):
         cl.crash_master()
+
+
+def test_a_master_dying_after_a_transfer_finished_but_before_its_layout_was_saved_rehosts_it():
+    """The window a pause measurement opens on Ray: one transfer DONE in the migration record,
+    the layout still the one before it. The catalog is put in that state, then the master dies:
+    the new one moves the slices to the new container before anything else reads the placement."""
+    cl = cluster("running_sum")
+    stage = next(st.stage_id for st in cl.plan.stages if st.kind == "operator")
+    before = []
+
+    def on_round(c: LocalCluster) -> None:
+        if c.round == 3:
+            c.migrate(stage, [0])
+        if not before and any(t.phase is MigrationPhase.RELEASING for t in c.migrations):
+            before.append(c.catalog.load_layout())
+        if before and len(before) == 1 and c.migrated and c.migration is None:
+            (t,) = c.migrated
+            assert t.phase is MigrationPhase.DONE
+            placement, hosts, alive, nodes, next_id = before[0]
+            c.catalog.save_layout(placement, hosts, alive, nodes, next_id)
+            c.catalog.save_migration(None, [t.to_plain()])
+            before.append(t)
+            c.crash_master()
+
+    cl.run(on_round=on_round)
+    assert len(before) == 2, "the migration finished mid-stream"
+    t = before[1]
+    assert [i["container"] for _, k, i in cl.timeline if k == "migration_rehosted"] == [t.new_id]
+    assert cl.placement.slice_to_container[stage][0] == t.new_id
+    assert cl.catalog.load_layout()[0].slice_to_container[stage][0] == t.new_id, "and saved"
+    assert_equals_serial("running_sum", cl)

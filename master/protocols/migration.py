@@ -806,9 +806,11 @@ class MigrationProtocol:
         for t in self.transfers:
             # every phase past PREPARING has a destination host
             assert t.phase in (P.PREPARING, P.ABORTED) or t.host is not None, f"{t.describe()} has no host"
-            # a finished transfer moved every slice through RELEASING
+            # a finished transfer moved every slice through RELEASING (or was read back from the
+            # catalog at RELEASING or DONE by a restarted master)
             if t.phase is P.DONE:
-                assert any(p == P.RELEASING.value for _, p, _, _ in t.story), f"{t.describe()} skipped RELEASING"
+                assert any(p == P.RELEASING.value or (p == P.DONE.value and info.get("from_catalog"))
+                           for _, p, _, info in t.story), f"{t.describe()} skipped RELEASING"
 
 
 _HANDLERS = {Begin: MigrationProtocol._begin, HostMade: MigrationProtocol._host_made,
