@@ -47,6 +47,8 @@ from chronostream.master.migration import (MigrationError, MigrationPhase, Trans
                                            stage_id_of)
 from chronostream.master.ray_migration import RayMigration
 from chronostream.master.ray_recovery import RayRecovery, kill_host
+from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
+                                               Settled, StopAsked, StopHosts)
 from chronostream.master.protocols.recovery import HostsDied, PlanRecord, RecoveryProtocol
 from chronostream.master.placement import Placement, initial_placement
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
@@ -97,7 +99,6 @@ class JobMaster:
         self.nodes: dict[int, str] = {}  # host id -> node id
         self.last_seen: dict[int, float] = {}
         self.stats: dict[int, ContainerStatistics] = {}
-        self.done: set[int] = set()
         self.source_refs: dict[int, list] = {}
         # Stages whose table reference a restarted master found on no live host (every host
         # died with it): ``status`` asks the client's ``Job`` handle for them (``give_source_refs``).
@@ -105,7 +106,7 @@ class JobMaster:
         # Memory-sink rows handed over (``store_sink_parts``), as they were packed, in the order
         # they came: a read hands them on as they are (``sink_part_refs``), no copy joins them.
         self.sink_groups: list[tuple[int, pa.Table, np.ndarray]] = []
-        self.state = JobState.CREATED  # (changed only by _set_state)
+        self.job = JobLifecycle()  # the job's state (``master.protocols.job``; changed only by ``_job``)
         self.error: BaseException | None = None
         self.started_at = 0.0
         self.finished_at = 0.0
@@ -175,7 +176,7 @@ class JobMaster:
         """A restarted master: reload the catalog and find the hosts again."""
         self.placement, self.host_of, self.alive, self.nodes, self.next_id = self.catalog.load_layout()
         prog = self.catalog.load_progress()
-        self.state, self.done = prog["state"], set(prog["done"])
+        self.job = JobLifecycle(prog["state"], set(prog["done"]))
         self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
         self.sink_groups = self.catalog.load_sink_groups()
         self.catalog.forget_events(self.timeline.extend(self.catalog.load_numbered_events()))
@@ -238,22 +239,34 @@ class JobMaster:
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
 
-    def _set_state(self, state: JobState, **info: Any) -> bool:
-        """The one place the job's state changes; the change is saved and kept in the timeline
-        (``job_<state>``, with ``info``). A terminal state (failed, finished, stopped) is final:
-        a report that arrives after one (a deploy that finishes awaiting its hosts after a
-        container failed, say) changes nothing and is kept as ``state_kept``. Returns whether
-        the state changed."""
-        if self.state.terminal or state is self.state:
-            if state is not self.state:
-                self._event("state_kept", state=self.state.value, refused=state.value)
-            return False
-        self.state = state
-        if state.terminal:
-            self.finished_at = time.time()
-        self._save_progress()
-        self._event(f"job_{state}", **info)
-        return True
+    @property
+    def state(self) -> JobState:
+        return self.job.state
+
+    @property
+    def done(self) -> set[int]:
+        """Containers that processed their last epoch."""
+        return self.job.done
+
+    def _live(self) -> frozenset[int]:
+        return frozenset(c for ids in self.placement.containers.values() for c in ids)
+
+    def _job(self, event: Any) -> None:
+        """The one place the job's state changes (``master.protocols.job``): each change is saved
+        and kept in the timeline (``job_<state>``); a change refused after the end is kept as
+        ``state_kept``; a failure stops the hosts."""
+        for cmd in self.job.handle(event):
+            if isinstance(cmd, Enter):
+                if cmd.state.terminal:
+                    self.finished_at = time.time()
+                self._save_progress()
+                self._event(f"job_{cmd.state}", **cmd.info)
+            elif isinstance(cmd, Kept):
+                self._event("state_kept", state=cmd.state.value, refused=cmd.refused.value)
+            elif isinstance(cmd, StopHosts):
+                for h in self.alive:
+                    if self.handles.get(h) is not None:
+                        self.handles[h].stop.remote()
 
     def _event(self, kind: str, **info: Any) -> None:
         event = (time.time(), kind, info)
@@ -390,8 +403,7 @@ class JobMaster:
         self._save_layout()
         # A container may have failed (or every container finished) while the hosts' start was
         # awaited: a failed job stays failed, and a finish that came early is taken now.
-        if self._set_state(JobState.RUNNING, containers=len(self.host_of), nodes=len(set(self.nodes.values()))):
-            self._check_finished()
+        self._job(Deployed(self._live(), {"containers": len(self.host_of), "nodes": len(set(self.nodes.values()))}))
         self._ensure_watching()
         if self.policy is not None:
             self._in_background(self._autoscale())
@@ -985,10 +997,7 @@ class JobMaster:
         if container_id is not None and self.placement is not None and container_id in self.placement.stage_of:
             where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
         self.error = error
-        self._set_state(JobState.FAILED, where=where.strip(), error=str(error))
-        for h in self.alive:
-            if self.handles.get(h) is not None:
-                self.handles[h].stop.remote()
+        self._job(ContainerFailed(where.strip(), str(error)))
 
     async def ping(self) -> str:
         """The job's state, as its plain value: a host's sign that its master lives
@@ -1005,15 +1014,11 @@ class JobMaster:
         """A container processed its last epoch."""
         self._ensure_watching()
         self.stats[container_id] = stats
-        self.done.add(container_id)
-        self._check_finished()
+        self._job(ContainerDone(container_id, self._live(), self.control_lock.locked()))
         self._save_progress()
 
     def _check_finished(self) -> None:
-        live = [c for ids in self.placement.containers.values() for c in ids]
-        if self.state is JobState.RUNNING and live and all(c in self.done for c in live) \
-                and not self.control_lock.locked():
-            self._set_state(JobState.FINISHED)
+        self._job(Settled(self._live(), self.control_lock.locked()))
 
     async def container_failed(self, container_id: int, error: BaseException) -> None:
         """A container hit an error it cannot handle."""
@@ -1201,8 +1206,7 @@ class JobMaster:
     async def stop(self, cleanup: bool = True) -> None:
         """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
         directory (``_remove_job_files``)."""
-        if self.state is JobState.RUNNING:
-            self._set_state(JobState.STOPPED)
+        self._job(StopAsked())
         self._save_progress()
         for task in self._background:
             task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")

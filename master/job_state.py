@@ -1,7 +1,7 @@
 """The states a job goes through, as one enum.
 
 Owns: ``JobState`` and which of its values are terminal. The transitions
-themselves belong to ``JobMaster._set_state`` (``master.actor``; the table is
+themselves belong to ``master.protocols.job.JobLifecycle`` (the table is
 docs/design.md section 7a). Knows nothing else: the master, the client and
 the CLI all import it, and the catalog stores its values as plain strings.
 

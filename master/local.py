@@ -39,6 +39,8 @@ from chronostream.master.local_recovery import LocalRecovery
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
                                            compaction_moves, container_of_slices, group_transfers, rehost_finished,
                                            stage_hosts, stage_id_of)
+from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
+                                               StopHosts)
 from chronostream.master.protocols.migration import Interrupted
 from chronostream.master.protocols.recovery import AtStep, HostsDied, PlanRecord, RecoveryProtocol
 from chronostream.master.backups import chains_by_slice, stale_backups
@@ -135,7 +137,10 @@ class LocalCluster:
                  backup_factor: int = 2, full_checkpoint_every: int = 0, recompute_lost: bool = False,
                  merge_every: int = 16, checkpoint_interval_s: float = 0.0, output_logs: bool = False,
                  spill_state: bool = True, network: Network | None = None,
-                 async_checkpoints: bool = True) -> None:
+                 async_checkpoints: bool = True, deploy_rounds: int = 0) -> None:
+        """``deploy_rounds``: the hosts start over that many first rounds (host ``h`` at round
+        ``h % deploy_rounds``), the job runs once all did; a started host's containers step
+        meanwhile, as on Ray, where a host runs once started while the deploy awaits the others."""
         self.plan = plan
         self.placement = placement
         self.sources = sources
@@ -199,6 +204,15 @@ class LocalCluster:
         self.catalog = MasterCatalog(self.root / "master", sync=False) if self.fault_tolerant else None
         self.master_restarts = 0
         self._save_layout()
+        # The job's state (``master.protocols.job``), the first container error, and the hosts
+        # started so far by the deploy.
+        self.job = JobLifecycle()
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.deploy_rounds = deploy_rounds
+        self.unstarted: set[int] = set(self.alive) if deploy_rounds > 0 else set()
+        self.deployed = False
+        self._deploy_round()
 
     def _core(self, c: int, slices: list[int] | None, backup_peers: dict | None) -> ContainerCore:
         log = OutputLog(self.root / f"container-{c}" / "output-log") if self.logged else None
@@ -218,6 +232,36 @@ class LocalCluster:
 
     def _event(self, kind: str, **info: Any) -> None:
         self.timeline.add((time.time(), kind, info))
+
+    def _live(self) -> frozenset[int]:
+        return frozenset(c for ids in self.placement.containers.values() for c in ids)
+
+    def _job(self, event: Any) -> None:
+        """The job's state changes here only (``JobMaster._job``)."""
+        for cmd in self.job.handle(event):
+            if isinstance(cmd, Enter):
+                self._event(f"job_{cmd.state}", **cmd.info)
+            elif isinstance(cmd, Kept):
+                self._event("state_kept", state=cmd.state.value, refused=cmd.refused.value)
+            elif isinstance(cmd, StopHosts):
+                self.stopped = True  # (no core steps again; the deploy still ends)
+
+    def _fail(self, container: int, error: BaseException) -> None:
+        """A container raised (``JobMaster.container_failed``): the job fails with its error."""
+        if self.error is None:
+            self.error = error
+        stage = self.plan.stages[self.placement.stage_of[container]].name
+        self._job(ContainerFailed(f"in container {container} (stage {stage!r})", str(error)))
+
+    def _deploy_round(self) -> None:
+        """Start this round's hosts; once every host started, the job runs (``Deployed``)."""
+        if self.deployed:
+            return
+        self.unstarted -= {h for h in self.unstarted if h % max(1, self.deploy_rounds) == self.round}
+        if self.round + 1 >= self.deploy_rounds:
+            self.unstarted.clear()
+            self.deployed = True
+            self._job(Deployed(self._live(), {"containers": len(self.cores)}))
 
     def _save_layout(self, recovery: Any = ...) -> None:
         """Save the placement, hosts and next id (``JobMaster._save_layout``); ``recovery``: the
@@ -243,10 +287,14 @@ class LocalCluster:
         for r, hosts in (kills or {}).items():
             todo[r] = lambda cl, hosts=hosts: cl.kill(hosts)
         deadline = time.monotonic() + timeout_s
-        # (messages still in flight at the end arrive too: a late copy is refused, not lost from view)
-        while not all(c.done for c in self.cores.values()) or self.migrations or self.in_flight:
+        # (messages still in flight at the end arrive too: a late copy is refused, not lost from view;
+        # a failed job's deploy still ends)
+        while not self.deployed or not self.stopped and (
+                not all(c.done for c in self.cores.values()) or self.migrations or self.in_flight):
             rnd = self.round
+            self._deploy_round()
             progressed, backups = self._step_all()
+            progressed |= not self.deployed
             if rnd in todo or on_round is not None:
                 if rnd in todo:
                     todo.pop(rnd)(self)
@@ -272,6 +320,12 @@ class LocalCluster:
                 time.sleep(poll_s)  # a followed source log: wait for the writer
                 for c in readers:
                     c.poll_source()
+        if self.error is not None:
+            raise self.error  # (the job failed: the container's own error, as ``Job.wait`` names it)
+        live = self._live()
+        for c in sorted(live):
+            if c in self.cores and self.cores[c].done:
+                self._job(ContainerDone(c, live))
         return self
 
     def _step_all(self) -> tuple[bool, list]:
@@ -281,6 +335,8 @@ class LocalCluster:
         catching_up = {t.new_id for t in self.migrations if t.phase is MigrationPhase.DUAL}
         for cid in sorted(self.cores):
             core = self.cores[cid]
+            if self.stopped or self.hosts[cid] in self.unstarted:
+                continue
             every = self.step_every.get(self.hosts[cid], 1)
             if every > 1 and self.round % every:
                 if core.ready():
@@ -290,7 +346,12 @@ class LocalCluster:
                 if not core.ready():
                     break
                 epoch = core.next_epoch
-                for dst, msg in core.step().items():
+                try:
+                    sent = core.step()
+                except Exception as exc:  # noqa: BLE001 - a container's error fails the job (``_fail``)
+                    self._fail(cid, exc)
+                    return True, backups
+                for dst, msg in sent.items():
                     self.in_flight.append((dst, epoch, cid, msg))
                 add_sink_parts(self.sink_parts, core.take_sink_parts())
                 backups += [(peer, cid, blobs) for peer, blobs in core.take_backups().items()]

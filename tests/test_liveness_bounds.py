@@ -23,6 +23,7 @@ from chronostream.master.actor import JobMaster
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch
 from chronostream.master.placement import containers_per_stage
+from chronostream.master.protocols.job import ContainerDone, ContainerFailed, Deployed, JobLifecycle, Settled, StopAsked
 
 PlainMaster = JobMaster.__ray_metadata__.modified_class
 
@@ -94,16 +95,22 @@ def test_a_container_failure_during_deploy_leaves_the_job_failed(tmp_path, monke
 
 def test_terminal_states_are_final(tmp_path, monkeypatch):
     """Regression (issue 59, failure during deploy): failed, finished and stopped are final; a later
-    transition is refused and kept in the timeline as ``state_kept``."""
-    for terminal in (JobState.FAILED, JobState.FINISHED, JobState.STOPPED):
+    report changes nothing, and one that would have changed the state is kept in the timeline as
+    ``state_kept`` (``master.protocols.job``)."""
+    ends = {JobState.FAILED: ContainerFailed("", "boom"), JobState.FINISHED: ContainerDone(0, frozenset({0})),
+            JobState.STOPPED: StopAsked()}
+    for terminal, end in ends.items():
         m = _master(tmp_path / terminal, monkeypatch, lambda m, h: asyncio.sleep(0))
-        assert m._set_state(JobState.RUNNING)
-        assert m._set_state(terminal)
-        for other in (JobState.RUNNING, JobState.FAILED, JobState.FINISHED, JobState.STOPPED):
-            m._set_state(other)
+        m._job(Deployed(frozenset({0, 1}) if terminal is not JobState.FINISHED else frozenset({0})))
+        m._job(end)
+        assert m.state is terminal and m.catalog.load_progress()["state"] is terminal
+        for other in (Deployed(frozenset({0})), ContainerFailed("", "late"), ContainerDone(1, frozenset({0, 1})),
+                      Settled(frozenset({0})), StopAsked()):
+            m._job(other)
             assert m.state is terminal
         kept = [i for _, k, i in m.timeline if k == "state_kept"]
-        assert {i["refused"] for i in kept} == {"running", "failed", "finished", "stopped"} - {terminal}
+        assert {i["refused"] for i in kept} == {"running", "failed"} - {terminal}
+        assert [k for _, k, _ in m.timeline].count(f"job_{terminal}") == 1
         m.catalog.close()
 
 
@@ -220,7 +227,7 @@ def test_the_timeline_and_its_catalog_copy_stay_bounded(tmp_path, monkeypatch):
 
     m = _master(tmp_path, monkeypatch, lambda m, h: asyncio.sleep(0))
     m.timeline = Timeline(per_kind=10)
-    m._set_state(JobState.RUNNING)
+    m._job(Deployed(frozenset({0})))
     for i in range(200):
         m._event("autoscale_decision", action=f"tick {i}")
         if i % 50 == 0:
@@ -254,11 +261,11 @@ def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
     async def snapshot():
         ticks.append(len(ticks))
         if len(ticks) > 30:
-            m.state = JobState.STOPPED
+            m.job.handle(StopAsked())
         return types.SimpleNamespace(n=len(ticks), to_plain=lambda: {})
 
     m.metrics_snapshot = snapshot
-    m.state = JobState.RUNNING
+    m.job = JobLifecycle(JobState.RUNNING)
     asyncio.run(m._autoscale())
     assert m.decisions_made == 30
     assert [d.snapshot.n for d in m.decisions] == [27, 28, 29, 30, 31]  # (the first: the base of the rates)

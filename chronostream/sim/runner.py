@@ -25,6 +25,7 @@ import pyarrow as pa
 
 import chronostream as cs
 from chronostream.dag import compile_query
+from chronostream.master.job_state import JobState
 from chronostream.master.local import LocalCluster
 from chronostream.master.placement import initial_placement
 from chronostream.sim.faults import FAULT_KINDS, Fault, Injector, Landing, SimNetwork, random_schedule
@@ -32,6 +33,9 @@ from chronostream.sim.queries import RandomQuery, check_outputs, random_query
 
 #: Faults per schedule: a few of any kind, drawn per seed.
 FAULTS_PER_RUN = (2, 6)
+#: Over how many rounds a seed's hosts start (``LocalCluster(deploy_rounds=...)``): the started
+#: hosts' containers run while the deploy waits for the others.
+DEPLOY_ROUNDS = (0, 0, 1, 2, 3)
 
 
 @dataclass
@@ -105,13 +109,16 @@ def run_seed(seed: int, kinds: list[str] | None = None,
         kinds.remove("damaged_backup")  # one copy only: a damaged one leaves nothing to restore
     num_epochs = plan.num_epochs or 1
     schedule = random_schedule(rng, num_epochs, rng.randint(*FAULTS_PER_RUN), kinds)
+    # (from a generator of its own: the query, shape and schedule of a seed stay what they were)
+    deploy_rounds = random.Random(f"chronostream.sim/deploy/{seed}").choice(DEPLOY_ROUNDS)
     shape = (f"{rq.description}; {epoch_events} events an epoch; containers {per_stage}, checkpoint every {checkpoint_every}, "
-             f"{backup_factor} backups, {num_epochs} epochs; faults {[f.describe() for f in schedule]}")
+             f"{backup_factor} backups, {num_epochs} epochs, deployed over {deploy_rounds} rounds; "
+             f"faults {[f.describe() for f in schedule]}")
     network = SimNetwork()
     injector = Injector(schedule, network, story)
     cl = LocalCluster(plan, initial_placement(plan, per_stage), sources, seed=rng.randrange(1 << 30),
                       checkpoint_every=checkpoint_every, backup_factor=backup_factor, network=network,
-                      async_checkpoints=False)
+                      async_checkpoints=False, deploy_rounds=deploy_rounds)
     seen = 0
 
     def on_round(cluster: LocalCluster) -> None:
@@ -126,6 +133,8 @@ def run_seed(seed: int, kinds: list[str] | None = None,
         cl.run(on_round=on_round, max_rounds=50 * num_epochs + 500, poll_s=0.0, timeout_s=600.0)
         results = {name: cl.results(name) for name in rq.sinks}
         failures += check_outputs(rq, results, serial_results(rq, build))
+        if cl.job.state is not JobState.FINISHED:
+            failures.append(f"the job ended {cl.job.state.value}, not finished")
     except Exception as exc:  # any crash of the runtime is a finding, reported with the seed
         failures.append(f"the run raised {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
     finally:
