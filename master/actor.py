@@ -37,7 +37,7 @@ from chronostream.master.policies import Decision, ScalingAction
 from chronostream.containers.metrics import LatencyHistogram, MetricsSnapshot
 from chronostream.containers.options import JobOptions
 from chronostream.master.autoscaler import Counters, build_snapshot
-from chronostream.master.backups import chains_by_slice, fewest_backup_copies, stale_backups
+from chronostream.master.backups import chains_by_slice, fewest_backup_copies
 from chronostream.master.catalog import CatalogError, MasterCatalog
 from chronostream.master.host_pool import take_spare
 from chronostream.master.job_state import JobState
@@ -47,6 +47,7 @@ from chronostream.master.migration import (MigrationError, MigrationPhase, Trans
                                            stage_id_of)
 from chronostream.master.ray_migration import RayMigration
 from chronostream.master.ray_recovery import RayRecovery, kill_host
+from chronostream.master.protocols.gc import ChainsRead, GcProtocol, HeldRead, SaveMarks, Trim
 from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
                                                Settled, StopAsked, StopHosts)
 from chronostream.master.protocols.recovery import HostsDied, PlanRecord, RecoveryProtocol
@@ -55,7 +56,7 @@ from chronostream.master.results import SinkPartRefs, memory_sink_ids
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.master.timeline import Timeline
 from chronostream.master.recovery import (RECOVERY_ROLES, RECOVERY_STEPS, host_backup_peers, floors_of_sources,
-                                          gc_marks_and_source_floors, off_stage_backup_stages, raised, recovery_slack)
+                                          off_stage_backup_stages, recovery_slack)
 
 log = logging.getLogger("chronostream.master")
 
@@ -137,12 +138,9 @@ class JobMaster:
         self._kill_at: tuple[str, str] | None = None  # failure injection: (step, role) (kill_in_recovery)
         self._kill_spare = False  # failure injection: the next spare taken dies before its adoption
         self._counters: Counters | None = None
-        # Highest GC mark applied per producer stage (logs trimmed up to it), saved in the
-        # catalog before any host applies it: a restarted master reads it back.
-        self.gc_marks: dict[int, int] | None = {}
-        # Source stage -> the first global order a restore may read again (only grows; 0 until
-        # a GC round knows it, also after a restart): what its source log may be trimmed to.
-        self.source_floors: dict[str, int] = {}
+        # Garbage collection (``master.protocols.gc``, made with the plan): its marks, saved in the
+        # catalog before any host applies them, are read back by a restarted master.
+        self.gc: GcProtocol | None = None
         self.catalog = MasterCatalog(f"{workdir}/master")
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
         # after a restart in the middle of a deploy.
@@ -155,14 +153,15 @@ class JobMaster:
             raise CatalogError(f"{workdir}: the catalog there belongs to job {self.identity.get('job_key')!r}, "
                                f"not {job_key!r}; the master does not resume another job")
         if self.resumed:
-            self._launch(JobLaunch.unpack(self.catalog.load_launch()))
-            self.gc_marks = self.catalog.load_gc_marks()
+            self._launch(JobLaunch.unpack(self.catalog.load_launch()), self.catalog.load_gc_marks())
             self._resume()
 
-    def _launch(self, launch: JobLaunch) -> None:
-        """Take the job's plan, options and policy (``deploy``'s, or a restarted master's from the catalog)."""
+    def _launch(self, launch: JobLaunch, gc_marks: dict[int, int] | None = None) -> None:
+        """Take the job's plan, options and policy (``deploy``'s, or a restarted master's from the
+        catalog, with its saved GC marks)."""
         self.plan = launch.plan
         self.opts = launch.options or JobOptions()
+        self.gc = GcProtocol(self.plan, recovery_slack(self.opts), gc_marks)
         self.heartbeat_s = self.opts.heartbeat_s
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.policy = launch.policy
@@ -189,7 +188,7 @@ class JobMaster:
                 self.handles[h] = None
                 self.last_seen[h] = now - 2 * self.opts.heartbeat_timeout_s
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of),
-                    gc_marks={str(k): v for k, v in sorted((self.gc_marks or {}).items())})
+                    gc_marks={str(k): v for k, v in sorted(self.gc_marks.items())})
         self._unsettled_request, left = self.catalog.load_migration()
         self._unsettled = [Transfer.from_plain(d) for d in left]
         self._unfinished_recovery = self.catalog.load_recovery()
@@ -238,6 +237,11 @@ class JobMaster:
 
     def _save_progress(self) -> None:
         self.catalog.save_progress(self.state, self.done, self.started_at, self.finished_at)
+
+    @property
+    def gc_marks(self) -> dict[int, int]:
+        """Highest GC mark saved per producer stage (logs trimmed up to it)."""
+        return self.gc.marks if self.gc is not None else {}
 
     @property
     def state(self) -> JobState:
@@ -532,16 +536,15 @@ class JobMaster:
         if not self.opts.checkpointing or self.opts.recompute_lost or self.control_lock.locked():
             return  # (recomputing a lost slice from the start needs every log from epoch 0)
         hosts = sorted(self.alive)
+        assert self.gc is not None
         try:
             held = await asyncio.gather(*[self.handles[h].backup_epochs.remote() for h in hosts])
-            marks, floors = gc_marks_and_source_floors(self.plan, list(held), recovery_slack(self.opts))
-            self.source_floors = raised(self.source_floors, floors, 0)
-            self.gc_marks = raised(self.gc_marks or {}, marks, -1)
-            if any(v >= 0 for v in marks.values()):
-                # Write-ahead: the marks are durable before any log is trimmed to them.
-                self.catalog.save_gc_marks(self.gc_marks)
-                dropped = await asyncio.gather(*[self.handles[h].gc.remote(marks) for h in hosts])
-                self.gc_dropped += sum(dropped)
+            for cmd in self.gc.handle(HeldRead(tuple(held))):
+                if isinstance(cmd, SaveMarks):  # (before any host trims to them)
+                    self.catalog.save_gc_marks(cmd.marks)
+                elif isinstance(cmd, Trim):
+                    dropped = await asyncio.gather(*[self.handles[h].gc.remote(cmd.marks) for h in hosts])
+                    self.gc_dropped += sum(dropped)
             await self._drop_stale_backups(dict(zip(hosts, held)))
         except RayActorError:
             pass  # a host died: the watch loop recovers it; GC waits for the next round
@@ -560,15 +563,15 @@ class JobMaster:
         to rebuild from; neither runs while the copies are judged and dropped."""
         if self.control_lock.locked():
             return  # (a migration or recovery runs: the next round judges the chains it leaves)
+        assert self.gc is not None
         async with self.control_lock:
             chains = chains_by_slice({st: self._backup_chain(st) for st in self.placement.containers})
-            stale = stale_backups(chains, held, recovery_slack(self.opts))
-            hosts = sorted(stale)
-            dropped = await asyncio.gather(*[self.handles[h].drop_backups.remote(stale[h]) for h in hosts])
-        for h, n in zip(hosts, dropped):
+            drops = self.gc.handle(ChainsRead(chains, held))
+            dropped = await asyncio.gather(*[self.handles[d.host].drop_backups.remote(list(d.keys)) for d in drops])
+        for d, n in zip(drops, dropped):
             if n:
                 self.stale_backups_dropped += n
-                self._event("stale_backups_dropped", host=h, slices=[list(k) for k in stale[h]])
+                self._event("stale_backups_dropped", host=d.host, slices=[list(k) for k in d.keys])
 
     async def container_unreachable(self, container_id: int, reporter: int) -> None:
         """A host could not push to ``container_id``: check its host now rather than at the next probe."""
@@ -1056,7 +1059,7 @@ class JobMaster:
         recovery or migration of its slices restores them from checkpoints no older, and the
         floor only grows. Computed at each GC round; 0 without checkpoints or with
         ``recompute_lost`` (a lost slice is then rebuilt from the start)."""
-        return floors_of_sources(self.plan, self.source_floors)
+        return floors_of_sources(self.plan, self.gc.source_floors if self.gc is not None else {})
 
     async def plan_of(self) -> JobPlan:
         """The job's plan (``Job.attach`` from another process)."""

@@ -39,16 +39,17 @@ from chronostream.master.local_recovery import LocalRecovery
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
                                            compaction_moves, container_of_slices, group_transfers, rehost_finished,
                                            stage_hosts, stage_id_of)
+from chronostream.master.protocols.gc import ChainsRead, GcProtocol, HeldRead, SaveMarks, Trim
 from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
                                                StopHosts)
 from chronostream.master.protocols.migration import Interrupted
 from chronostream.master.protocols.recovery import AtStep, HostsDied, PlanRecord, RecoveryProtocol
-from chronostream.master.backups import chains_by_slice, stale_backups
+from chronostream.master.backups import chains_by_slice
 from chronostream.master.placement import Placement
 from chronostream.master.results import memory_sink_ids, sink_table
 from chronostream.master.timeline import Timeline
-from chronostream.master.recovery import (floors_of_sources, gc_marks_and_source_floors, host_backup_peers,
-                                          lost_containers, off_stage_backup_stages, raised, recovery_slack)
+from chronostream.master.recovery import (floors_of_sources, host_backup_peers, lost_containers,
+                                          off_stage_backup_stages, recovery_slack)
 from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode_outputs
 from chronostream.slices.errors import RecoveryError
 
@@ -187,8 +188,7 @@ class LocalCluster:
         self.checkpointed: set[tuple[int, int]] = set()
         self.timeline = Timeline()  # bounded per kind, as the Ray master's
         self.sent = 0
-        self.gc_marks: dict[int, int] = {}  # highest GC mark applied per producer stage
-        self.source_floors: dict[str, int] = {}  # source stage -> first order a restore may read (grows)
+        self.gc = GcProtocol(plan, recovery_slack(self))  # (its marks: saved per producer stage)
         self.stale_backups_dropped = 0  # copies off their slice's chain dropped by GC
         self.migration: LocalMigration | None = None  # in progress, advanced once per round
         self.migrated: list[Transfer] = []  # finished or aborted
@@ -386,27 +386,31 @@ class LocalCluster:
                     self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
 
     def collect_garbage(self) -> int:
-        """Trim output logs and carried outputs below the low-water marks (``master.recovery``)."""
+        """Trim output logs and carried outputs below the low-water marks and drop stale backup
+        copies (``master.protocols.gc``); returns how many entries were trimmed."""
         held = {h: store.epochs() for h, store in self.stores.items()}  # (a dead host's store is gone)
-        marks, floors = gc_marks_and_source_floors(self.plan, list(held.values()), recovery_slack(self))
-        self.source_floors = raised(self.source_floors, floors, 0)
-        gc_marks = raised(self.gc_marks, marks, -1)
-        if gc_marks != self.gc_marks and self.catalog is not None:
-            self.catalog.save_gc_marks(gc_marks)
-        self.gc_marks = gc_marks
         dropped = 0
-        for core in self.cores.values():
-            dropped += core.gc(marks.get(core.stage.stage_id, -1))
-        for store in self.stores.values():
-            for stage_id, lw in marks.items():
-                dropped += store.trim_outputs(stage_id, lw)
-        for h, keys in stale_backups(self.slice_chains(), held, recovery_slack(self)).items():
-            self.stale_backups_dropped += sum(self.stores[h].drop(stage_id, slice_id) for stage_id, slice_id in keys)
+        for cmd in self.gc.handle(HeldRead(tuple(held.values()))):
+            if isinstance(cmd, SaveMarks) and self.catalog is not None:  # (before any host trims to them)
+                self.catalog.save_gc_marks(cmd.marks)
+            elif isinstance(cmd, Trim):
+                for core in self.cores.values():
+                    dropped += core.gc(cmd.marks.get(core.stage.stage_id, -1))
+                for store in self.stores.values():
+                    for stage_id, lw in cmd.marks.items():
+                        dropped += store.trim_outputs(stage_id, lw)
+        for cmd in self.gc.handle(ChainsRead(self.slice_chains(), held)):
+            self.stale_backups_dropped += sum(self.stores[cmd.host].drop(st, sl) for st, sl in cmd.keys)
         return dropped
+
+    @property
+    def gc_marks(self) -> dict[int, int]:
+        """Highest GC mark saved per producer stage."""
+        return self.gc.marks
 
     def source_log_floors(self) -> dict[str, int]:
         """Source stage name -> the first global order it may read again (``JobMaster.source_log_floors``)."""
-        return floors_of_sources(self.plan, self.source_floors)
+        return floors_of_sources(self.plan, self.gc.source_floors)
 
     # -- migration and scaling (master.migration; docs/design.md section 7f) ----------
 
@@ -588,7 +592,7 @@ class LocalCluster:
             self.migration.forget()
         self.migration = None
         self.placement, self.hosts, self.alive, _nodes, self.next_id = self.catalog.load_layout()
-        self.gc_marks = self.catalog.load_gc_marks()
+        self.gc = GcProtocol(self.plan, recovery_slack(self), self.catalog.load_gc_marks())
         record = self.catalog.load_recovery()
         _request, left = self.catalog.load_migration()
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.hosts))
