@@ -150,7 +150,8 @@ class SimNetwork(Network):
         self.tracked: dict[int, tuple[Landing, str]] = {}  # id(flight) -> (fault, "held" | "copy")
 
     def arrivals(self, rng: random.Random, in_flight: list[Flight]) -> tuple[list[Flight], list[Flight]]:
-        fresh = [f for f in in_flight if not any(f is h for _, h, _ in self.held)]
+        held = {id(h) for _, h, _ in self.held}  # (by identity: a copy equals its original)
+        fresh = [f for f in in_flight if id(f) not in held]
         for f in fresh:
             if f[3].end is not None and not f[3].parts:
                 continue  # an end-of-input notice is sent once, outside the epochs' flow
@@ -171,8 +172,8 @@ class SimNetwork(Network):
         due = [f for r, f, _ in self.held if r <= self.round]
         self.held = [(r, f, fl) for r, f, fl in self.held if r > self.round]
         waiting = [f for _, f, _ in self.held]
-        now = [f for f in in_flight if not any(f is w for w in waiting)
-               and not any(f is d for d in due)] + due
+        apart = {id(f) for f in waiting} | {id(f) for f in due}
+        now = [f for f in in_flight if id(f) not in apart] + due
         rng.shuffle(now)
         self.round += 1
         # Held messages stay in flight (a dead sender's are dropped with the rest by ``kill``).

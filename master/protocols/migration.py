@@ -408,6 +408,8 @@ class MigrationProtocol:
         self._completing: dict[int, SourceReleased] = {}  # index -> waiting for the pause to show
         self._snapped: dict[int, tuple[int | None, int]] = {}  # index -> snapshot's (epoch, bytes)
         self._index = {id(t): i for i, t in enumerate(transfers)}
+        self._settling = False  # an ``Interrupted`` came: every live group is being settled
+        self._warm_wait = 0.0  # how long WARMING waited for the chained backups (seconds)
 
     # -- reading ---------------------------------------------------------------
 
@@ -764,9 +766,6 @@ class MigrationProtocol:
         return out + releases
 
     # -- helpers ---------------------------------------------------------------
-
-    _settling = False
-    _warm_wait = 0.0
 
     def _observe(self, wait: bool = False) -> Observe:
         """What the next observation must hold for every live transfer's phase."""
