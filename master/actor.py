@@ -623,6 +623,9 @@ class JobMaster:
         record, self._unfinished_recovery = self._unfinished_recovery, None
         if record is None or self.state is not JobState.RUNNING:
             return
+        # A migration the dead master left settles first (its done transfers rehosted), as one a
+        # death meets settles before the recovery plans (``LocalCluster._restart_master`` too).
+        await self._settle_pending()
         plans = [{**rec, "resumed": True} for rec in record["plans"]]
         planned = {h for rec in plans for h in rec["dead"]}
         self._event("recovery_resumed", hosts=sorted(planned | set(record["dead"])),

@@ -34,6 +34,7 @@ from chronostream.containers.epoch_message import EpochMessage
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.spill import SpillStore
 from chronostream.master.catalog import MasterCatalog
+from chronostream.master.job_state import JobState
 from chronostream.master.local_migration import LocalMigration
 from chronostream.master.local_recovery import LocalRecovery
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
@@ -203,7 +204,10 @@ class LocalCluster:
         # hears the reports again and keeps the rest in its catalog.
         self.catalog = MasterCatalog(self.root / "master", sync=False) if self.fault_tolerant else None
         self.master_restarts = 0
-        self._save_layout()
+        self._save_layout(None)  # (a caller's workdir may hold an earlier job's records: none carry over)
+        if self.catalog is not None:
+            self.catalog.save_migration(None, [])
+            self.catalog.save_gc_marks({})
         # The job's state (``master.protocols.job``), the first container error, and the hosts
         # started so far by the deploy.
         self.job = JobLifecycle()
@@ -403,11 +407,6 @@ class LocalCluster:
             self.stale_backups_dropped += sum(self.stores[cmd.host].drop(st, sl) for st, sl in cmd.keys)
         return dropped
 
-    @property
-    def gc_marks(self) -> dict[int, int]:
-        """Highest GC mark saved per producer stage."""
-        return self.gc.marks
-
     def source_log_floors(self) -> dict[str, int]:
         """Source stage name -> the first global order it may read again (``JobMaster.source_log_floors``)."""
         return floors_of_sources(self.plan, self.gc.source_floors)
@@ -485,6 +484,8 @@ class LocalCluster:
         """``handover``: a compaction (the slices stay in their process: handed over, not copied)."""
         if self.migrations:
             raise MigrationError("a migration is in progress; one at a time")
+        if self.job.state is not JobState.RUNNING:  # (``JobMaster._check_can_migrate``)
+            raise MigrationError(f"the job is {self.job.state}: nothing to rescale")
         if not self.logged:
             raise MigrationError("migration replays upstream output logs: create the cluster with "
                                  "output_logs=True or checkpoints")

@@ -153,7 +153,7 @@ class LocalRecovery:
         return PlanInputs(backups, live_hosts(self.cl.placement, self.cl.hosts, self.cl.alive), self.cl.next_id,
                           frozenset(self.cl.checkpointed), self.cl.recompute_lost,
                           {s.stage_id: s.name for s in self.cl.plan.stages}, self.cl.chain_order(lost), damaged,
-                          restore_floor(self.cl.plan, self.cl.gc_marks), recovery_slack(self.cl),
+                          restore_floor(self.cl.plan, self.cl.gc.marks), recovery_slack(self.cl),
                           frozenset(rebuildable_stages(self.cl.plan)))
 
     def _replay_to_consumers(self, cmd: ReplayToConsumers) -> None:

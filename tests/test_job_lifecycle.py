@@ -19,6 +19,7 @@ import chronostream as cs
 from chronostream.dag import compile_query
 from chronostream.master.job_state import JobState
 from chronostream.master.local import LocalCluster
+from chronostream.master.migration import MigrationError
 from chronostream.master.placement import initial_placement
 from chronostream.master.protocols.job import (TRANSITIONS, ContainerDone, ContainerFailed, Deployed, Enter,
                                                JobLifecycle, Kept, Settled, StopAsked, StopHosts)
@@ -111,3 +112,14 @@ def test_a_job_deployed_over_several_rounds_runs_and_finishes(deploy_rounds):
     assert cl.job.state is JobState.FINISHED
     assert sorted(cl.results("out")["count"].to_pylist()) == sorted(
         cs.run(words(failing=False), executor="serial").results("out")["count"].to_pylist())
+
+
+def test_a_job_still_deploying_refuses_to_rescale():
+    """As on Ray (``JobMaster._check_can_migrate``): nothing moves before every host started."""
+    q = words(failing=False)
+    plan, sources = compile_query(q)
+    placement = initial_placement(plan, {st.stage_id: 2 for st in plan.stages})
+    cl = LocalCluster(plan, placement, sources, deploy_rounds=3, output_logs=True)
+    with pytest.raises(MigrationError, match="the job is created"):
+        cl.scale_out(1)
+    cl.close()

@@ -212,6 +212,8 @@ class Injector:
         self.damaged: dict[tuple[int, int, int], bytes] = {}
 
     def __call__(self, cl: LocalCluster) -> None:
+        if not cl.deployed:
+            return  # (faults meet a running job: the Ray master rescales or recovers none before)
         # (a source feeding no stage sets no pace: its epochs send no message to copy or hold)
         sources = [c for c in cl.cores.values() if c.reader is not None and c.slices and c.destinations] or \
             [c for c in cl.cores.values() if c.reader is not None and c.slices]
@@ -516,6 +518,7 @@ class Injector:
             return
         d["crashed"] = cl.round
         d["restarts_before"] = cl.master_restarts
+        d["resumed_before"] = cl.timeline.count("recovery_resumed")
         self._say(cl, landing, f"the master dies at recovery step {cmd.step}")
         cl.crash_master()
 
@@ -526,6 +529,7 @@ class Injector:
             if t.phase is phase and landing.fault.kind == "master_crash":
                 landing.data["crashed"] = cl.round
                 landing.data["restarts_before"] = cl.master_restarts
+                landing.data["resumed_before"] = cl.timeline.count("migration_resumed")
                 self.watch.remove(landing)
                 self._say(cl, landing, f"the master dies while {t.describe()} is {phase.value}")
                 cl.crash_master()
@@ -640,10 +644,11 @@ class Injector:
         restarted = cl.master_restarts > d["restarts_before"]
         unplaced = sorted((st, s) for st, c_of in cl.placement.slice_to_container.items()
                           for s, c in enumerate(c_of.tolist()) if int(c) not in cl.cores)
-        kinds = [e[1] for e in cl.timeline]
         if "transfers" in d:
             phases = [t.phase.value for t in d["transfers"]]
-            settled = "migration_resumed" in kinds and all(p in ("done", "aborted") for p in phases)
+            # (this restart resumed it: a resumption counted after the crash)
+            resumed = cl.timeline.count("migration_resumed") > d["resumed_before"]
+            settled = resumed and all(p in ("done", "aborted") for p in phases)
             landing.landed = restarted and settled and not unplaced
             landing.effect = (f"the master died in phase {d['phase'].value}; restarted: {restarted}; the new "
                               f"master settled the transfers: {phases}")
@@ -651,7 +656,8 @@ class Injector:
             ended = {e[2].get("container") for e in cl.timeline if e[1] == "recovery_end"}
             lost = d.get("lost", [])
             rebuilt = sorted({c for c in lost if c in ended})
-            landing.landed = (restarted and "recovery_resumed" in kinds and bool(lost)
+            resumed = cl.timeline.count("recovery_resumed") > d["resumed_before"]
+            landing.landed = (restarted and resumed and bool(lost)
                               and len(rebuilt) == len(set(lost)) and not unplaced)
             landing.effect = (f"host {d['killed']} died, the master at recovery step {d['point']}; restarted: "
                               f"{restarted}; the new master rebuilt {rebuilt} of {sorted(set(lost))}")
