@@ -12,9 +12,11 @@ the seed.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import random
+import signal
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -153,8 +155,21 @@ def run_seeds(seeds: Iterable[int], kinds: list[str] | None = None, jobs: int = 
             yield run_seed(seed, kinds)
         return
     # (spawned, not forked: the caller may hold threads, e.g. a Ray client's)
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_die_with_parent) as pool:
         yield from pool.map(functools.partial(run_seed, kinds=kinds), seeds, chunksize=2)
+
+
+def _die_with_parent() -> None:
+    """A worker process ends with the campaign's process (Linux ``PR_SET_PDEATHSIG``): a campaign
+    killed mid-way leaves no worker running seeds for no one."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # (not Linux: the worker ends when it finds its task queue gone)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _plain(info: dict) -> str:
