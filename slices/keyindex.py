@@ -51,9 +51,17 @@ def _unified(arrays: Sequence[pa.Array]) -> list[pa.Array]:
 
 
 def _same(a: pa.Array, b: pa.Array) -> np.ndarray:
-    """Element-wise key equality: nulls equal nulls, NaN equals NaN, -0.0 equals 0.0."""
+    """Element-wise key equality: nulls equal nulls, NaN equals NaN, -0.0 equals 0.0.
+
+    >>> _same(pa.array([None, None]), pa.array([None, None])).tolist()  # (a key column all null)
+    [True, True]
+    >>> _same(pa.array([1, None]), pa.array([None, None])).tolist()
+    [False, True]
+    """
     if a.type != b.type:
         a, b = _unified([a, b])
+    if pa.types.is_null(a.type):  # (both all null, typed null: Arrow has no equality for it)
+        return np.ones(len(a), dtype=bool)
     eq = pc.fill_null(pc.equal(a, b), False)
     both_null = pc.and_(pc.is_null(a), pc.is_null(b))
     out = pc.or_(eq, both_null)
