@@ -24,10 +24,10 @@ from chronostream.sim.runner import run_seed
 #: once the defect is fixed, its test fails until the seed moves to ``FOUND_DEFECTS``. (The
 #: campaign's seeds 1-500 all pass.)
 KNOWN_DEFECTS: dict[int, str] = {
-    4722: "a duplicate fault's copies, four of them, all reached no container (receiver gone) after a master "
-          "crash settled a migration and two recoveries moved everything onto one host: either a producer "
-          "keeps routing to a container that no longer exists, or the fault's resend keeps picking such "
-          "messages; found by the 10,000-seed run, not explained yet",
+    4722: "a producer (container 5) keeps sending its epochs to a dead container (4) for good: 4's host "
+          "died, the adopter of the first plan died at step 'restored', and the second plan rerouted the "
+          "slices; the output is exact, but every epoch goes to a container that is gone, and the "
+          "duplicate fault's copies all land there (found by the 10,000-seed run)",
 }
 
 
