@@ -23,12 +23,7 @@ from chronostream.sim.runner import run_seed
 #: Seeds that find a defect not fixed yet, with what they find. Each is run as a strict xfail:
 #: once the defect is fixed, its test fails until the seed moves to ``FOUND_DEFECTS``. (The
 #: campaign's seeds 1-500 all pass.)
-KNOWN_DEFECTS: dict[int, str] = {
-    4722: "a producer (container 5) keeps sending its epochs to a dead container (4) for good: 4's host "
-          "died, the adopter of the first plan died at step 'restored', and the second plan rerouted the "
-          "slices; the output is exact, but every epoch goes to a container that is gone, and the "
-          "duplicate fault's copies all land there (found by the 10,000-seed run)",
-}
+KNOWN_DEFECTS: dict[int, str] = {}
 
 
 #: The fault kinds the first seeds below drew from when they found their defect (a kind added
@@ -44,6 +39,9 @@ FOUND_DEFECTS: dict[int, tuple[list[str] | None, str]] = {
                       "snapshotting the slice again"),
     3506: (None, "an aggregate keyed by a column whose every value was null (Arrow type null): its key index "
                  "compared keys with an Arrow function that has no kernel for that type"),
+    4722: (None, "a transfer settled (here by a restarted master) before its source let the slices go left "
+                 "the producers marking them for the source: they sent every epoch to it for good, also "
+                 "after it died"),
 }
 
 

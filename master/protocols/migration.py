@@ -553,7 +553,10 @@ class MigrationProtocol:
         out: list[Command] = []
         if e.source is not None:
             t.released_at = {s: r for s, r in e.source.released.items() if s in t.slices}
-        if e.source is None or set(t.slices) <= set(e.source.released):
+        # Producers stop marking the slices for the source once it let them go, or once settling
+        # asked it to (``ReleaseSource``: it lets them go at its next epoch, marker or not); a
+        # producer left marking them would send every epoch to the source for good.
+        if e.source is None or set(t.slices) <= set(e.source.released) or self._settling:
             out.append(ForgetReleased(self.stage_id, t.source, tuple(t.slices)))
         if (e.source is not None and e.dest is not None and not e.dest.done and self.options.pause_wait_s > 0
                 and not self._settling and any(r not in e.dest.epoch_done_at for r in t.released_at.values())):
