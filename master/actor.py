@@ -42,8 +42,8 @@ from chronostream.master.catalog import CatalogError, MasterCatalog
 from chronostream.master.host_pool import take_spare
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
-from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, compaction_moves,
-                                           container_of_slices, group_transfers, rehost_finished, stage_hosts,
+from chronostream.master.migration import (MigrationError, Transfer, balanced_moves, compaction_moves,
+                                           container_of_slices, group_transfers, resume_transfers, stage_hosts,
                                            stage_id_of)
 from chronostream.master.ray_migration import RayMigration
 from chronostream.master.ray_recovery import RayRecovery, kill_host
@@ -131,7 +131,7 @@ class JobMaster:
         # The latest autoscaler ticks (snapshot and actions), at most DECISIONS_KEPT.
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.decisions_made = 0  # every tick since this master process started
-        self._unsettled: list[Transfer] = []  # a migration a previous master process left in progress
+        self._unsettled: list[dict[str, Any]] = []  # a migration a previous master left (its record)
         self._unsettled_request: str | None = None
         self._unfinished_recovery: dict[str, Any] | None = None  # a recovery a previous master left
         self._crash_at: str | None = None  # failure injection: exit at this recovery step (crash_in_recovery)
@@ -190,7 +190,7 @@ class JobMaster:
         self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of),
                     gc_marks={str(k): v for k, v in sorted(self.gc_marks.items())})
         self._unsettled_request, left = self.catalog.load_migration()
-        self._unsettled = [Transfer.from_plain(d) for d in left]
+        self._unsettled = left
         self._unfinished_recovery = self.catalog.load_recovery()
 
     def _ensure_watching(self) -> None:
@@ -214,13 +214,10 @@ class JobMaster:
         before anything else changes the placement. Called under the control lock."""
         if not self._unsettled:
             return
-        transfers, self._unsettled = self._unsettled, []
-        self._event("migration_resumed", transfers=[t.to_plain() for t in transfers])
-        for t in transfers:
-            if t.host is not None and t.phase is not MigrationPhase.PREPARING:
-                self.host_of.setdefault(t.new_id, t.host)
-                self.placement.stage_of.setdefault(t.new_id, t.stage_id)
-        for t in rehost_finished(self.placement, transfers):
+        left, self._unsettled = self._unsettled, []
+        transfers, rehosted = resume_transfers(left, self.placement, self.host_of)
+        self._event("migration_resumed", transfers=list(left))
+        for t in rehosted:
             self._event("migration_rehosted", container=t.new_id, slices=t.slices)
         await RayMigration(self, transfers[0].stage_id, transfers).settle("the master restarted")
         released = await self._release_idle_hosts()

@@ -38,7 +38,7 @@ from chronostream.master.job_state import JobState
 from chronostream.master.local_migration import LocalMigration
 from chronostream.master.local_recovery import LocalRecovery
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
-                                           compaction_moves, container_of_slices, group_transfers, rehost_finished,
+                                           compaction_moves, container_of_slices, group_transfers, resume_transfers,
                                            stage_hosts, stage_id_of)
 from chronostream.master.protocols.gc import ChainsRead, GcProtocol, HeldRead, SaveMarks, Trim
 from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
@@ -615,13 +615,9 @@ class LocalCluster:
 
     def _settle_left_over(self, left: list[dict[str, Any]], dead: set[int]) -> None:
         """A restarted master's migration in progress: finish or undo it (``JobMaster._settle_pending``)."""
-        transfers = [Transfer.from_plain(d) for d in left]
-        self._event("migration_resumed", transfers=[t.to_plain() for t in transfers])
-        for t in transfers:
-            if t.host is not None and t.phase is not MigrationPhase.PREPARING:
-                self.hosts.setdefault(t.new_id, t.host)
-                self.placement.stage_of.setdefault(t.new_id, t.stage_id)
-        for t in rehost_finished(self.placement, transfers):
+        transfers, rehosted = resume_transfers(left, self.placement, self.hosts)
+        self._event("migration_resumed", transfers=list(left))
+        for t in rehosted:
             self._event("migration_rehosted", container=t.new_id, slices=t.slices)
         # A compaction's fate is decided first, on its host, against the handover itself
         # (``ResourceContainer.handover_state``): cancelled unless it happened already.

@@ -369,6 +369,21 @@ def by_destination(transfers: list[Transfer]) -> dict[int, list[Transfer]]:
     return out
 
 
+def resume_transfers(left: list[dict[str, Any]], placement: Any, host_of: dict[int, int]
+                     ) -> tuple[list[Transfer], list[Transfer]]:
+    """A restarted master's migration record read back: (the transfers, those it rehosted now).
+
+    The new containers of transfers past PREPARING get their host and stage in the books (the
+    layout is saved at the migration's end), and done transfers the saved placement does not
+    show yet are rehosted (``rehost_finished``)."""
+    transfers = [Transfer.from_plain(d) for d in left]
+    for t in transfers:
+        if t.host is not None and t.phase is not MigrationPhase.PREPARING:
+            host_of.setdefault(t.new_id, t.host)
+            placement.stage_of.setdefault(t.new_id, t.stage_id)
+    return transfers, rehost_finished(placement, transfers)
+
+
 def rehost_finished(placement: Any, transfers: list[Transfer]) -> list[Transfer]:
     """A restarted master's catch-up: the transfers its catalog has DONE whose slices the saved
     placement still puts on their source, rehosted now; returns them.

@@ -317,13 +317,18 @@ class Injector:
         cl.scale_out(st)
         return True
 
-    def _kill(self, cl: LocalCluster, landing: Landing, host: int) -> None:
+    def _kill(self, cl: LocalCluster, landing: Landing, host: int, hook: Any = None) -> None:
         """Kill ``host``; record the containers whose recovery that started (``rebuilt`` is checked
-        against them at the end)."""
+        against them at the end). ``hook(cl, cmd, landing)``: at each step of that recovery."""
         before = sum(1 for e in cl.timeline if e[1] == "recovery_start")
         landing.data["killed"] = host
         landing.data["host_containers"] = sorted(c for c in cl.cores if cl.hosts[c] == host)
-        cl.kill([host])
+        if hook is not None:
+            cl.recovery_hook = lambda cl_, cmd: hook(cl_, cmd, landing)
+        try:
+            cl.kill([host])
+        finally:
+            cl.recovery_hook = None
         started = [e for e in cl.timeline if e[1] == "recovery_start"][before:]
         landing.data["lost"] = sorted(e[2]["container"] for e in started)
 
@@ -378,11 +383,7 @@ class Injector:
             landing.target = f"host {h}, then a host ({role}) at recovery step {step}"
             landing.fired_round = cl.round
             self._say(cl, landing, f"kill host {h}; a {role} dies at recovery step {step}")
-            cl.recovery_hook = lambda cl_, cmd, landing=landing: self._kill_in_recovery(cl_, cmd, landing)
-            try:
-                self._kill(cl, landing, h)
-            finally:
-                cl.recovery_hook = None
+            self._kill(cl, landing, h, hook=self._kill_in_recovery)
         elif kind == "master_crash" and MASTER_CRASH_POINTS[f.param] in RECOVERY_STEPS:
             hosts = [h for h in self._busy_hosts(cl) if self._survivable(cl, h)]
             if not hosts:
@@ -393,11 +394,7 @@ class Injector:
             landing.target = f"host {h}, then the master at recovery step {step}"
             landing.fired_round = cl.round
             self._say(cl, landing, f"kill host {h}; the master dies at recovery step {step}")
-            cl.recovery_hook = lambda cl_, cmd, landing=landing: self._crash_master_at(cl_, cmd, landing)
-            try:
-                self._kill(cl, landing, h)
-            finally:
-                cl.recovery_hook = None
+            self._kill(cl, landing, h, hook=self._crash_master_at)
         elif kind == "damaged_backup":
             candidates = sorted({(st, sl) for h in sorted(cl.stores) if h in cl.alive
                                  for st, sl in cl.stores[h].holds()})
