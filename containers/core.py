@@ -108,7 +108,7 @@ class ContainerStatistics:
     send_s: float = 0.0  # seconds handing epoch messages to the transport (Ray: serializing them into its object store)
     shm_parts: int = 0  # routed parts sent as files in shared memory (containers/shm_transport.py)
     # Routed parts sent through Ray's object store because the receiving host's node was not known
-    # yet (it is asked when the peer is made known: containers.actor ``_learn_nodes``).
+    # yet (it is asked when the peer is made known: ``HostPushes.learn_nodes``).
     parts_node_unknown: int = 0
 
 

@@ -1,7 +1,7 @@
 """Owns the backup frames a host receives in pieces, until each is whole; knows no Ray.
 
 A shipment above ``JobOptions.ship_piece_bytes`` travels in 64 MB pieces
-(``ResourceContainer._send_in_pieces``); the receiver copies each piece
+(``CheckpointShipping.send_in_pieces``); the receiver copies each piece
 into the frame's buffer in its own memory. A frame whose sender died half
 way would otherwise stay here for the life of the host (up to a slice's
 whole state): a frame that got no piece for ``idle_s`` (300 s) is dropped,

@@ -37,6 +37,7 @@ from chronostream.master.catalog import MasterCatalog
 from chronostream.master.job_state import JobState
 from chronostream.master.local_migration import LocalMigration
 from chronostream.master.local_recovery import LocalRecovery
+from chronostream.master.local_shipping import LocalShipping
 from chronostream.master.migration import (MigrationError, MigrationPhase, Transfer, balanced_moves, by_destination,
                                            compaction_moves, container_of_slices, group_transfers, resume_transfers,
                                            stage_hosts, stage_id_of)
@@ -187,6 +188,7 @@ class LocalCluster:
         self.in_flight: list[Flight] = []
         self.sink_parts: dict[int, dict[tuple[int, int], pa.Table]] = {}  # what the master holds
         self.checkpointed: set[tuple[int, int]] = set()
+        self.shipping = LocalShipping(self)  # (the hosts' side: a master's crash leaves it as it is)
         self.timeline = Timeline()  # bounded per kind, as the Ray master's
         self.sent = 0
         self.gc = GcProtocol(plan, recovery_slack(self))  # (its marks: saved per producer stage)
@@ -297,17 +299,16 @@ class LocalCluster:
                 not all(c.done for c in self.cores.values()) or self.migrations or self.in_flight):
             rnd = self.round
             self._deploy_round()
-            progressed, backups = self._step_all()
+            progressed = self._step_all()
             progressed |= not self.deployed
             if rnd in todo or on_round is not None:
                 if rnd in todo:
                     todo.pop(rnd)(self)
                 if on_round is not None:
                     on_round(self)
-                backups = [(h, c, b) for h, c, b in backups if c in self.cores]
                 progressed = True
             progressed |= self._deliver()
-            self._ship(backups)
+            progressed |= self.shipping.sweep()  # (rounds whose messages left the network ship now)
             progressed |= self._advance_migrations()
             # (recomputing needs every log from epoch 0; a migration replays from its restore point)
             if self.fault_tolerant and not self.recompute_lost and not self.migrations:
@@ -332,9 +333,8 @@ class LocalCluster:
                 self._job(ContainerDone(c, live))
         return self
 
-    def _step_all(self) -> tuple[bool, list]:
+    def _step_all(self) -> bool:
         progressed = False
-        backups: list[tuple[int, int, list[bytes]]] = []
         # A migration destination catching up has a backlog (the replay): it may run ahead.
         catching_up = {t.new_id for t in self.migrations if t.phase is MigrationPhase.DUAL}
         for cid in sorted(self.cores):
@@ -354,17 +354,18 @@ class LocalCluster:
                     sent = core.step()
                 except Exception as exc:  # noqa: BLE001 - a container's error fails the job (``_fail``)
                     self._fail(cid, exc)
-                    return True, backups
+                    return True
                 for dst, msg in sent.items():
                     self.in_flight.append((dst, epoch, cid, msg))
-                add_sink_parts(self.sink_parts, core.take_sink_parts())
-                backups += [(peer, cid, blobs) for peer, blobs in core.take_backups().items()]
+                parts, frames = core.take_sink_parts(), core.take_backups()
+                if parts or frames:  # (the shipping machine decides when they leave: containers.shipping)
+                    self.shipping.take_round(cid, epoch, parts, frames)
                 progressed = True
             notice = core.take_end_notice()
             if notice is not None:  # a followed input sealed after its last epoch was processed
                 self.in_flight += [(dst, notice[0], cid, msg) for dst, msg in notice[1].items()]
                 progressed = True
-        return progressed, backups
+        return progressed
 
     def _deliver(self) -> bool:
         progressed = bool(self.in_flight)
@@ -378,16 +379,6 @@ class LocalCluster:
             self.network.delivered(flight, core.deliver(epoch, sender, msg))
             self.sent += 1
         return progressed
-
-    def _ship(self, backups: list[tuple[int, int, list[bytes]]]) -> None:
-        for peer, sender, blobs in backups:
-            if peer in self.alive:
-                refused = [k[1] for k in (self._store(peer).put(b) for b in blobs) if k is not None]
-                if refused and sender in self.cores and self.cores[sender].checkpointer is not None:
-                    self.cores[sender].checkpointer.force_full(refused)
-                if sender in self.cores:
-                    stage = self.placement.stage_of[sender]
-                    self.checkpointed.update((stage, s) for s in self.cores[sender].slices)
 
     def collect_garbage(self) -> int:
         """Trim output logs and carried outputs below the low-water marks and drop stale backup
@@ -559,8 +550,10 @@ class LocalCluster:
         self._event("fault", hosts=sorted(dead), containers=sorted(lost))
         self.alive -= dead
         self.processes -= dead
-        for c in [c for c in self.cores if self.hosts[c] in dead]:  # (migration destinations too)
+        gone = [c for c in self.cores if self.hosts[c] in dead]  # (migration destinations too)
+        for c in gone:
             self.cores.pop(c).close()
+        self.shipping.forget(gone)
         for h in dead:
             store = self.stores.pop(h, None)
             if store is not None:

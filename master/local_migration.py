@@ -93,7 +93,7 @@ class LocalMigration:
         return View(float(self.cl.round), {c: container_view(core) for c, core in cores.items()}, held, handovers)
 
     def _hand_over_if_due(self, new_id: int) -> str:
-        """``ResourceContainer._try_hand_over`` in process: ``done``, ``pending`` or ``cancelled``."""
+        """``ContainerHosting.try_hand_over`` in process: ``done``, ``pending`` or ``cancelled``."""
         group = [t for t in self.machine.transfers if t.new_id == new_id]
         dest = self.cl.cores.get(new_id)
         sources = [self.cl.cores.get(t.source) for t in group]
@@ -109,6 +109,7 @@ class LocalMigration:
         if any(src.next_epoch < epoch for src in sources):  # type: ignore[union-attr]
             return "pending"
         hand_over(sources, dest, epoch)  # type: ignore[arg-type]
+        self.cl.shipping.after(new_id, [t.source for t in group])  # (deltas reach the peers in order)
         return "done"
 
     def _carry_out(self, cmd: Any) -> Any:

@@ -48,7 +48,7 @@ class RayMigration:
             warm_up_s=opts.migration_warm_up_s if opts.checkpointing and not stop_copy else 0.0,
             off_host=backed and not stop_copy and not handover, off_host_timeout_s=60.0, phase_timeout_s=120.0,
             pause_wait_s=3.0, stop_copy=stop_copy, source_stage=master.plan.stages[sid].kind == "source"),
-            chain=master._backup_chain(sid) if opts.checkpointing else {})
+            chain=master.chains.of_stage(sid) if opts.checkpointing else {})
         # new containers' backup peers as after the move (their first checkpoints reach a peer
         # before the sources release them); computed once every new container is accepted
         self.with_peers = backed and not stop_copy
@@ -72,7 +72,7 @@ class RayMigration:
         phase, or for a restarted master's left-over migration."""
         P = MigrationPhase
         m = self.m
-        dead = await m._probe(sorted(m.alive))
+        dead = await m.hosts.probe(sorted(m.alive))
         # A compaction's fate is decided first, on its host, atomically against the handover:
         # cancelled unless it happened already (before any source is let go on).
         handed_over: dict[int, bool] = {}
@@ -97,7 +97,7 @@ class RayMigration:
         if isinstance(cmd, MakeHost):
             h = m.next_id
             m.next_id += 1
-            await m._new_or_found_host(h, m._least_used_node())
+            await m.hosts.new_or_found(h, m.hosts.least_used_node())
             await m._configure(h)
             m._save_layout()  # (a restarted master releases it if the migration is undone)
             return HostMade(cmd.target, h)
@@ -121,21 +121,21 @@ class RayMigration:
             return await self._start(cmd)
         if isinstance(cmd, Reroute):
             host = handles[host_of[cmd.new_id]]
-            producers = m._producers(cmd.stage_id, live_only=False)
+            producers = m.hosts.producers(cmd.stage_id, live_only=False)
             caught = await asyncio.gather(*[p.reroute.remote(c, cmd.stage_id, list(cmd.slices), cmd.new_id, host,
                                                              cmd.progress, cmd.resume, True) for c, p in producers])
             return Rerouted(cmd.new_id, {c: x for (c, _), x in zip(producers, caught)})
         if isinstance(cmd, BeginDual):
             host = handles[host_of[cmd.new_id]]
             epochs = await asyncio.gather(*[p.begin_dual.remote(c, cmd.stage_id, list(cmd.slices), cmd.new_id, host)
-                                            for c, p in m._producers(cmd.stage_id, live_only=False)])
+                                            for c, p in m.hosts.producers(cmd.stage_id, live_only=False)])
             return DualBegun(cmd.new_id, list(epochs))
         if isinstance(cmd, FixHandover):
             epoch = await handles[host_of[cmd.new_id]].hand_over.remote(cmd.new_id, list(cmd.sources), cmd.not_before)
             return HandoverFixed(cmd.new_id, epoch)
         if isinstance(cmd, ReleaseRoutes):
             calls = [p.release_route.remote(c, cmd.stage_id, list(cmd.slices), cmd.new_id)
-                     for c, p in m._producers(cmd.stage_id)]
+                     for c, p in m.hosts.producers(cmd.stage_id)]
             calls += [handles[host_of[c]].release_slices.remote(c, list(slices)) for c, slices in cmd.release.items()
                       if host_of.get(c) in m.alive]
             await asyncio.gather(*calls)
@@ -144,7 +144,7 @@ class RayMigration:
             return await self._release_source(cmd)
         if isinstance(cmd, ForgetReleased):
             await asyncio.gather(*[p.forget_released.remote(c, cmd.source, list(cmd.slices))
-                                   for c, p in m._producers(cmd.stage_id)], return_exceptions=True)
+                                   for c, p in m.hosts.producers(cmd.stage_id)], return_exceptions=True)
             return None
         if isinstance(cmd, Rehost):
             t = self.transfers[cmd.index]
@@ -157,7 +157,7 @@ class RayMigration:
             return None
         if isinstance(cmd, DropDual):
             await asyncio.gather(*[p.drop_dual.remote(c, cmd.stage_id, list(cmd.slices))
-                                   for c, p in m._producers(cmd.stage_id)], return_exceptions=True)
+                                   for c, p in m.hosts.producers(cmd.stage_id)], return_exceptions=True)
             return None
         if isinstance(cmd, RemoveContainer):
             if cmd.host is not None and cmd.host in m.alive and handles.get(cmd.host) is not None:
@@ -181,7 +181,7 @@ class RayMigration:
         if self._peers_after is None:
             self._peers_after = backup_peers_after(
                 m.placement, m.host_of, self.transfers, self.sid, m.opts.backup_factor,
-                m._chain_hosts(self.transfers), m.nodes) if self.with_peers else {}
+                m.chains.hosts(self.transfers), m.nodes) if self.with_peers else {}
         peers = self._peers_after.get(cmd.new_id, {})
         host = m.handles[cmd.host]
         if cmd.hand_over_from:
@@ -236,7 +236,7 @@ class RayMigration:
         if handovers and any(s == "pending" for s in handovers.values()) \
                 and time.monotonic() - self._probed > HANDOVER_PROBE_S:
             self._probed = time.monotonic()
-            if dead := await m._probe(sorted(m.alive)):
+            if dead := await m.hosts.probe(sorted(m.alive)):
                 raise MigrationError(f"hosts {sorted(dead)} died before the handover")
         return View(time.monotonic(), containers, held, handovers)
 

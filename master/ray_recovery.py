@@ -53,7 +53,7 @@ class RayRecovery:
                     results = await asyncio.gather(*[self._one(c) for c in same])
                     events += [r for r in results if r is not None]
             except Exception as exc:  # noqa: BLE001 - re-raised unless a host died
-                dead = await m._probe(sorted(m.alive)) if m.state is JobState.RUNNING else set()
+                dead = await m.hosts.probe(sorted(m.alive)) if m.state is JobState.RUNNING else set()
                 if not dead:
                     raise
                 first_line = next(iter(str(exc).splitlines()), "")  # (Ray's errors run to many lines)
@@ -87,7 +87,7 @@ class RayRecovery:
             m._save_layout({"dead": [], "plans": [p.to_plain() for p in cmd.plans]})
             return None
         if isinstance(cmd, MakeHost):
-            await m._new_or_found_host(cmd.host)
+            await m.hosts.new_or_found(cmd.host)
             await m._configure(cmd.host)
             return HostMade(cmd.host)
         if isinstance(cmd, AcceptSenders):
@@ -110,7 +110,7 @@ class RayRecovery:
         if isinstance(cmd, Reroute):
             a = cmd.adoption
             calls = [m.handles[m.host_of[c]].reroute.remote(c, a.stage_id, a.slices, a.new_id, m.handles[a.host],
-                                                           cmd.restore.progress, cmd.restore.resume)
+                                                            cmd.restore.progress, cmd.restore.resume)
                      for u in m.plan.upstream_stages(a.stage_id) for c in m.placement.containers[u]
                      if m.host_of[c] in m.alive]
             return Rerouted(a.new_id, sum(r["epochs"] for r in await asyncio.gather(*calls)))
@@ -126,7 +126,7 @@ class RayRecovery:
         if isinstance(cmd, RetargetBackups):
             # Backups over the stages' hosts as they are now (full checkpoints follow), also of
             # stages backed up off their own hosts: a dead host may have held their backups.
-            await m._retarget_backups(set(cmd.stages) | m._off_stage_backup_stages(), tolerate_dead=False)
+            await m.chains.retarget(set(cmd.stages) | m.chains.off_stage_stages(), tolerate_dead=False)
             return Retargeted()
         if isinstance(cmd, Finish):
             m._save_layout(None)
@@ -144,7 +144,7 @@ class RayRecovery:
         m = self.m
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
         on_dead_nodes = {h for h in m.alive if m.nodes.get(h) in dead_nodes}
-        more = (on_dead_nodes | await m._probe(sorted(m.alive - dead))) - dead
+        more = (on_dead_nodes | await m.hosts.probe(sorted(m.alive - dead))) - dead
         if more:
             m._event("fault_detected", hosts=sorted(more), by="probe during recovery"
                      + (" (node died)" if on_dead_nodes else ""))
@@ -183,7 +183,7 @@ class RayRecovery:
                                  if c in m.stats and m.stats[c].checkpoints > 0 for s in slices)
         chain = {}
         for st in {st for st, _ in lost.values()}:
-            for _c, peers in m._backup_chain(st).items():
+            for _c, peers in m.chains.of_stage(st).items():
                 chain.update({(st, s): hs for s, hs in peers.items()})
         return PlanInputs(backups, live_hosts(m.placement, m.host_of, m.alive), m.next_id, checkpointed,
                           m.opts.recompute_lost, {s.stage_id: s.name for s in m.plan.stages}, chain, damaged,

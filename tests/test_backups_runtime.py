@@ -19,7 +19,7 @@ import ray
 
 import chronostream as cs
 from chronostream.chaos import Fault, apply_schedule
-from chronostream.containers.actor import from_wire
+from chronostream.containers.ray_backup_host import from_wire
 from queries import running_sum
 from chronostream.slices.checkpoint import CarriedOutputs, decode, decode_outputs, encode_outputs
 

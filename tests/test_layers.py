@@ -190,17 +190,24 @@ def test_no_file_imports_a_layer_by_its_directory_name():
     assert not bad, bad
 
 
-#: The actors and the in-process driver are shells around the protocols (``master/protocols/``):
-#: their size may only shrink. The goal is about 400 lines each; these are today's ceilings, lowered
-#: as protocols leave them (deploy, checkpoint shipping and GC still live in the actors).
-SHELL_LINES_MAX = {"master/actor.py": 1250, "containers/actor.py": 1300, "master/local.py": 740,
-                   "master/local_migration.py": 260, "master/local_recovery.py": 200}
+#: The actors and the in-process driver are shells around the protocols (``master/protocols/``,
+#: ``containers/shipping.py``) whose work sits in one module per topic (``ray_*``, ``local_*``):
+#: their size may only shrink. The goal is about 400 lines each; these are today's ceilings.
+SHELL_LINES_MAX = {"master/actor.py": 540, "containers/actor.py": 575, "master/local.py": 730,
+                   "master/local_migration.py": 235, "master/local_recovery.py": 200}
+#: A topic module of a shell (``ray_*``, ``local_*``) stays small enough to read in one sitting.
+TOPIC_LINES_MAX = 320
 
 
 def test_the_actor_shells_do_not_grow_back():
     sizes = {f: len((ROOT / f).read_text().splitlines()) for f in SHELL_LINES_MAX}
     grown = {f: (n, SHELL_LINES_MAX[f]) for f, n in sizes.items() if n > SHELL_LINES_MAX[f]}
     assert not grown, f"lines (now, ceiling): {grown}; move protocol logic to master/protocols/"
+    topics = sorted(p for d in ("master", "containers") for p in (ROOT / d).glob("*.py")
+                    if p.name.startswith(("ray_", "local_")))
+    assert len(topics) >= 14
+    big = {p.name: n for p in topics if (n := len(p.read_text().splitlines())) > TOPIC_LINES_MAX}
+    assert not big, f"topic modules over {TOPIC_LINES_MAX} lines: {big}; split them by what they own"
 
 
 def test_no_protocol_decision_is_left_in_the_drivers():

@@ -68,7 +68,7 @@ def _master(tmp_path, monkeypatch, on_start) -> PlainMaster:
     async def add_container(*_args, **_kw):
         return None
 
-    m._new_or_found_host, m._configure, m._add_container = new_host, configure, add_container
+    m.hosts.new_or_found, m._configure, m._add_container = new_host, configure, add_container
     m._ensure_watching = lambda: None  # (no watch loop: no Ray here)
     m.stopped_hosts = stopped  # (what ``_fail`` stopped)
     return m
@@ -264,9 +264,9 @@ def test_the_autoscaler_keeps_its_latest_decisions(tmp_path, monkeypatch):
             m.job.handle(StopAsked())
         return types.SimpleNamespace(n=len(ticks), to_plain=lambda: {})
 
-    m.metrics_snapshot = snapshot
+    m.reads.metrics_snapshot = snapshot
     m.job = JobLifecycle(JobState.RUNNING)
-    asyncio.run(m._autoscale())
+    asyncio.run(m.scaling.autoscale())
     assert m.decisions_made == 30
     assert [d.snapshot.n for d in m.decisions] == [27, 28, 29, 30, 31]  # (the first: the base of the rates)
     assert len(asyncio.run(m.autoscale_trace())) == 5

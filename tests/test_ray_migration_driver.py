@@ -37,7 +37,8 @@ def _master(log: list, add_container) -> SimpleNamespace:
     stage = SimpleNamespace(kind="stateful", name="running_sum")
     return SimpleNamespace(opts=JobOptions(checkpoint_every=0), plan=SimpleNamespace(stages=[stage, stage]),
                            handles={5: _Host(log)}, _add_container=add_container,
-                           _event=lambda kind, **info: log.append((kind, info)), _backup_chain=lambda sid: {})
+                           _event=lambda kind, **info: log.append((kind, info)),
+                           chains=SimpleNamespace(of_stage=lambda sid: {}))
 
 
 def test_a_restore_that_fails_its_checksum_removes_the_container_and_reports_restore_failed():

@@ -16,6 +16,7 @@ import random
 import pytest
 
 import chronostream as cs
+from chronostream.containers.shipping import PeerFailed
 from chronostream.dag import compile_query
 from chronostream.slices.errors import RecoveryError
 from chronostream.master.local import LocalCluster
@@ -259,19 +260,25 @@ def test_a_checkpoint_that_reached_only_one_of_its_peers_when_its_container_died
     cl = cluster("running_sum", containers=3, backup_factor=2, checkpoint_every=1)
     stage = next(st.stage_id for st in cl.plan.stages if st.kind == "operator")
     victim = cl.placement.containers[stage][0]
-    ship = cl._ship
+    ship = cl.shipping._ship
+    half: dict[str, bool] = {}
 
-    def ship_half(backups):
-        # The victim's checkpoints of this round reach only its first peer; then it dies.
-        first = min((peer for peer, sender, _ in backups if sender == victim), default=None)
-        ship([b for b in backups if b[1] != victim or b[0] == first])
-        cl._ship = ship
-        cl.kill([victim])
+    def ship_half(cid, cmd):
+        # From round 5 on, the victim's next checkpoint reaches only its first peer; then it dies.
+        if half.get("armed") and cid == victim and not half.get("done"):
+            if cmd.peer != min(cl.shipping.payload[(cid, cmd.round)][1]):
+                half["done"] = True
+                return PeerFailed(cmd.round, cmd.peer, dead=False, error="its container died mid-shipment")
+        return ship(cid, cmd)
 
-    def arm(cl):
-        cl._ship = ship_half
+    def on_round(cl):
+        half["armed"] = half.get("armed") or cl.round >= 5
+        if half.get("done") and victim in cl.cores:
+            cl.kill([victim])
 
-    cl.run(faults={5: arm})
+    cl.shipping._ship = ship_half
+    cl.run(on_round=on_round)
+    assert half.get("done"), "no checkpoint of the victim was cut short"
     assert cl.cores.get(victim) is None and any(k == "recovery_end" for _, k, _ in cl.timeline)
     assert_equals_serial("running_sum", cl)
 
