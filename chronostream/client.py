@@ -29,8 +29,7 @@ from chronostream.containers.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.slices.sinks import ParquetSink, dead_letter_table, read_parquet_sink
 from chronostream.source_ref_keeper import ray_keeper
-from chronostream.containers.actor import shm_job_tag
-from chronostream.containers.shm_transport import remove_job_files
+from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
 from chronostream.master.actor import JobMaster
 from chronostream.master.catalog import catalog_identity
 from chronostream.master.host_pool import PoolStats, keep_warm_hosts as resize_pool

@@ -1,11 +1,15 @@
 """The ResourceContainer Ray actor: a thin async shell around one or more ``ContainerCore``s.
 
-Owns: moving messages (non-blocking pushes to downstream containers, one per
-container pair per epoch), the backpressure bounds, shipping checkpoints to
-backup hosts, heartbeats and reports to the master. All state changes
-happen in the cores. An actor is a *host*: it starts with one container
-(same id) and adopts more when a recovery gives it a dead container's
-slices; it keeps one ``BackupStore`` for the peers it backs up.
+Owns the host's state (cores, peers, stores, windows) and the calls its
+master and peers make; the work is done by one module per topic:
+``containers.ray_joining`` (a spare's adoption, ``configure``),
+``ray_epoch_loop`` (epoch loops, heartbeats, the master watch),
+``ray_pushes`` (moving messages, replays), ``ray_shipping`` (the checkpoint
+shipping machine's driver), ``ray_backup_host`` (the backup store's calls,
+restores) and ``ray_hosting`` (making containers, handovers). All state
+changes happen in the cores. An actor is a *host*: it starts with one
+container (same id) and adopts more when a recovery gives it a dead
+container's slices; it keeps one ``BackupStore`` for the peers it backs up.
 
 Backpressure: a container accepts a push for epoch ``e`` only when
 ``e < next_epoch + max_inflight_epochs`` (the push call waits otherwise),
@@ -13,10 +17,9 @@ and a sender keeps at most ``max_inflight_epochs`` unacknowledged pushes per
 destination. A slow stage therefore slows its producers, and memory holds
 at most that many epochs per channel.
 
-Checkpoint shipping rule: a checkpoint at epoch C leaves only after every
-push of epochs <= C was accepted downstream, and after the memory-sink rows
-up to C reached the master. A recovered slice therefore never has to
-re-produce an epoch at or before its checkpoint for anyone.
+Checkpoint shipping rule (``containers.shipping``): a checkpoint at epoch C
+leaves only after every push of epochs <= C was accepted downstream, and
+after the memory-sink rows up to C reached the master.
 
 A push to a container that died raises; the sender then stops sending to it
 (what it would have received is in the sender's output log, replayed when
@@ -27,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,13 @@ from chronostream.containers.backup_store import BackupStore
 from chronostream.containers.frame_assembly import FrameAssembly
 from chronostream.containers.gc_pacing import CollectorPacing
 from chronostream.containers.spill import SpillStore
-from chronostream.containers.thread_priority import background_pool, set_background_niceness, thread_niceness
+from chronostream.containers.thread_priority import background_pool, thread_niceness
 from chronostream.containers.core import ContainerCore, ContainerStatistics, add_sink_parts
 from chronostream.containers.epoch_message import EpochMessage
-from chronostream.containers.shm_transport import ShmSender, discard, shm_available, shm_paths, unpack
+from chronostream.containers.shm_transport import ShmSender, discard, shm_paths, unpack
 from chronostream.containers.ray_backup_host import HostBackups, to_wire
 from chronostream.containers.ray_epoch_loop import EpochLoop
+from chronostream.containers.ray_joining import HostJoining, SpareState
 from chronostream.containers.ray_hosting import ContainerHosting, Handover
 from chronostream.containers.ray_pushes import HostPushes
 from chronostream.containers.routing import OutputRoute
@@ -60,36 +62,6 @@ from chronostream.containers.sink_parts import PackedSinkParts, pack_sink_parts
 from chronostream.slices.checkpoint import capture, encode
 
 log = logging.getLogger("chronostream.container")
-
-
-#: Threads of the pool ``asyncio.to_thread`` uses in a host (asyncio's own default).
-HOST_WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
-
-
-@dataclass(frozen=True)
-class SpareState:
-    """A spare host no job adopted yet, as it reports itself (``ResourceContainer.spare_state``)."""
-
-    node: str  # the Ray node it runs on
-    leased: bool  # a pool handed it to a master, which is about to adopt it
-
-
-def shm_job_tag(master: Any) -> str:
-    """The tag in a job's shared-memory file names (``containers.shm_transport``): its master
-    actor's id, which a restarted master keeps."""
-    return master._actor_id.hex()
-
-
-def _warm_up() -> None:
-    """Pay lazy imports now, not in the first epoch: pyarrow imports pandas
-    (when installed) on its first numpy conversion, which takes about a second."""
-    import numpy as np
-    import pyarrow.compute as pc
-
-    arr = pa.array(["a", "b", "a"])
-    np.asarray(pc.dictionary_encode(arr).indices)
-    np.asarray(pa.chunked_array([pa.array([1, 2])]))
-    pa.Table.from_pylist([{"a": 1}]).to_pylist()
 
 
 @ray.remote(num_cpus=0)
@@ -107,6 +79,13 @@ class ResourceContainer:
         configure_from_env()
         # CHRONOSTREAM_STALL_MS: see chronostream.containers.stall_probe
         self._stall_probe = start_stall_probe("spare host" if host_id is None else f"host {host_id}")
+        # The host's work by topic (one module each), over the state below.
+        self.joining = HostJoining(self)
+        self.pushes = HostPushes(self)
+        self.loops = EpochLoop(self)
+        self.shipping = CheckpointShipping(self)
+        self.backups = HostBackups(self)
+        self.hosting = ContainerHosting(self)
         self.host_id: int | None = None
         self.container_id: int | None = None
         self.master: Any = None
@@ -114,7 +93,7 @@ class ResourceContainer:
         self.heartbeat_s = heartbeat_s
         self._lease: asyncio.TimerHandle | None = None  # a spare handed out and not adopted yet
         if host_id is not None:
-            self._take_job(host_id, master, workdir, heartbeat_s)
+            self.joining.take_job(host_id, master, workdir, heartbeat_s)
         self.plan: JobPlan | None = None
         self.cores: dict[int, ContainerCore] = {}
         self.conds: dict[int, asyncio.Condition] = {}
@@ -159,102 +138,31 @@ class ResourceContainer:
         self._shm_files: dict[Any, list[str]] = {}
         self._store_full_said = False  # a backup flush refused for room was logged (once per episode)
         self._master_heard = time.monotonic()  # last sign of the master (``EpochLoop.watch_master``)
-        # The host's work by topic (one module each), over the state above.
-        self.pushes = HostPushes(self)
-        self.loops = EpochLoop(self)
-        self.shipping = CheckpointShipping(self)
-        self.backups = HostBackups(self)
-        self.hosting = ContainerHosting(self)
-
-    def _take_job(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
-        self.host_id = host_id
-        self.container_id = host_id  # the container it starts with
-        self.master = master
-        self.workdir = Path(workdir) / f"host-{host_id}"
-        self.heartbeat_s = heartbeat_s
-        if self._stall_probe is not None:
-            self._stall_probe.name = f"host {host_id}"
-
-    async def ready(self) -> str:
-        """A spare's warm-up: pay the lazy imports now (``_warm_up``), before any job needs this
-        process. Returns the node id."""
-        _warm_up()
-        return ray.get_runtime_context().get_node_id()
-
-    async def lease(self, seconds: float) -> None:
-        """A spare handed to a master (``HostPool.take``): unless ``adopt`` follows within
-        ``seconds``, the process exits, so a master that died in between leaks no host."""
-        if self.host_id is None and self._lease is None:
-            self._lease = asyncio.get_running_loop().call_later(seconds, self._expire_lease)
-
-    async def spare_state(self) -> SpareState | None:
-        """For a host pool that lost track of this spare (a pool that died, then made anew):
-        None once adopted by a job; else its node and whether a take leased it (a master is
-        about to adopt it)."""
-        if self.host_id is not None:
-            return None
-        return SpareState(node=ray.get_runtime_context().get_node_id(), leased=self._lease is not None)
-
-    def _expire_lease(self) -> None:
-        if self.host_id is None:
-            log.warning("spare host: not adopted within its lease; exiting")
-            os._exit(0)
-
-    async def adopt(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
-        """A spare becomes host ``host_id`` of the job ``master`` runs: what the constructor of a
-        host made for a job sets. Idempotent for the same ``host_id`` (a restarted master adopts
-        again the hosts it finds by name); another id raises ``ValueError``."""
-        if self.host_id is not None:
-            if self.host_id != host_id:
-                raise ValueError(f"host {self.host_id} cannot be adopted again as host {host_id}")
-            return
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-        self._take_job(host_id, master, workdir, heartbeat_s)
 
     async def source_refs(self) -> dict[int, list]:
         """The in-memory source tables' references ``configure`` gave (stage id -> [reference])."""
         return dict(self._source_refs)
 
-    async def configure(self, plan: JobPlan, options: JobOptions, source_refs: dict[int, list] | None = None) -> str:
-        """Set the job-wide parameters and open the backup store. Returns the node id.
-        ``source_refs``: stage id -> [reference of its in-memory table], kept for a restarted
-        master (``source_refs``); a later call adds the ones this host lacks.
+    async def ready(self) -> str:
+        """A spare's warm-up: pay the lazy imports now, before any job needs this process. Returns the node id."""
+        return await self.joining.ready()
 
-        Once only: a second call (a restarted master runs a recovery's plan
-        again) returns the node id and changes nothing else."""
-        for stage_id, refs in (source_refs or {}).items():
-            self._source_refs.setdefault(stage_id, refs)
-        if self.plan is not None:
-            return ray.get_runtime_context().get_node_id()
-        if self.host_id is None:
-            raise RuntimeError("a spare host runs no job: adopt() it first (master.host_pool)")
-        self.plan = plan
-        self.opts = options
-        self.window = options.max_inflight_epochs
-        # Before any work: pools start their threads on first use, at the priority set now.
-        set_background_niceness(options.background_niceness)
-        # asyncio.to_thread (restores, decoding, replays, ray.put of shipments) runs on it.
-        asyncio.get_running_loop().set_default_executor(background_pool(HOST_WORKER_THREADS, "host-worker"))
-        # This host's stores live under it, readable by the job's user only (docs/guide.md,
-        # "Security and safety"); on a node where the job's work directory does not exist
-        # yet, its parents are made here too.
-        self.workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if options.checkpointing:
-            self.backup_store = BackupStore(self.workdir / "backups")
-        if options.spill_state:
-            self.spill_store = SpillStore(self.workdir / "spill")
-        _warm_up()
-        # After the warm-up, so what it made is frozen too (containers/gc_pacing.py).
-        self.gc_pacing = CollectorPacing(options.full_gc_interval_s)
-        self.gc_pacing.install()
-        self._tasks.append(asyncio.get_running_loop().create_task(self.loops.heartbeats()))
-        self._tasks.append(asyncio.get_running_loop().create_task(self.loops.watch_master()))
-        self._node_id = ray.get_runtime_context().get_node_id()
-        if options.shm_transport and shm_available():
-            self._shm = ShmSender(shm_job_tag(self.master), self.host_id or 0)
-        return self._node_id
+    async def lease(self, seconds: float) -> None:
+        """A spare handed to a master: unless ``adopt`` follows within ``seconds``, the process exits."""
+        await self.joining.lease(seconds)
+
+    async def spare_state(self) -> SpareState | None:
+        """None once adopted by a job; else a spare's node and whether a take leased it."""
+        return await self.joining.spare_state()
+
+    async def adopt(self, host_id: int, master: Any, workdir: str, heartbeat_s: float) -> None:
+        """A spare becomes host ``host_id`` of the job ``master`` runs (idempotent for the same id)."""
+        await self.joining.adopt(host_id, master, workdir, heartbeat_s)
+
+    async def configure(self, plan: JobPlan, options: JobOptions, source_refs: dict[int, list] | None = None) -> str:
+        """Set the job-wide parameters once and keep the source tables' references
+        (``HostJoining.configure``). Returns the node id."""
+        return await self.joining.configure(plan, options, source_refs)
 
     async def node(self) -> str:
         """The node this host runs on (a peer asks once before sending it parts in shared memory)."""
@@ -515,7 +423,8 @@ class ResourceContainer:
 
     async def metrics(self, container_ids: list[int]) -> dict[int, tuple[ContainerStatistics, list]]:
         """Per hosted container: its statistics and per-slice metrics (events, busy time, backlog, state size)."""
-        return {c: (self.cores[c].statistics(), self.cores[c].slice_metrics()) for c in container_ids if c in self.cores}
+        return {c: (self.cores[c].statistics(), self.cores[c].slice_metrics())
+                for c in container_ids if c in self.cores}
 
     async def recovery_info(self) -> dict[int, dict[str, Any]]:
         """Per hosted container: when each restored slice was restored and first produced output."""

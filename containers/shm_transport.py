@@ -190,3 +190,9 @@ def remove_job_files(job_tag: str, directory: str = SHM_DIR) -> int:
     paths = glob.glob(glob.escape(job_prefix(job_tag, directory)) + "*")
     discard(paths)
     return len(paths)
+
+
+def shm_job_tag(master: Any) -> str:
+    """The tag in a job's shared-memory file names (``containers.shm_transport``): its master
+    actor's id, which a restarted master keeps."""
+    return master._actor_id.hex()

@@ -1,12 +1,14 @@
-"""The JobMaster Ray actor: deploys the stages, owns the placement, watches hosts, recovers lost slices.
+"""The JobMaster Ray actor: the job's books and its remote methods, a shell over one module per topic.
 
-Owns: creating the ResourceContainer actors (hosts, spread over the
-cluster's nodes; warm spares adopted when the cluster keeps some,
-``master.host_pool``), wiring their routing tables from the placement,
-collecting heartbeats, progress and completion, detecting dead hosts, and
-running the recovery plan (``master.recovery``) when one dies. The data
-plane never waits on the master. Every recovery step is logged and kept in
-``timeline`` with the containers and slices it concerns.
+Owns the books (plan, placement, hosts and their handles, liveness, the
+job's state through ``master.protocols.job``, the catalog, the timeline)
+and the calls hosts and clients make. The work is done by its topic
+drivers: ``master.ray_deploy`` (deploy, a restarted master's reload),
+``ray_hosts`` (making, finding, probing, releasing hosts), ``ray_sources``,
+``ray_chains`` (backup chains, GC), ``ray_watch`` (detection, recovery entry),
+``ray_scaling`` (rescaling, autoscaler), ``ray_reads``, and the machines'
+drivers ``ray_migration`` and ``ray_recovery``. The data plane never waits
+on the master.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from ray.exceptions import RayActorError, RayError
 from chronostream.slices.plan import JobPlan
 from chronostream.containers.logs import configure_from_env
 from chronostream.containers.stall_probe import start_from_env as start_stall_probe
-from chronostream.containers.actor import shm_job_tag
-from chronostream.containers.shm_transport import remove_job_files
+from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
 from chronostream.containers.core import ContainerStatistics
 from chronostream.containers.sink_parts import PackedSinkParts
 from chronostream.master.policies import Decision
@@ -37,8 +38,9 @@ from chronostream.containers.options import JobOptions
 from chronostream.master.autoscaler import Counters
 from chronostream.master.catalog import CatalogError, MasterCatalog
 from chronostream.master.job_state import JobState
-from chronostream.master.launch import JobLaunch, plan_fingerprint
+from chronostream.master.launch import JobLaunch
 from chronostream.master.ray_chains import RayChains
+from chronostream.master.ray_deploy import RayDeploy
 from chronostream.master.ray_hosts import RayHosts
 from chronostream.master.ray_reads import RayReads
 from chronostream.master.ray_scaling import RayScaling
@@ -46,10 +48,9 @@ from chronostream.master.ray_sources import SourceRefs
 from chronostream.master.ray_watch import RayWatch
 from chronostream.master.ray_recovery import kill_host
 from chronostream.master.protocols.gc import GcProtocol
-from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Deployed, Enter, JobLifecycle, Kept,
-                                               Settled, StopAsked,
-                                               StopHosts)
-from chronostream.master.placement import Placement, initial_placement
+from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Enter, JobLifecycle, Kept, Settled,
+                                               StopAsked, StopHosts)
+from chronostream.master.placement import Placement
 from chronostream.master.results import SinkPartRefs
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.master.timeline import Timeline
@@ -135,6 +136,7 @@ class JobMaster:
         # catalog before any host applies them, are read back by a restarted master.
         self.gc: GcProtocol | None = None
         # The master's work by topic, each a driver over the books above (one module each).
+        self.deployer = RayDeploy(self)
         self.hosts = RayHosts(self)
         self.sources = SourceRefs(self)
         self.chains = RayChains(self)
@@ -154,7 +156,7 @@ class JobMaster:
                                f"not {job_key!r}; the master does not resume another job")
         if self.resumed:
             self._launch(JobLaunch.unpack(self.catalog.load_launch()), self.catalog.load_gc_marks())
-            self._resume()
+            self.deployer.resume()
 
     def _launch(self, launch: JobLaunch, gc_marks: dict[int, int] | None = None) -> None:
         """Take the job's plan, options and policy (``deploy``'s, or a restarted master's from the
@@ -166,28 +168,6 @@ class JobMaster:
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.policy = launch.policy
         self.source_stages = set(launch.source_stages)
-
-    def _resume(self) -> None:
-        """A restarted master: reload the catalog and find the hosts again."""
-        self.placement, self.host_of, self.alive, self.nodes, self.next_id = self.catalog.load_layout()
-        prog = self.catalog.load_progress()
-        self.job = JobLifecycle(prog["state"], set(prog["done"]))
-        self.started_at, self.finished_at = prog["started_at"], prog["finished_at"]
-        self.sink_groups = self.catalog.load_sink_groups()
-        self.catalog.forget_events(self.timeline.extend(self.catalog.load_numbered_events()))
-        now = time.monotonic()
-        for h in sorted(self.alive):
-            try:
-                self.handles[h] = ray.get_actor(self.hosts.host_name(h))
-                self.last_seen[h] = now
-            except ValueError:  # it died while the master was away: recovered by the watch loop
-                self.handles[h] = None
-                self.last_seen[h] = now - 2 * self.opts.heartbeat_timeout_s
-        self._event("master_restarted", hosts=sorted(self.alive), containers=len(self.host_of),
-                    gc_marks={str(k): v for k, v in sorted(self.gc_marks.items())})
-        self._unsettled_request, left = self.catalog.load_migration()
-        self._unsettled = left
-        self._unfinished_recovery = self.catalog.load_recovery()
 
     def _ensure_watching(self) -> None:
         if not self._watching and self.state is JobState.RUNNING:
@@ -255,66 +235,9 @@ class JobMaster:
     async def deploy(self, launch: bytes, source_refs: dict[int, list], made_workdir: bool = False) -> dict[str, Any]:
         """Create, configure and start every container of the job ``launch`` describes
         (``JobLaunch.pack``); ``source_refs``: stage id -> [object reference of its in-memory
-        table]; ``made_workdir``: ``run`` made the work directory for this job (a stop with
-        cleanup removes it whole). Returns the placement.
-
-        The job's identity and launch are saved in the catalog first, so a master restarted
-        from here on knows the job; a call Ray retries after a restart finds it deployed (or
-        deploys it)."""
-        self.source_refs = dict(source_refs)
-        if self.resumed or self.handles:  # a retried call after a restart: already deployed
-            self._ensure_watching()
-            return self.placement.as_dict(self.plan)
-        job = JobLaunch.unpack(launch)
-        self._launch(job)
-        self.placement = initial_placement(job.plan, job.containers_per_stage)
-        self.catalog.save_identity(self.job_key, plan_fingerprint(job.plan), made_workdir)
-        self.identity = self.catalog.load_identity()
-        self.catalog.save_launch(launch)
-        # Spread each stage's containers over the alive nodes round-robin. SPREAD
-        # and soft node affinity are best-effort and were seen stacking a stage on
-        # one node; hard affinity to a node alive now is exact (a node that dies
-        # before its container starts fails the deploy with Ray's error).
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        for stage_id, ids in self.placement.containers.items():
-            for i, c in enumerate(ids):
-                self.host_of[c] = c
-                await self.hosts.new_or_found(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
-        self.next_id = max(self.host_of) + 1
-        await asyncio.gather(*[self._configure(h) for h in self.handles])
-        added = []
-        for stage_id, ids in self.placement.containers.items():
-            chain = self.chains.of_stage(stage_id)
-            for c in ids:
-                added.append(self._add_container(c, stage_id, self.placement.slices_of(c), chain[c]))
-        await asyncio.gather(*added)
-        self.chains.note_copies()
-        self.started_at = time.time()
-        await asyncio.gather(*[h.start.remote() for h in self.handles.values()])
-        self._save_layout()
-        # A container may have failed (or every container finished) while the hosts' start was
-        # awaited: a failed job stays failed, and a finish that came early is taken now.
-        self._job(Deployed(self._live(), {"containers": len(self.host_of), "nodes": len(set(self.nodes.values()))}))
-        self._ensure_watching()
-        if self.policy is not None:
-            self._in_background(self.scaling.autoscale())
-        return self.placement.as_dict(self.plan)
-
-    async def _add_container(self, c: int, stage_id: int, slices: list[int], backup_peers: dict[int, list[int]],
-                             restore_from: dict[int, list[tuple[int, Any]]] | None = None,
-                             hand_over_from: list[int] | None = None) -> Any:
-        src = await self.sources.ref(stage_id)
-        hosts = {**self.hosts.stage_hosts(stage_id), **{h: self.handles[h] for ps in backup_peers.values() for h in ps}}
-        return await self.handles[self.host_of[c]].add_container.remote(
-            c, stage_id, slices, self.placement.routes_for(self.plan, stage_id),
-            self.placement.sender_coverage(self.plan, stage_id), self.hosts.peers_of(stage_id),
-            hosts, src, self.opts.output_log, backup_peers, restore_from, hand_over_from)
-
-    async def _configure(self, host_id: int) -> None:
-        """Give host ``host_id`` the job (plan, options and the source tables' references: a
-        restarted master finds them first, so a host it adds can hand them on too)."""
-        await self.sources.find()
-        self.nodes[host_id] = await self.handles[host_id].configure.remote(self.plan, self.opts, self.source_refs)
+        table]; ``made_workdir``: ``run`` made the work directory (``RayDeploy.deploy``). Returns
+        the placement."""
+        return await self.deployer.deploy(launch, source_refs, made_workdir)
 
     async def wants_source_refs(self) -> tuple[bool, JobState]:
         """(Whether this master waits for the source tables' references from the client, the
@@ -384,7 +307,6 @@ class JobMaster:
     async def threads_of(self, container: int) -> int:
         """Threads of the table in effect in ``container`` (fresh from its host)."""
         return await self.scaling.threads_of(container)
-
 
     async def autoscale_trace(self) -> list[dict[str, Any]]:
         """The latest autoscaler ticks (plain ``Decision``s, at most ``DECISIONS_KEPT``): replay

@@ -36,7 +36,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from chronostream.containers.actor import ResourceContainer, SpareState
+from chronostream.containers.actor import ResourceContainer
+from chronostream.containers.ray_joining import SpareState
 
 log = logging.getLogger("chronostream.host_pool")
 

@@ -98,7 +98,7 @@ class RayMigration:
             h = m.next_id
             m.next_id += 1
             await m.hosts.new_or_found(h, m.hosts.least_used_node())
-            await m._configure(h)
+            await m.deployer.configure(h)
             m._save_layout()  # (a restarted master releases it if the migration is undone)
             return HostMade(cmd.target, h)
         if isinstance(cmd, Freeze):
@@ -185,12 +185,12 @@ class RayMigration:
         peers = self._peers_after.get(cmd.new_id, {})
         host = m.handles[cmd.host]
         if cmd.hand_over_from:
-            await m._add_container(cmd.new_id, cmd.stage_id, [], peers, hand_over_from=list(cmd.hand_over_from))
+            await m.deployer.add_container(cmd.new_id, cmd.stage_id, [], peers, hand_over_from=list(cmd.hand_over_from))
             info: dict[str, Any] = {"progress": {}, "resume": {}, "restore_start": 0.0, "restore_end": 0.0}
         else:
             try:
-                info = await m._add_container(cmd.new_id, cmd.stage_id, list(cmd.slices), peers,
-                                              {s: [(cmd.host, host)] for s in cmd.slices})
+                info = await m.deployer.add_container(cmd.new_id, cmd.stage_id, list(cmd.slices), peers,
+                                                      {s: [(cmd.host, host)] for s in cmd.slices})
             except RecoveryError as exc:  # (the host's own copy did not verify: snapshots replace it)
                 await host.remove_container.remote(cmd.new_id)
                 why = next(iter(str(exc).splitlines()), "")

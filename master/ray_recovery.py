@@ -88,7 +88,7 @@ class RayRecovery:
             return None
         if isinstance(cmd, MakeHost):
             await m.hosts.new_or_found(cmd.host)
-            await m._configure(cmd.host)
+            await m.deployer.configure(cmd.host)
             return HostMade(cmd.host)
         if isinstance(cmd, AcceptSenders):
             calls = []
@@ -194,7 +194,7 @@ class RayRecovery:
         """Each host restores its share, in parallel (a container it already restores or runs is
         not made again: its current progress is replayed from)."""
         m = self.m
-        infos = await asyncio.gather(*[m._add_container(
+        infos = await asyncio.gather(*[m.deployer.add_container(
             a.new_id, a.stage_id, a.slices, {}, {s: [(h, m.handles.get(h)) for h in restore_order(a.holders[s], a.host)]
                                                  for s in a.slices}) for a in cmd.plan])
         for a, info in zip(cmd.plan, infos):

@@ -68,7 +68,7 @@ def _master(tmp_path, monkeypatch, on_start) -> PlainMaster:
     async def add_container(*_args, **_kw):
         return None
 
-    m.hosts.new_or_found, m._configure, m._add_container = new_host, configure, add_container
+    m.hosts.new_or_found, m.deployer.configure, m.deployer.add_container = new_host, configure, add_container
     m._ensure_watching = lambda: None  # (no watch loop: no Ray here)
     m.stopped_hosts = stopped  # (what ``_fail`` stopped)
     return m

@@ -23,9 +23,9 @@ import ray
 import chronostream as cs
 from chronostream.chaos import compare_with_serial
 from chronostream.slices.types import KEY_HASHES_META
-from chronostream.containers.actor import shm_job_tag
 from chronostream.containers.epoch_message import EpochMessage
-from chronostream.containers.shm_transport import ShmPart, ShmSender, job_prefix, remove_job_files, unpack
+from chronostream.containers.shm_transport import (ShmPart, ShmSender, job_prefix, remove_job_files, shm_job_tag,
+                                                    unpack)
 from queries import word_count
 
 
