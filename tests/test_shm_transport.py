@@ -40,9 +40,15 @@ def routed_part(n: int = 20_000) -> tuple[pa.Table, np.ndarray]:
     return table, np.sort(np.arange(n) % 64).astype(np.int64)
 
 
+def sender(job: str, host: int, directory, **kw) -> ShmSender:
+    """A sender writing under a test's own directory, with no reserve: ``tmp_path`` is on the
+    machine's disk, whose free share is not the test's to judge (the reserve has its own test)."""
+    return ShmSender(job, host, str(directory), reserve_fraction=0.0, **kw)
+
+
 def test_a_large_part_travels_as_a_file_and_comes_back_equal_with_its_consumer_slices(tmp_path):
     table, dst = routed_part()
-    wire, paths = ShmSender("job", 1, str(tmp_path)).pack(EpochMessage({3: (table, dst)}))
+    wire, paths = sender("job", 1, tmp_path).pack(EpochMessage({3: (table, dst)}))
     assert isinstance(wire.parts[3], ShmPart) and paths == [wire.parts[3].path] and os.path.exists(paths[0])
     back, back_dst = unpack(wire).parts[3]
     assert back.equals(table) and back.schema.equals(table.schema, check_metadata=True)
@@ -55,14 +61,14 @@ def test_small_parts_empty_parts_and_control_fields_stay_in_the_message(tmp_path
     empty = small.slice(0, 0)
     message = EpochMessage({0: (small, np.zeros(2, np.int64)), 1: (empty, np.zeros(0, np.int64))}, end=7,
                            release=(2,), ingest=1.5)
-    wire, paths = ShmSender("job", 1, str(tmp_path), min_bytes=1024).pack(message)
+    wire, paths = sender("job", 1, tmp_path, min_bytes=1024).pack(message)
     assert paths == [] and wire is message, "a message without files is not copied"
     assert unpack(wire) is wire, "a message without files is not copied"
 
 
 def test_the_receiver_unlinks_the_file_and_its_tables_outlive_it(tmp_path):
     table, dst = routed_part()
-    wire, paths = ShmSender("job", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
+    wire, paths = sender("job", 1, tmp_path).pack(EpochMessage({0: (table, dst)}))
     back = unpack(wire).parts[0][0]
     assert not os.path.exists(paths[0]) and os.listdir(tmp_path) == []
     _ = [np.ones(1 << 20) for _ in range(20)]  # other allocations in between
@@ -77,9 +83,9 @@ def test_a_part_that_cannot_be_written_travels_in_the_message(tmp_path):
 
 def test_cleanup_removes_one_jobs_files_and_no_other_jobs(tmp_path):
     table, dst = routed_part()
-    ShmSender("a", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
-    ShmSender("a", 2, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
-    _, kept = ShmSender("b", 1, str(tmp_path)).pack(EpochMessage({0: (table, dst)}))
+    sender("a", 1, tmp_path).pack(EpochMessage({0: (table, dst)}))
+    sender("a", 2, tmp_path).pack(EpochMessage({0: (table, dst)}))
+    _, kept = sender("b", 1, tmp_path).pack(EpochMessage({0: (table, dst)}))
     assert remove_job_files("a", str(tmp_path)) == 2
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(kept[0])]
 
