@@ -58,7 +58,7 @@ def test_control_fields_survive_the_shared_memory_round_trip(tmp_path):
     """The wire form swaps the large part for a file and keeps every control field; the read-back
     message has the same fields and the same parts (the small part travels inline)."""
     message = full_message()
-    wire, paths = ShmSender("job", 1, str(tmp_path), min_bytes=1024).pack(message)
+    wire, paths = ShmSender("job", 1, str(tmp_path), min_bytes=1024, reserve_fraction=0.0).pack(message)
     assert len(paths) == 1 and isinstance(wire.parts[0], ShmPart) and wire.parts[2] is message.parts[2]
     assert control_fields(wire) == control_fields(message)
     assert not isinstance(message.parts[0], ShmPart), "packing leaves the sender's message as it was"

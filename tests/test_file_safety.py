@@ -158,7 +158,7 @@ def test_shared_memory_files_are_made_exclusively_and_private(tmp_path):
     mode 0600; a file already at the path it would take (planted by someone else) is neither
     written into nor removed, and that part goes through Ray instead; before, it was truncated
     and overwritten (and removed on failure)."""
-    sender = ShmSender("job", 1, str(tmp_path), min_bytes=0)
+    sender = ShmSender("job", 1, str(tmp_path), min_bytes=0, reserve_fraction=0.0)  # (the disk is not the test's)
     planted = Path(f"{sender.prefix}0")
     planted.write_text("someone else's")
     table = pa.table({"x": np.arange(1000)})
