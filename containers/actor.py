@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from chronostream.containers.spill import SpillStore
 from chronostream.containers.thread_priority import background_pool, thread_niceness
 from chronostream.containers.core import ContainerCore, ContainerStatistics, add_sink_parts
 from chronostream.containers.epoch_message import EpochMessage
-from chronostream.containers.shm_transport import ShmSender, discard, shm_paths, unpack
+from chronostream.containers.shm_transport import ShmSender
 from chronostream.containers.ray_backup_host import HostBackups, to_wire
 from chronostream.containers.ray_epoch_loop import EpochLoop
 from chronostream.containers.ray_joining import HostJoining, SpareState
@@ -168,6 +167,14 @@ class ResourceContainer:
         """The node this host runs on (a peer asks once before sending it parts in shared memory)."""
         return ray.get_runtime_context().get_node_id()
 
+    async def push(self, container_id: int, epoch: int, sender: int, message: EpochMessage) -> bool:
+        """Receive one epoch message for a hosted container (waits while its inbox is full)."""
+        return await self.pushes.receive(container_id, epoch, sender, message)
+
+    async def push_many(self, container_id: int, sender: int, messages: list[tuple[int, EpochMessage]]) -> int:
+        """Receive a run of epoch messages (a replay) in one call, in order; returns how many were accepted."""
+        return await self.pushes.receive_many(container_id, sender, messages)
+
     async def add_container(self, container_id: int, stage_id: int, slices: list[int],
                             routes: dict[int, OutputRoute], senders: dict[int, frozenset], peers: dict[int, Any],
                             hosts: dict[int, Any], source_table: pa.Table | None, output_log: bool,
@@ -190,35 +197,6 @@ class ResourceContainer:
             if c not in self._started:
                 self._started.add(c)
                 self._tasks.append(loop.create_task(self.loops.run(c)))
-
-    async def push(self, container_id: int, epoch: int, sender: int, message: EpochMessage) -> bool:
-        """Receive one epoch message for a hosted container (waits while its inbox is full)."""
-        if self.stopped:  # (its files unlinked unread: a stopped host takes no message)
-            discard(shm_paths(message))
-            return False
-        message = unpack(message)  # first: a refused message's files are unlinked too
-        core, cond = self.cores.get(container_id), self.conds.get(container_id)
-        if core is None or cond is None or core.retired:
-            return False  # removed, or every slice migrated away: nothing needs it
-        async with cond:
-            await cond.wait_for(lambda: epoch < core.next_epoch + self.window + self.extra_window.get(container_id, 0)
-                                or self.stopped or core.retired)
-            accepted = core.deliver(epoch, sender, message)
-            cond.notify_all()
-        return accepted
-
-    async def push_many(self, container_id: int, sender: int, messages: list[tuple[int, EpochMessage]]) -> int:
-        """Receive a run of epoch messages (a replay) in one call, in order, each waiting for room
-        in the inbox as ``push`` does; returns how many were accepted.
-
-        One awaited call per replayed epoch made a catch-up as slow as the
-        call's round trip (tens of ms on a busy host), barely faster than
-        the epochs a producer makes meanwhile.
-        """
-        accepted = 0
-        for epoch, message in messages:
-            accepted += bool(await self.push(container_id, epoch, sender, message))
-        return accepted
 
     # -- recovery ------------------------------------------------------------------
 
@@ -461,18 +439,4 @@ class ResourceContainer:
 
     async def stop(self, cleanup: bool = False) -> None:
         """Stop processing; pending pushes are released. ``cleanup`` deletes the local store."""
-        self.stopped = True
-        if self.gc_pacing is not None:
-            self.gc_pacing.uninstall()
-        for cond in self.conds.values():
-            async with cond:
-                cond.notify_all()
-        if cleanup:
-            for t in self._tasks:
-                t.cancel()
-            for core in self.cores.values():
-                core.close()
-            if self.backup_store is not None:
-                store = self.backup_store
-                await self.backups.in_store_thread(lambda: store.close(flush=False))
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        await self.joining.stop(cleanup)

@@ -1,10 +1,11 @@
-"""How a host joins a job: a warm spare's warm-up, lease and adoption, and the configuration every host gets.
+"""How a host joins a job and leaves it: a spare's warm-up, lease and adoption, configuration, the stop.
 
 Owns the life of a host before its first container: a spare (``master.host_pool``)
 pays its imports early, exits when a lease ends without an adoption, and
 becomes host ``host_id`` when a master adopts it; ``configure`` sets the
 job-wide parameters once (plan, options, stores, thread pools, shared memory,
-the heartbeat and master-watch loops) and keeps the source tables' references.
+the heartbeat and master-watch loops) and keeps the source tables' references;
+``stop`` releases pending pushes and, with cleanup, the host's stores.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,22 @@ class HostJoining:
         if options.shm_transport and shm_available():
             h._shm = ShmSender(shm_job_tag(h.master), h.host_id or 0)
         return h._node_id
+
+    async def stop(self, cleanup: bool = False) -> None:
+        """Stop processing; pending pushes are released. ``cleanup`` deletes the local store."""
+        h = self.h
+        h.stopped = True
+        if h.gc_pacing is not None:
+            h.gc_pacing.uninstall()
+        for cond in h.conds.values():
+            async with cond:
+                cond.notify_all()
+        if cleanup:
+            for t in h._tasks:
+                t.cancel()
+            for core in h.cores.values():
+                core.close()
+            if h.backup_store is not None:
+                store = h.backup_store
+                await h.backups.in_store_thread(lambda: store.close(flush=False))
+            shutil.rmtree(h.workdir, ignore_errors=True)

@@ -18,7 +18,7 @@ from ray.exceptions import RayActorError, RayError
 
 from chronostream.containers.core import ContainerCore
 from chronostream.containers.epoch_message import EpochMessage
-from chronostream.containers.shm_transport import discard
+from chronostream.containers.shm_transport import discard, shm_paths, unpack
 
 log = logging.getLogger("chronostream.container")
 
@@ -207,3 +207,33 @@ class HostPushes:
         await self.learn_nodes([target_host])
         await self.push_replay(target, target_host, container_id, replay)
         return len(replay)
+
+    async def receive(self, container_id: int, epoch: int, sender: int, message: EpochMessage) -> bool:
+        """Receive one epoch message for a hosted container (waits while its inbox is full)."""
+        h = self.h
+        if h.stopped:  # (its files unlinked unread: a stopped host takes no message)
+            discard(shm_paths(message))
+            return False
+        message = unpack(message)  # first: a refused message's files are unlinked too
+        core, cond = h.cores.get(container_id), h.conds.get(container_id)
+        if core is None or cond is None or core.retired:
+            return False  # removed, or every slice migrated away: nothing needs it
+        async with cond:
+            await cond.wait_for(lambda: epoch < core.next_epoch + h.window + h.extra_window.get(container_id, 0)
+                                or h.stopped or core.retired)
+            accepted = core.deliver(epoch, sender, message)
+            cond.notify_all()
+        return accepted
+
+    async def receive_many(self, container_id: int, sender: int, messages: list[tuple[int, EpochMessage]]) -> int:
+        """Receive a run of epoch messages (a replay) in one call, in order, each waiting for room
+        in the inbox as ``push`` does; returns how many were accepted.
+
+        One awaited call per replayed epoch made a catch-up as slow as the
+        call's round trip (tens of ms on a busy host), barely faster than
+        the epochs a producer makes meanwhile.
+        """
+        accepted = 0
+        for epoch, message in messages:
+            accepted += bool(await self.receive(container_id, epoch, sender, message))
+        return accepted

@@ -3,7 +3,7 @@
 Owns the books (plan, placement, hosts and their handles, liveness, the
 job's state through ``master.protocols.job``, the catalog, the timeline)
 and the calls hosts and clients make. The work is done by its topic
-drivers: ``master.ray_deploy`` (deploy, a restarted master's reload),
+drivers: ``master.ray_deploy`` (deploy, a restarted master's reload), ``ray_stop``,
 ``ray_hosts`` (making, finding, probing, releasing hosts), ``ray_sources``,
 ``ray_chains`` (backup chains, GC), ``ray_watch`` (detection, recovery entry),
 ``ray_scaling`` (rescaling, autoscaler), ``ray_reads``, and the machines'
@@ -16,20 +16,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
-import shutil
 import time
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.exceptions import RayActorError, RayError
 
 from chronostream.slices.plan import JobPlan
 from chronostream.containers.logs import configure_from_env
 from chronostream.containers.stall_probe import start_from_env as start_stall_probe
-from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
 from chronostream.containers.core import ContainerStatistics
 from chronostream.containers.sink_parts import PackedSinkParts
 from chronostream.master.policies import Decision
@@ -45,11 +41,11 @@ from chronostream.master.ray_hosts import RayHosts
 from chronostream.master.ray_reads import RayReads
 from chronostream.master.ray_scaling import RayScaling
 from chronostream.master.ray_sources import SourceRefs
+from chronostream.master.ray_stop import RayStop
 from chronostream.master.ray_watch import RayWatch
-from chronostream.master.ray_recovery import kill_host
 from chronostream.master.protocols.gc import GcProtocol
 from chronostream.master.protocols.job import (ContainerDone, ContainerFailed, Enter, JobLifecycle, Kept, Settled,
-                                               StopAsked, StopHosts)
+                                               StopHosts)
 from chronostream.master.placement import Placement
 from chronostream.master.results import SinkPartRefs
 from chronostream.master.rpc_results import MasterStatus, PlacementView
@@ -80,7 +76,8 @@ class JobMaster:
         # with ``deploy`` and is kept in the catalog (``JobLaunch``); the source tables'
         # references are kept by the hosts too (``_source_ref``).
         configure_from_env()
-        self._stall_probe = start_stall_probe("master")  # CHRONOSTREAM_STALL_MS: see chronostream.containers.stall_probe
+        # CHRONOSTREAM_STALL_MS: see chronostream.containers.stall_probe
+        self._stall_probe = start_stall_probe("master")
         self.job_key = job_key
         self.workdir = workdir
         self.plan: JobPlan = None  # type: ignore[assignment]  # (set by deploy, or from the catalog)
@@ -138,6 +135,7 @@ class JobMaster:
         # The master's work by topic, each a driver over the books above (one module each).
         self.deployer = RayDeploy(self)
         self.hosts = RayHosts(self)
+        self.stopper = RayStop(self)
         self.sources = SourceRefs(self)
         self.chains = RayChains(self)
         self.scaling = RayScaling(self)
@@ -320,7 +318,8 @@ class JobMaster:
             return
         where = ""
         if container_id is not None and self.placement is not None and container_id in self.placement.stage_of:
-            where = f" in container {container_id} (stage {self.plan.stages[self.placement.stage_of[container_id]].name!r})"
+            stage = self.plan.stages[self.placement.stage_of[container_id]].name
+            where = f" in container {container_id} (stage {stage!r})"
         self.error = error
         self._job(ContainerFailed(where.strip(), str(error)))
 
@@ -411,45 +410,11 @@ class JobMaster:
         """The actor hosting each live container, by container id (tests and the failure harness)."""
         return {c: self.handles[self.host_of[c]] for ids in self.placement.containers.values() for c in ids}
 
-    def _remove_job_files(self) -> None:
-        """Delete what this job made under its work directory: the whole directory when ``run``
-        made it for the job; otherwise only the catalog (``master/``) and each of its hosts'
-        stores (``host-<id>/``; a live host removes its own at its stop, these are the ones of
-        hosts that died): nothing else in a directory the caller gave is touched."""
-        if self.identity.get("made_workdir"):
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            return
-        shutil.rmtree(os.path.join(self.workdir, "master"), ignore_errors=True)
-        for h in sorted(set(self.handles) | set(self.host_of.values()) | self.alive):
-            shutil.rmtree(os.path.join(self.workdir, f"host-{int(h)}"), ignore_errors=True)
-
     async def host_handles(self) -> dict[int, Any]:
         """Live hosts by host id."""
         return {h: self.handles[h] for h in sorted(self.alive)}
 
     async def stop(self, cleanup: bool = True) -> None:
         """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
-        directory (``_remove_job_files``)."""
-        self._job(StopAsked())
-        self._save_progress()
-        for task in self._background:
-            task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")
-        await asyncio.gather(*self._background, return_exceptions=True)
-        for h in sorted(self.alive):
-            if self.handles.get(h) is None:
-                continue  # (a host a restarted master did not find: dead, nothing to stop)
-            try:
-                await self.handles[h].stop.remote(cleanup)
-            except RayActorError:
-                pass  # a dead host has nothing left to stop
-            except RayError as exc:
-                # Its stop raised: the kill below ends it all the same, and the stop of the
-                # other hosts must not wait on this one.
-                log.warning("host %s: its stop failed (%s); killing it", h, exc)
-        self.catalog.close()
-        if cleanup:
-            self._remove_job_files()
-        # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
-        remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
-        for h, handle in self.handles.items():
-            kill_host(h, handle)  # detached: nothing else would release them
+        directory, and nothing else (``RayStop``)."""
+        await self.stopper.stop(cleanup)

@@ -193,7 +193,7 @@ def test_no_file_imports_a_layer_by_its_directory_name():
 #: The actors and the in-process driver are shells around the protocols (``master/protocols/``,
 #: ``containers/shipping.py``) whose work sits in one module per topic (``ray_*``, ``local_*``):
 #: their size may only shrink. The goal is about 400 lines each; these are today's ceilings.
-SHELL_LINES_MAX = {"master/actor.py": 460, "containers/actor.py": 480, "master/local.py": 730,
+SHELL_LINES_MAX = {"master/actor.py": 425, "containers/actor.py": 445, "master/local.py": 730,
                    "master/local_migration.py": 235, "master/local_recovery.py": 200}
 #: A topic module of a shell (``ray_*``, ``local_*``) stays small enough to read in one sitting.
 TOPIC_LINES_MAX = 320
