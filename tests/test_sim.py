@@ -42,6 +42,12 @@ FOUND_DEFECTS: dict[int, tuple[list[str] | None, str]] = {
     4722: (None, "a transfer settled (here by a restarted master) before its source let the slices go left "
                  "the producers marking them for the source: they sent every epoch to it for good, also "
                  "after it died"),
+    6257: (None, "the simulator killed a second host believing a slice survivable through a copy left off its "
+                 "chain, older than where GC had trimmed its producers' logs: the runtime rightly raised "
+                 "BackupsLost; a copy counts only from the restore floor up now"),
+    7366: (None, "the same, with a master crash and two deaths in one recovery"),
+    8223: (None, "a duplicate fault fired after the job's last message was sent: nothing could be copied, "
+                 "and the judge called it not landed instead of inapplicable"),
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from chronostream.master.local import Flight, LocalCluster, Network
 from chronostream.master.migration import MigrationError, MigrationPhase
 from chronostream.master.protocols.recovery import AtStep
-from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS
+from chronostream.master.recovery import RECOVERY_ROLES, RECOVERY_STEPS, restore_floor
 
 #: Every kind of fault, and what landing means for it.
 FAULT_KINDS: dict[str, str] = {
@@ -275,11 +275,14 @@ class Injector:
 
     def _survivable(self, cl: LocalCluster, host: int, damaged: tuple[int, int, int] | None = None) -> bool:
         """True when the job survives ``host``'s death by design: every slice of its containers
-        was never checkpointed (it is rebuilt from the start) or has a copy on another live host.
-        A job whose last copy of a slice dies fails with ``BackupsLost`` as it should; the
-        simulator checks what the runtime promises to survive."""
+        was never checkpointed (it is rebuilt from the start) or has a usable copy on another live
+        host: undamaged, and no older than where its producers' output logs now begin (a copy
+        left off the slice's chain by a migration or recovery ages while GC trims the logs past
+        it). A job whose last usable copy of a slice dies fails with ``BackupsLost`` as it
+        should; the simulator checks what the runtime promises to survive."""
         if len(cl.alive) < 2:
             return False
+        floor = restore_floor(cl.plan, cl.gc.marks) or {}
         # (the containers of a recovery's plan are placed before they exist: their slices count too)
         placed = {c for ids in cl.placement.containers.values() for c in ids}
         for c in sorted(set(cl.cores) | placed):
@@ -290,7 +293,8 @@ class Injector:
             slices = cl.cores[c].slices if c in cl.cores else cl.placement.slices_of(c)
             for s in slices:
                 if (st, s) in cl.checkpointed and not any(
-                        h != host and h in cl.alive and (st, s) in cl.stores[h].holds() and (st, s, h) != damaged
+                        h != host and h in cl.alive and cl.stores[h].epochs().get((st, s), -1) >= floor.get(st, -1)
+                        and (st, s) in cl.stores[h].holds() and (st, s, h) != damaged
                         and not self._is_damaged(cl, st, s, h) for h in cl.stores):
                     return False
         return True
@@ -615,6 +619,10 @@ class Injector:
                                      for p, why in ends)
                 landing.effect = "transfers ended " + ", ".join(p.value + (f" ({why})" if why else "")
                                                                 for p, why in ends)
+            elif k in ("duplicate", "delay") and not d.get("copied" if k == "duplicate" else "held", 0):
+                # (fired after the last message of the job was sent: the rest of the run only
+                # processes what arrived and writes to sinks)
+                landing.effect = "inapplicable: no message was sent after it fired"
             elif k == "duplicate":
                 landing.landed = d.get("refused", 0) >= 1 and not d.get("accepted_copy", 0)
                 landing.effect = (f"{d.get('copied', 0)} copies sent, {d.get('refused', 0)} refused, "
