@@ -11,9 +11,13 @@ computes the same thing: one running-count update per word.
 - serial: the serial executor (one event at a time; run on a smaller input);
 - handwritten: one process, Arrow/numpy, no framework.
 
-``--checkpoint-every K`` checkpoints the runtime runs every K epochs, to
-``--backup-factor`` copies a slice (default 2: with 2 containers a stage,
-one on the stage's other host and one on another stage's host).
+Each runtime model runs twice per repeat, in one process and alternating:
+without checkpoints and with a checkpoint every ``--checkpoint-interval``
+seconds (default 1) to ``--backup-factor`` copies a slice (default 2: with 2
+containers a stage, one on the stage's other host and one on another
+stage's host); ``ft_ratio`` is the median with checkpoints over the median
+without, per model. ``--checkpoint-every K`` checkpoints the second run every
+K epochs instead.
 
 ``--no-shm`` sends every epoch message through Ray's object store
 (``shm_transport=False``); by default
@@ -22,7 +26,8 @@ large parts between hosts of one node go as files in shared memory
 
 Runtime rates are taken over the job's processing time (from the moment all
 containers are started to the last epoch; actor start-up excluded and
-reported separately as ``deploy_s``). Medians of --repeat runs.
+reported separately as ``deploy_s``), and over the wall time from ``cs.run``
+to the job's end (``wall_words_per_s``). Medians of --repeat runs.
 
     python -m benchmarks.throughput --json
 """
@@ -83,67 +88,91 @@ def handwritten(lines: pa.Table) -> int:
 
 
 def run_runtime(lines: pa.Table, per_event: bool, words: int, checkpoint_every: int = 0,
-                backup_factor: int = 2, shm_transport: bool = True) -> tuple[float, float]:
-    """(words/s over processing time, deploy seconds) of one runtime run."""
+                checkpoint_interval_s: float = 0.0, backup_factor: int = 2,
+                shm_transport: bool = True) -> tuple[float, float, float]:
+    """(words/s over processing time, words/s from ``cs.run`` to the end, deploy seconds) of one
+    runtime run."""
     t0 = time.perf_counter()
     job = cs.run(build(lines, per_event), containers=2, checkpoint_every=checkpoint_every,
-                 backup_factor=backup_factor, shm_transport=shm_transport)
+                 checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
+                 shm_transport=shm_transport)
     deploy = time.perf_counter() - t0
     try:
         st = job.wait()
+        wall = time.perf_counter() - t0
         n = sum(s.events_out for s in job.statistics().values() if s.stage == "count")
     finally:
         job.stop()
     assert n == words, f"counted {n} of {words} words"
-    return words / st.elapsed_s, deploy
+    return words / st.elapsed_s, words / wall, deploy
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-interval", type=float, default=1.0,
+                   help="the checkpointed runs take a checkpoint every this many seconds (default 1)")
     p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="runtime runs checkpoint every K epochs (default 0: no checkpoints)")
+                   help="the checkpointed runs checkpoint every K epochs instead (default 0: by time)")
     p.add_argument("--backup-factor", type=int, default=2, help="copies a slice with checkpoints (default 2)")
     p.add_argument("--no-shm", action="store_true",
                    help="epoch messages through Ray's object store only (no shared-memory files)")
     args = p.parse_args()
-    ckpt = {"checkpoint_every": args.checkpoint_every, "backup_factor": args.backup_factor,
-            "shm_transport": not args.no_shm}
+    on = {"checkpoint_every": args.checkpoint_every,
+          "checkpoint_interval_s": 0.0 if args.checkpoint_every else args.checkpoint_interval,
+          "backup_factor": args.backup_factor, "shm_transport": not args.no_shm}
+    off = {"checkpoint_every": 0, "checkpoint_interval_s": 0.0, "backup_factor": args.backup_factor,
+           "shm_transport": not args.no_shm}
     n_lines = 20_000 if args.quick else 200_000
     lines = zipf_text(n_lines)
     words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(lines["line"]))).as_py())
     cs.ensure_ray()
-    hand, vec, per, deploys = [], [], [], []
-    for _ in range(args.repeat):
+    hand, deploys = [], []
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for i in range(args.repeat):
         t = time.perf_counter()
         handwritten(lines)
         hand.append(words / (time.perf_counter() - t))
-        r, d = run_runtime(lines, False, words, **ckpt)
-        vec.append(r)
-        deploys.append(d)
-        r, d = run_runtime(lines, True, words, **ckpt)
-        per.append(r)
+        for model, per_event in (("vectorized", False), ("per_event", True)):
+            # (alternating which goes first: a noisy machine's drift falls on both)
+            for ckpt, opts in ((("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))):
+                rate, wall, deploy = run_runtime(lines, per_event, words, **opts)
+                runs.setdefault((model, ckpt), []).append((rate, wall))
+                deploys.append(deploy)
     small = lines.slice(0, min(5_000, n_lines))
     small_words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(small["line"]))).as_py())
     t = time.perf_counter()
     cs.run(build(small, False), executor="serial")
     serial = small_words / (time.perf_counter() - t)
+
+    def rate(model: str, ckpt: str, wall: bool = False) -> float:
+        return median([r[1] if wall else r[0] for r in runs[(model, ckpt)]])
+
+    rows = []
+    for model in ("vectorized", "per_event"):
+        for ckpt in ("off", "on"):
+            rows.append({"config": f"runtime_{model}" + ("_checkpoints" if ckpt == "on" else ""),
+                         "checkpoints": ckpt == "on", "words_per_s": round(rate(model, ckpt)),
+                         "wall_words_per_s": round(rate(model, ckpt, wall=True)),
+                         "runs": [round(r[0]) for r in runs[(model, ckpt)]]})
     result = {
         "events": words,
         "lines": n_lines,
-        "runtime_words_per_s": round(median(vec)),
-        "runtime_per_event_words_per_s": round(median(per)),
+        "runtime_words_per_s": round(rate("vectorized", "off")),
+        "runtime_per_event_words_per_s": round(rate("per_event", "off")),
+        "ft_ratio": round(rate("vectorized", "on") / rate("vectorized", "off"), 3),
+        "ft_ratio_per_event": round(rate("per_event", "on") / rate("per_event", "off"), 3),
         "serial_words_per_s": round(serial),
         "handwritten_words_per_s": round(median(hand)),
-        "runtime_vs_handwritten": round(median(vec) / median(hand), 3),
+        "runtime_vs_handwritten": round(rate("vectorized", "off") / median(hand), 3),
         "deploy_s": round(median(deploys), 2),
         "containers_per_stage": 2,
-        "checkpoint_every": args.checkpoint_every,
+        "checkpoint_interval_s": on["checkpoint_interval_s"],
+        "checkpoint_every": 0,
+        "checkpointed_every": args.checkpoint_every,
         "backup_factor": args.backup_factor,
         "shm_transport": not args.no_shm,
         "repeat": args.repeat,
-        "rows": [
-            {"config": "runtime_vectorized", "words_per_s": round(median(vec)), "runs": [round(x) for x in vec]},
-            {"config": "runtime_per_event", "words_per_s": round(median(per)), "runs": [round(x) for x in per]},
+        "rows": rows + [
             {"config": "serial", "words_per_s": round(serial), "runs": [round(serial)]},
             {"config": "handwritten_arrow", "words_per_s": round(median(hand)), "runs": [round(x) for x in hand]},
         ],
