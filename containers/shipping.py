@@ -192,9 +192,6 @@ class ShippingProtocol:
         """No round open: everything taken has ended."""
         return not self.rounds
 
-    def open_rounds(self) -> list[int]:
-        return list(self.rounds)
-
     def handle(self, event: Event) -> list[Command]:
         """Take one event; return what the driver must do, in order."""
         out: list[Command] = []

@@ -63,9 +63,6 @@ class LocalShipping:
         machine = self.machines.get(cid)
         return machine is None or machine.idle
 
-    def open_rounds(self) -> int:
-        return sum(len(m.rounds) for m in self.machines.values())
-
     def sweep(self) -> bool:
         """Settle every await whose message left the network or whose container drained (until
         none is left to settle); returns whether any was."""
