@@ -19,6 +19,11 @@ stage's host); ``ft_ratio`` is the median with checkpoints over the median
 without, per model. ``--checkpoint-every K`` checkpoints the second run every
 K epochs instead.
 
+The counts go to a memory sink; with checkpoints, a memory sink's rows
+reach the master's catalog every round (so they outlive their host), which
+is part of what checkpoints cost here. ``--sink parquet`` writes them to a
+Parquet sink instead (files the hosts write, in a temporary directory).
+
 ``--no-shm`` sends every epoch message through Ray's object store
 (``shm_transport=False``); by default
 large parts between hosts of one node go as files in shared memory
@@ -34,6 +39,8 @@ to the job's end (``wall_words_per_s``). Medians of --repeat runs.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -58,15 +65,18 @@ class PerEventCount(cs.Operator):
         self.produce("out", {"word": w, "count": n})
 
 
-def build(lines: pa.Table, per_event: bool, slices: int = 32, epoch_events: int = 16384) -> cs.Query:
-    """The word-count query (vectorized or per-event)."""
+def build(lines: pa.Table, per_event: bool, slices: int = 32, epoch_events: int = 16384,
+          parquet_dir: str | None = None) -> cs.Query:
+    """The word-count query (vectorized or per-event), into a memory sink or, with ``parquet_dir``,
+    a Parquet sink there."""
     q = cs.Query(epoch_events=epoch_events)
     src = q.source("lines", lines)
     if per_event:
         words = src.flat_map(lambda e: [{"word": w} for w in e["line"].split()])
-        words.key_by("word").apply(PerEventCount, slices=slices, name="count").sink(name="counts")
+        counts = words.key_by("word").apply(PerEventCount, slices=slices, name="count")
     else:
-        src.flat_map_batches(split_words).key_by("word").count(slices=slices, name="count").sink(name="counts")
+        counts = src.flat_map_batches(split_words).key_by("word").count(slices=slices, name="count")
+    counts.sink(cs.ParquetSink(parquet_dir, name="counts", overwrite=True) if parquet_dir else None, name="counts")
     return q
 
 
@@ -89,20 +99,25 @@ def handwritten(lines: pa.Table) -> int:
 
 def run_runtime(lines: pa.Table, per_event: bool, words: int, checkpoint_every: int = 0,
                 checkpoint_interval_s: float = 0.0, backup_factor: int = 2,
-                shm_transport: bool = True) -> tuple[float, float, float]:
+                shm_transport: bool = True, parquet: bool = False) -> tuple[float, float, float]:
     """(words/s over processing time, words/s from ``cs.run`` to the end, deploy seconds) of one
-    runtime run."""
-    t0 = time.perf_counter()
-    job = cs.run(build(lines, per_event), containers=2, checkpoint_every=checkpoint_every,
-                 checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
-                 shm_transport=shm_transport)
-    deploy = time.perf_counter() - t0
+    runtime run (``parquet``: into a Parquet sink in a temporary directory)."""
+    out = tempfile.mkdtemp(prefix="throughput-sink-") if parquet else None
     try:
-        st = job.wait()
-        wall = time.perf_counter() - t0
-        n = sum(s.events_out for s in job.statistics().values() if s.stage == "count")
+        t0 = time.perf_counter()
+        job = cs.run(build(lines, per_event, parquet_dir=out), containers=2, checkpoint_every=checkpoint_every,
+                     checkpoint_interval_s=checkpoint_interval_s, backup_factor=backup_factor,
+                     shm_transport=shm_transport)
+        deploy = time.perf_counter() - t0
+        try:
+            st = job.wait()
+            wall = time.perf_counter() - t0
+            n = sum(s.events_out for s in job.statistics().values() if s.stage == "count")
+        finally:
+            job.stop()
     finally:
-        job.stop()
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
     assert n == words, f"counted {n} of {words} words"
     return words / st.elapsed_s, words / wall, deploy
 
@@ -116,12 +131,15 @@ def main() -> None:
     p.add_argument("--backup-factor", type=int, default=2, help="copies a slice with checkpoints (default 2)")
     p.add_argument("--no-shm", action="store_true",
                    help="epoch messages through Ray's object store only (no shared-memory files)")
+    p.add_argument("--sink", choices=("memory", "parquet"), default="memory",
+                   help="where the runtime's counts go (default memory: with checkpoints its rows reach the "
+                        "master's catalog every round; parquet: files the hosts write)")
     args = p.parse_args()
     on = {"checkpoint_every": args.checkpoint_every,
           "checkpoint_interval_s": 0.0 if args.checkpoint_every else args.checkpoint_interval,
-          "backup_factor": args.backup_factor, "shm_transport": not args.no_shm}
+          "backup_factor": args.backup_factor, "shm_transport": not args.no_shm, "parquet": args.sink == "parquet"}
     off = {"checkpoint_every": 0, "checkpoint_interval_s": 0.0, "backup_factor": args.backup_factor,
-           "shm_transport": not args.no_shm}
+           "shm_transport": not args.no_shm, "parquet": args.sink == "parquet"}
     n_lines = 20_000 if args.quick else 200_000
     lines = zipf_text(n_lines)
     words = int(pc.sum(pc.list_value_length(pc.utf8_split_whitespace(lines["line"]))).as_py())
@@ -171,6 +189,7 @@ def main() -> None:
         "checkpointed_every": args.checkpoint_every,
         "backup_factor": args.backup_factor,
         "shm_transport": not args.no_shm,
+        "sink": args.sink,
         "repeat": args.repeat,
         "rows": rows + [
             {"config": "serial", "words_per_s": round(serial), "runs": [round(serial)]},

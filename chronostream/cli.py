@@ -72,7 +72,7 @@ def parse_options(pairs: list[str]) -> cs.JobOptions:
             hint = f" (did you mean {near[0]!r}?)" if near else f" (fields: {', '.join(sorted(fields))})"
             raise SystemExit(f"--option {pair}: " + (f"JobOptions has no field {name!r}{hint}" if sep
                                                     else "expected NAME=VALUE"))
-        kind = type(getattr(defaults, name))
+        kind = type(getattr(defaults, name)) if getattr(defaults, name) is not None else float
         try:
             if kind is bool:
                 if text.strip().lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Seconds between checkpoint rounds when a job gives neither ``checkpoint_interval_s`` nor
+#: ``checkpoint_every`` (fault tolerance is on by default).
+DEFAULT_CHECKPOINT_INTERVAL_S = 1.0
+
 
 @dataclass(frozen=True)
 class JobOptions:
     """The runtime options of one job, with their defaults: ``cs.run(q, options=JobOptions(...))``
     (or the same names as keywords of ``run``). Validated here, once.
 
-    **Fault tolerance.** With ``checkpoint_every=K`` every slice is checkpointed
-    every K epochs, with ``checkpoint_interval_s=T`` at the first epoch boundary T
-    seconds after the previous round (alone or with K): a full checkpoint, then
+    **Fault tolerance** is on by default: every slice is checkpointed at the first
+    epoch boundary ``checkpoint_interval_s`` seconds after its previous round
+    (default 1 s), or with ``checkpoint_every=K`` every K epochs (then by time
+    only when ``checkpoint_interval_s`` is given too); ``checkpoint_interval_s=0``
+    turns checkpoints off. A checkpoint is a full one, then
     deltas merged at the backups (``full_checkpoint_every=N`` forces a full one
     every N), encoded off the epoch in a background thread and shipped to
     ``backup_factor`` peers of its stage along the chain of the ChronoStream paper.
@@ -45,8 +51,10 @@ class JobOptions:
     ``source_pace_s`` slows every source by that long per epoch (demos and tests
     that want a fault or a rescale to land mid-stream).
 
-    >>> JobOptions(checkpoint_every=4).checkpointing
-    True
+    >>> JobOptions().checkpoint_period_s, JobOptions(checkpoint_every=4).checkpoint_period_s
+    (1.0, 0.0)
+    >>> JobOptions(checkpoint_interval_s=0).checkpointing
+    False
     >>> JobOptions(backup_factor=-1)
     Traceback (most recent call last):
     ...
@@ -58,7 +66,9 @@ class JobOptions:
     heartbeat_timeout_s: float = 60.0  # silence after which a host counts as dead
     output_log: bool = True  # log routed outputs to lmdb (replay for recovery and migration)
     checkpoint_every: int = 0  # checkpoint every K epochs (0: no epoch trigger)
-    checkpoint_interval_s: float = 0.0  # checkpoint at the first epoch boundary T s after the last round
+    # Checkpoint at the first epoch boundary T s after the previous round (0: not by time;
+    # None: DEFAULT_CHECKPOINT_INTERVAL_S unless checkpoint_every is given). Read checkpoint_period_s.
+    checkpoint_interval_s: float | None = None
     backup_factor: int = 2  # chained backup copies per slice
     full_checkpoint_every: int = 0  # force a full checkpoint every N (0: deltas merged at the backups)
     recompute_lost: bool = False  # rebuild a slice whose every backup is lost from the start
@@ -95,7 +105,9 @@ class JobOptions:
                      "source_poll_s", "ship_piece_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("checkpoint_interval_s", "full_gc_interval_s", "migration_warm_up_s", "source_pace_s",
+        if self.checkpoint_interval_s is not None and self.checkpoint_interval_s < 0:
+            raise ValueError(f"checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
+        for name in ("full_gc_interval_s", "migration_warm_up_s", "source_pace_s",
                      "master_lost_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -106,6 +118,14 @@ class JobOptions:
         return self.master_lost_s or max(3 * self.heartbeat_s, 60.0)
 
     @property
+    def checkpoint_period_s(self) -> float:
+        """Seconds between a slice's checkpoint rounds by time (0: none by time): ``checkpoint_interval_s``,
+        or when it is not given, ``DEFAULT_CHECKPOINT_INTERVAL_S`` unless ``checkpoint_every`` is."""
+        if self.checkpoint_interval_s is not None:
+            return self.checkpoint_interval_s
+        return 0.0 if self.checkpoint_every else DEFAULT_CHECKPOINT_INTERVAL_S
+
+    @property
     def checkpointing(self) -> bool:
         """True when slices are checkpointed to backups (by epochs or by time)."""
-        return bool(self.checkpoint_every or self.checkpoint_interval_s)
+        return bool(self.checkpoint_every or self.checkpoint_period_s)

@@ -97,7 +97,7 @@ class ContainerHosting:
                              output_log=olog, sink_writers=writers, dead_letter_writer=dl,
                              backup_peers=backup_peers, checkpoint_every=h.opts.checkpoint_every,
                              full_checkpoint_every=h.opts.full_checkpoint_every, backup_store=h.backup_store,
-                             checkpoint_interval_s=h.opts.checkpoint_interval_s, spill=h.spill_store)
+                             checkpoint_interval_s=h.opts.checkpoint_period_s, spill=h.spill_store)
         # (None: a host the master found dead and is about to recover; pushes to it stop, as for
         # any unreachable container, until a reroute names its replacement.)
         h.peers.update({c: a for c, a in peers.items() if a is not None})

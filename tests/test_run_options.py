@@ -12,7 +12,7 @@ import inspect
 import pytest
 
 import chronostream as cs
-from chronostream.cli import main
+from chronostream.cli import main, parse_options
 from chronostream.client import job_options
 
 
@@ -36,6 +36,22 @@ def test_a_keyword_overrides_the_field_of_options():
     assert base.backup_factor == 1  # options are frozen: the caller's value is not changed
     assert job_options(None, {}) == cs.JobOptions()
     assert job_options(base, {}) is base
+
+
+def test_checkpoints_are_on_by_default_every_second_and_off_only_when_asked():
+    assert cs.JobOptions().checkpointing and cs.JobOptions().checkpoint_period_s == 1.0
+    # Epochs given alone: by epochs only; both given: both triggers.
+    assert cs.JobOptions(checkpoint_every=4).checkpoint_period_s == 0.0
+    assert cs.JobOptions(checkpoint_every=4, checkpoint_interval_s=2.5).checkpoint_period_s == 2.5
+    off = job_options(None, {"checkpoint_interval_s": 0})
+    assert not off.checkpointing and off.checkpoint_period_s == 0.0
+    assert not job_options(cs.JobOptions(checkpoint_every=4), {"checkpoint_every": 0, "checkpoint_interval_s": 0.0}
+                           ).checkpointing
+    with pytest.raises(ValueError, match="checkpoint_interval_s must be >= 0, got -1"):
+        cs.JobOptions(checkpoint_interval_s=-1)
+    assert parse_options(["checkpoint_interval_s=0"]).checkpoint_period_s == 0.0  # (a float, from the CLI)
+    with pytest.raises(SystemExit, match="checkpoint_interval_s takes a number"):
+        parse_options(["checkpoint_interval_s=often"])
 
 
 def test_an_unknown_keyword_names_the_field_it_may_mean():
