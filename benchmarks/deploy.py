@@ -2,7 +2,7 @@
 
 The job: a 2-stage running word count (a source of 1,000 words, ``key_by``,
 the built-in ``count`` on 8 slices, a memory sink), 2 containers a stage,
-with the default options (checkpoints included).
+checkpoints every second.
 
 - warm: in this process, Ray already started (``cs.ensure_ray()``), ``--runs``
   jobs one after another (default 10), each timed from the call to ``cs.run``
@@ -40,7 +40,7 @@ def build() -> cs.Query:
 
 def one_job(t0: float) -> dict[str, float]:
     """Run the job (``cs.run`` called at ``t0``, wall time): seconds to its first output and to its end."""
-    job = cs.run(build(), containers=2)
+    job = cs.run(build(), containers=2, checkpoint_interval_s=1.0)
     try:
         job.wait()
         done = time.time()

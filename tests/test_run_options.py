@@ -14,6 +14,7 @@ import pytest
 import chronostream as cs
 from chronostream.cli import main, parse_options
 from chronostream.client import job_options
+from chronostream.containers.options import DEFAULT_CHECKPOINT_INTERVAL_S
 
 
 def counts() -> cs.Query:
@@ -38,11 +39,15 @@ def test_a_keyword_overrides_the_field_of_options():
     assert job_options(base, {}) is base
 
 
-def test_checkpoints_are_on_by_default_every_second_and_off_only_when_asked():
-    assert cs.JobOptions().checkpointing and cs.JobOptions().checkpoint_period_s == 1.0
+def test_checkpoints_by_time_by_epochs_or_both_and_off_when_neither_is_given():
+    default = cs.JobOptions()
+    assert default.checkpoint_period_s == DEFAULT_CHECKPOINT_INTERVAL_S
+    assert default.checkpointing == (DEFAULT_CHECKPOINT_INTERVAL_S > 0)
     # Epochs given alone: by epochs only; both given: both triggers.
     assert cs.JobOptions(checkpoint_every=4).checkpoint_period_s == 0.0
     assert cs.JobOptions(checkpoint_every=4, checkpoint_interval_s=2.5).checkpoint_period_s == 2.5
+    on = job_options(None, {"checkpoint_interval_s": 1})
+    assert on.checkpointing and on.checkpoint_period_s == 1.0
     off = job_options(None, {"checkpoint_interval_s": 0})
     assert not off.checkpointing and off.checkpoint_period_s == 0.0
     assert not job_options(cs.JobOptions(checkpoint_every=4), {"checkpoint_every": 0, "checkpoint_interval_s": 0.0}
