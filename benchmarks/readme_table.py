@@ -263,6 +263,21 @@ def feed_rates(results: list[Result]) -> str:
     return f"{round(_median(rates['feed'])):,} / {round(_median(rates['validate'])):,} rows/s"
 
 
+def ft_cost(results: list[Result]) -> str:
+    """Throughput with checkpoints every second over without, per model (the median over the lines)."""
+    vec = _median([res.data["ft_ratio"] for res in results])
+    per_event = _median([res.data["ft_ratio_per_event"] for res in results])
+    return f"vectorized {vec:.2f}x, per-event {per_event:.2f}x"
+
+
+def deploy_times(results: list[Result]) -> str:
+    """Seconds from ``cs.run`` to the first output: warm p50 and max, cold p50 (medians over the lines)."""
+    warm = _median([res.data["warm_first_output_s_p50"] for res in results])
+    high = max(res.data["warm_first_output_s_max"] for res in results)
+    cold = _median([res.data["cold_first_output_s_p50"] for res in results])
+    return f"warm {warm:.2f} s p50, {high:.2f} s max; cold {cold:.1f} s p50"
+
+
 def sim_runs(results: list[Result]) -> str:
     """Schedules, landed faults and failures of the simulator's runs (summed over the lines), and
     their time."""
@@ -292,6 +307,10 @@ FIGURES = (
            lambda res: not res.data.get("checkpoint_every")),
     Figure("word count, per-event Python operators", ">= 200,000 words/s", "throughput",
            throughput_of("runtime_per_event"), lambda res: not res.data.get("checkpoint_every")),
+    Figure("word count with checkpoints every second, 2 backups, over without", ">= 0.9x", "throughput", ft_cost,
+           lambda res: "ft_ratio" in res.data and "ft_ratio_per_event" in res.data),
+    Figure("deploy: `cs.run` to first output of a 2-stage job", "warm <= 1 s; cold <= 5 s", "deploy",
+           deploy_times),
     Figure("async delta checkpoint after every epoch, one slice", "max epoch <= 1.5x without; throughput >= 0.9x",
            "checkpoint", checkpoint_cost),
     Figure("recovery of 1 GB lost, 2 peers", "< 10 s", "recovery", recovery),

@@ -70,11 +70,12 @@ def test_write_refuses_a_table_that_would_lose_figures(tmp_path, capsys):
     results.write_text("\n".join(throughput) + "\n")
     assert readme_table.main([str(results)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("\n") == 4 and "2.9 M words/s" in printed
+    # (three figures: no checkpoints, per-event, and checkpoints over none)
+    assert printed.count("\n") == 5 and "2.9 M words/s" in printed and "vectorized 0.43x" in printed
     path = tmp_path / "README.md"
     path.write_text(README.read_text())
     assert readme_table.main([str(results), "--write", str(path)]) == 2
-    assert "no result line for 'async delta checkpoint" in capsys.readouterr().err
+    assert "no result line for 'deploy: " in capsys.readouterr().err
     assert path.read_text() == README.read_text()
 
 
