@@ -63,6 +63,15 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(result))
 
 
+def last_json_line(text: str) -> dict[str, Any]:
+    """The JSON object on the last line of ``text`` (what a benchmark's child process printed).
+
+    >>> last_json_line('starting\\n{"x": 1}\\n')
+    {'x': 1}
+    """
+    return json.loads(text.strip().splitlines()[-1])
+
+
 def with_order(table: pa.Table, lo: int, hi: int) -> pa.Table:
     """Rows ``lo:hi`` of ``table`` numbered for a source log (``_order`` = ``_stream_seq`` = row index)."""
     idx = np.arange(lo, hi, dtype=np.int64)

@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 
 import chronostream as cs
-from benchmarks.common import emit, median, parser
+from benchmarks.common import emit, last_json_line, median, parser
 
 WORDS = 1_000
 
@@ -70,7 +70,7 @@ def main() -> None:
     for _ in range(cold_runs):  # before this process starts Ray: each child starts its own
         out = subprocess.run([sys.executable, "-m", "benchmarks.deploy", "--cold-child"], check=True,
                              stdout=subprocess.PIPE, text=True).stdout
-        cold.append(json.loads(out.strip().splitlines()[-1]))
+        cold.append(last_json_line(out))
     t = time.perf_counter()
     cs.ensure_ray()
     ray_start = time.perf_counter() - t

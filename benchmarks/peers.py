@@ -63,7 +63,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import chronostream as cs
-from benchmarks.common import emit, median, parser
+from benchmarks.common import emit, last_json_line, median, parser
 from chronostream.datasets import split_words, zipf_text
 
 QUERIES = ("wordcount", "keyed_sum")
@@ -126,7 +126,7 @@ def child_spark(query: str, data_dir: str) -> dict[str, Any]:
     spark = spark_session("local[2]", app="peers")
     src = os.path.join(data_dir, query)
     schema = pq.read_schema(_files(data_dir, query)[0])
-    stream = (spark.readStream.schema(spark.createDataFrame([], schema=_spark_schema(schema)).schema)
+    stream = (spark.readStream.schema(_spark_schema(schema))
               .option("maxFilesPerTrigger", 1).parquet(src))
     if query == "wordcount":
         agg = stream.select(F.explode(F.split("line", " ")).alias("word")).groupBy("word").count()
@@ -219,8 +219,7 @@ def child_bytewax(query: str, data_dir: str, checkpoints: bool, proc_id: int, ad
 
 
 def _child_result(cmd: list[str]) -> dict[str, Any]:
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return last_json_line(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout)
 
 
 def _child_cmd(*args: str) -> list[str]:
@@ -250,7 +249,7 @@ def run_bytewax(query: str, data_dir: str, checkpoints: bool) -> dict[str, Any]:
             out, _ = p.communicate()
             if p.returncode:
                 raise RuntimeError(f"bytewax process exited with {p.returncode}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(last_json_line(out))
     finally:
         shutil.rmtree(recovery, ignore_errors=True)
     return {"processing_s": max(r["processing_s"] for r in results), "wall_s": max(r["wall_s"] for r in results),
