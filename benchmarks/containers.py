@@ -32,7 +32,8 @@ COUNTS = (1, 2, 4, 8, 16)
 def one_run(table, containers: int, epoch: int) -> float:
     """Seconds for the whole job with the counting stage in ``containers`` containers."""
     t0 = time.perf_counter()
-    job = cs.run(word_count(table, SLICES, epoch), executor="local", containers={"lines": 1, "count": containers})
+    job = cs.run(word_count(table, SLICES, epoch), executor="local", containers={"lines": 1, "count": containers},
+                 checkpoint_interval_s=0)
     elapsed = time.perf_counter() - t0
     assert job.results("counts").num_rows > 0
     return elapsed

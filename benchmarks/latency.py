@@ -67,7 +67,8 @@ def build(log_dir: str, window_s: int, epoch: int, follow: bool) -> cs.Query:
 def max_throughput(table: pa.Table, window_s: int, epoch: int, root: Path) -> float:
     log_dir = str(root / f"bounded-{window_s}")
     write_all(log_dir, "payments", table)
-    job = cs.run(build(log_dir, window_s, epoch, False), containers={"payments": 1, "profiles": 2})
+    job = cs.run(build(log_dir, window_s, epoch, False), containers={"payments": 1, "profiles": 2},
+                 checkpoint_interval_s=0)
     try:
         st = job.wait(timeout_s=3600)
         return table.num_rows / st.elapsed_s
@@ -81,7 +82,8 @@ def latency_run(table: pa.Table, window_s: int, epoch: int, rate: float, root: P
     first = min(epoch, table.num_rows)
     w.append({"payments": with_order(table, 0, first)}, high_water=first)
     appended: list[tuple[int, float]] = [(first - 1, time.time())]  # the first chunk counts from the start
-    job = cs.run(build(log_dir, window_s, epoch, True), containers={"payments": 1, "profiles": 2})
+    job = cs.run(build(log_dir, window_s, epoch, True), containers={"payments": 1, "profiles": 2},
+                 checkpoint_interval_s=0)
     rss = 0.0
 
     def sample() -> None:

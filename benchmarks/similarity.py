@@ -67,7 +67,7 @@ def one_run(window_s: int, events: int, epoch: int, seed: int) -> dict:
     prefill = max(1, math.ceil(RATE * window_s / epoch)) * epoch
     total = prefill + events
     q = similarity_query(total, LOCATIONS, window_s, seed, SLICES, epoch_events=epoch, source_slices=1)
-    job = cs.run(q, containers=CONTAINERS)
+    job = cs.run(q, containers=CONTAINERS, checkpoint_interval_s=0)
     try:
         st = job.wait(timeout_s=3600)
         metrics = job.metrics()

@@ -233,7 +233,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
     if ray:
         if not grouped:
             raise ValueError("on Ray a stage's slices always run as groups")
-        job = cs.run(q, containers=1, shm_transport=shm)
+        job = cs.run(q, containers=1, shm_transport=shm, checkpoint_interval_s=0)
         try:
             elapsed = job.wait().elapsed_s
             # (not ``results``: collecting millions of rows through the master takes longer than the run)
@@ -251,7 +251,7 @@ def one_run(table, slices: int, epoch: int, grouped: bool = True, chained: bool 
     ContainerCore.GROUP_SLICES = grouped
     try:
         t0 = time.perf_counter()
-        job = cs.run(q, executor="local", containers=1)
+        job = cs.run(q, executor="local", containers=1, checkpoint_interval_s=0)
         elapsed = time.perf_counter() - t0
     finally:
         ContainerCore.GROUP_SLICES = True
@@ -284,7 +284,8 @@ def copy_floor(table: pa.Table, slices: int, epoch: int, repeat: int) -> dict:
     """``--floor``: the one-slice run's median seconds, and per column set (``FLOOR_COLUMNS``) the
     median milliseconds of taking its output into ``slices``-slice order, epoch by epoch."""
     one = [one_run(table, 1, epoch) for _ in range(repeat)]
-    out = cs.run(word_count(table, 1, epoch), executor="local", containers=1).results("counts")
+    out = cs.run(word_count(table, 1, epoch), executor="local", containers=1,
+                 checkpoint_interval_s=0).results("counts")
     chunks = slice_ordered_epochs(out, slices, epoch)
     base = median(one)
     rows = []

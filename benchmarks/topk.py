@@ -88,7 +88,7 @@ def max_throughput(table: pa.Table, prefill: int, window: int, k: int, epoch: in
     log_dir = str(root / f"bounded-{window}-{time.monotonic_ns()}")
     write_all(log_dir, "text", table)
     job = cs.run(topk_query(table.num_rows, window=window, k=k, epoch_events=epoch, log_dir=log_dir),
-                 containers=CONTAINERS)
+                 containers=CONTAINERS, checkpoint_interval_s=0)
     peak = 0
     try:
         while job.status().state == "running":
@@ -109,7 +109,7 @@ def latency_run(table: pa.Table, prefill: int, window: int, k: int, epoch: int, 
     w.append({"text": with_order(table, 0, prefill)}, high_water=prefill)
     appended: list[tuple[int, float]] = [(prefill - 1, time.time())]
     job = cs.run(topk_query(table.num_rows, window=window, k=k, epoch_events=epoch, log_dir=log_dir, follow=True),
-                 containers=CONTAINERS)
+                 containers=CONTAINERS, checkpoint_interval_s=0)
     last_prefill = prefill // epoch - 1
 
     def prefilled() -> bool:  # pace only once every epoch of the prefill has reached the sink

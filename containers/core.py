@@ -93,7 +93,7 @@ class ContainerStatistics:
     buffered_bytes: int
     busy_s: float
     cpu_s: float
-    rss_bytes: int
+    rss_bytes: int  # resident memory the process owns (RSS without file-backed shared pages)
     checkpoints: int = 0  # slice checkpoints taken (shipped to backups)
     log_entries: int = 0  # batches in the output log (bounded by GC)
     backup_bytes: int = 0  # bytes of peers' checkpoints and carried outputs held by this host
@@ -1020,7 +1020,10 @@ class ContainerCore:
         try:
             import psutil
             proc = psutil.Process(os.getpid())
-            rss = proc.memory_info().rss
+            # Memory the process owns: file-backed pages (the lmdb maps of the output log and
+            # the backups) sit in the page cache, which the kernel reclaims; they are not counted.
+            mem = proc.memory_info()
+            rss = mem.rss - mem.shared
             cpu = sum(proc.cpu_times()[:2])
         except Exception:  # noqa: BLE001 - metrics must never fail the job
             rss, cpu = 0, 0.0

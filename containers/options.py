@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Seconds between checkpoint rounds when a job gives neither ``checkpoint_interval_s`` nor
-#: ``checkpoint_every`` (0: checkpoints off unless asked for).
-DEFAULT_CHECKPOINT_INTERVAL_S = 0.0
+#: ``checkpoint_every``: fault tolerance is on unless the job turns it off (``checkpoint_interval_s=0``).
+DEFAULT_CHECKPOINT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -18,11 +18,12 @@ class JobOptions:
     """The runtime options of one job, with their defaults: ``cs.run(q, options=JobOptions(...))``
     (or the same names as keywords of ``run``). Validated here, once.
 
-    **Fault tolerance.** With ``checkpoint_interval_s=T`` every slice is
-    checkpointed at the first epoch boundary T seconds after its previous round
-    (1 s is a good value), with ``checkpoint_every=K`` every K epochs (both
-    together: whichever comes first); with neither, checkpoints are off
-    (``DEFAULT_CHECKPOINT_INTERVAL_S``). A checkpoint is a full one, then
+    **Fault tolerance** is on by default: every slice is checkpointed at the
+    first epoch boundary ``checkpoint_interval_s`` (default 1 s,
+    ``DEFAULT_CHECKPOINT_INTERVAL_S``) after its previous round; with
+    ``checkpoint_every=K`` every K epochs (K alone: by epochs only; both:
+    whichever comes first); ``checkpoint_interval_s=0`` and no
+    ``checkpoint_every`` turn checkpoints off. A checkpoint is a full one, then
     deltas merged at the backups (``full_checkpoint_every=N`` forces a full one
     every N), encoded off the epoch in a background thread and shipped to
     ``backup_factor`` peers of its stage along the chain of the ChronoStream paper.
@@ -51,8 +52,10 @@ class JobOptions:
     ``source_pace_s`` slows every source by that long per epoch (demos and tests
     that want a fault or a rescale to land mid-stream).
 
-    >>> JobOptions(checkpoint_interval_s=1.0).checkpointing, JobOptions().checkpointing
+    >>> JobOptions().checkpointing, JobOptions(checkpoint_interval_s=0).checkpointing
     (True, False)
+    >>> JobOptions().checkpoint_period_s, JobOptions(checkpoint_every=4).checkpoint_period_s
+    (1.0, 0.0)
     >>> JobOptions(backup_factor=-1)
     Traceback (most recent call last):
     ...

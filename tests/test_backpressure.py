@@ -4,7 +4,8 @@ Method: 200 MB of events (2 KB each) flow from a source into an operator that
 sleeps on every batch. While the job runs, the master's statistics are
 sampled: the slow container never buffers more than the in-flight bound of
 epochs (counted and in bytes), the source never runs more than a few epochs
-ahead of it, and the slow container's RSS stops growing after warm-up.
+ahead of it, and the memory the slow container owns (RSS without the page cache
+of its lmdb maps) stops growing after warm-up.
 (Without the bound, the same run buffers 80 epochs, about 160 MB.)
 """
 

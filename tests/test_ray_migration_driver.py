@@ -35,7 +35,7 @@ class _Host:
 
 def _master(log: list, add_container) -> SimpleNamespace:
     stage = SimpleNamespace(kind="stateful", name="running_sum")
-    return SimpleNamespace(opts=JobOptions(checkpoint_every=0), plan=SimpleNamespace(stages=[stage, stage]),
+    return SimpleNamespace(opts=JobOptions(checkpoint_interval_s=0), plan=SimpleNamespace(stages=[stage, stage]),
                            handles={5: _Host(log)}, deployer=SimpleNamespace(add_container=add_container),
                            _event=lambda kind, **info: log.append((kind, info)),
                            chains=SimpleNamespace(of_stage=lambda sid: {}))
