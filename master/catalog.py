@@ -7,7 +7,7 @@ nodes, the next free id, the containers that finished, the memory-sink rows
 handed over at checkpoints, the GC marks, the job's state and its timeline, the job's identity
 (its key and plan fingerprint: ``run(..., resume=True)`` checks it) and the job's launch (plan,
 options, policy: ``master.launch``). Values are msgpack (sink rows: one key per packed group,
-``containers.sink_parts``, its rows as Arrow IPC): nothing executes when they are read, except
+``containers.sink_parts``, its rows as Arrow IPC under a key of their own): nothing executes when they are read, except
 the launch, which is a pickle (it carries the user's code). So the launch is stored with an
 HMAC-SHA256 under a random per-job key kept next to the catalog (``launch.key``: created
 exclusively, mode 0600, in the catalog's 0700 directory), and ``load_launch`` verifies it before
@@ -321,10 +321,12 @@ class MasterCatalog:
             return  # the job was stopped: late reports are not kept
         if self.sink_keys is None:
             self.sink_keys = self._count_sink_keys()
-        items = []
+        items: list[tuple[bytes, Any]] = []
         for sink_id, table, index in packed.groups:
-            ipc = stream_buffer(table).to_pybytes()  # (msgpack takes bytes)
-            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes(), ipc])))
+            # The rows go to lmdb as the IPC buffer is written (lmdb copies it into its page):
+            # their own key, beside a small msgpack header, so no copy into bytes comes first.
+            items.append((b"sink:%012d" % self.sink_keys, _pack([sink_id, index.tobytes()])))
+            items.append((b"sinkrows:%012d" % self.sink_keys, stream_buffer(table)))
             self.sink_keys += 1
         put_all(self.env, items, store="master catalog")
 
@@ -349,8 +351,11 @@ class MasterCatalog:
                 for key, value in cur:
                     if not key.startswith(b"sink:"):
                         break
-                    sink_id, index, ipc = _unpack(value)
-                    groups.append((sink_id, read_stream(ipc),
+                    sink_id, index = _unpack(value)
+                    rows = txn.get(b"sinkrows:" + key[len(b"sink:"):])
+                    if rows is None:
+                        raise CatalogError(f"{self.path}: memory-sink part {key.decode()} has no rows")
+                    groups.append((sink_id, read_stream(rows),
                                    np.frombuffer(index, dtype=np.int64).reshape(-1, 3)))
         return groups
 
