@@ -45,8 +45,9 @@ from chronostream.master.policies import (CompactionRule, Decision, HotSliceRule
 from chronostream.master.rpc_results import PlacementView  # noqa: E402
 from chronostream.serial import SerialResult, run_serial  # noqa: E402
 from chronostream.slices.errors import (ChronoStreamError, EventError, JobFailed, QueryError,  # noqa: E402
-                                        RecoveryError, RuntimeFault, SinkRowsLost, StateEncodingError,
-                                        StoreFullError, WorkdirError)
+                                        RecoveryError, RuntimeFault, SavepointError, SinkRowsLost,
+                                        StateEncodingError, StoreFullError, WorkdirError)
+from chronostream.slices.savepoint import read_state  # noqa: E402
 from chronostream.slices.hashing import hash_array, hash_columns, slice_of  # noqa: E402
 from chronostream.slices.operators import KeyedAggregate, KeyedJoin, Operator  # noqa: E402
 from chronostream.slices.plan import JobPlan  # noqa: E402
@@ -64,14 +65,15 @@ __all__ = [
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
     "ChronoStreamError", "EventError", "JobFailed", "QueryError", "RecoveryError", "RuntimeFault",
-    "SinkRowsLost", "StateEncodingError", "StoreFullError", "WorkdirError", "CatalogError", "MigrationError",
+    "SavepointError", "SinkRowsLost", "StateEncodingError", "StoreFullError", "WorkdirError", "CatalogError",
+    "MigrationError",
     "SourceLogError", "LateEventError",
     "CompactionRule", "Decision", "HotSliceRule", "LatencyPolicy", "Policies", "RatePolicy", "ScalingAction",
     "ScheduledPolicy", "UtilizationPolicy",
     "hash_array", "hash_columns", "slice_of",
     "KeyedAggregate", "KeyedJoin", "Operator",
     "SerialResult", "run_serial",
-    "MemorySink", "ParquetSink", "Sink", "read_parquet_sink",
+    "MemorySink", "ParquetSink", "Sink", "read_parquet_sink", "read_state",
     "SourceLog", "SourceLogWriter",
     "KeyValueState", "extend_sub_order",
     "ListState", "MapState", "QueueState", "TopKState", "ValueState",

@@ -24,7 +24,7 @@ import pyarrow as pa
 import ray
 
 from chronostream.dag import JobPlan, Query, compile_query
-from chronostream.slices.errors import JobFailed, QueryError, WorkdirError
+from chronostream.slices.errors import JobFailed, QueryError, SavepointError, WorkdirError
 from chronostream.containers.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.slices.sinks import ParquetSink, dead_letter_table, read_parquet_sink
@@ -365,6 +365,15 @@ class Job:
         self._check_stage(stage)
         return self._control(self.master.scale_in.remote(stage, n, "requested", uuid.uuid4().hex))
 
+    def savepoint(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Write the state of every slice at one epoch boundary to ``path`` (a new directory)
+        while the job keeps running: a manifest, each stage's states as Parquet (readable with
+        pandas or ``cs.read_state``), each slice's checkpoint (``slices.savepoint``). The job's
+        master writes it, so ``path`` is on the master's node. Returns ``path``, ``epoch``,
+        ``slices`` and ``bytes``; ``SavepointError`` when it cannot be taken (the job ended
+        and released its hosts, a host died on the way, the path exists)."""
+        return self._control(self.master.savepoint.remote(os.path.abspath(os.fspath(path))))
+
     def compact(self, stage: str) -> dict[str, Any]:
         """Merge ``stage``'s containers on each host into one, while the job runs.
 
@@ -524,6 +533,11 @@ class CompletedJob:
         if isinstance(self.plan.dead_letter_sink, ParquetSink) and self._dead_from_sink:
             return _parquet_dead_letters(self.plan)
         return self._dead()
+
+    def savepoint(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Refused: a savepoint is taken of a job running on Ray (its slices live in hosts)."""
+        raise SavepointError(f"savepoint {path}: the serial and local executors run a job to its end "
+                             "in the caller; savepoints are taken of jobs running on Ray")
 
     def stop(self) -> None:
         """Nothing to release."""

@@ -6,7 +6,7 @@ master and peers make; the work is done by one module per topic:
 ``ray_epoch_loop`` (epoch loops, heartbeats, the master watch),
 ``ray_pushes`` (moving messages, replays), ``ray_shipping`` (the checkpoint
 shipping machine's driver), ``ray_backup_host`` (the backup store's calls,
-restores) and ``ray_hosting`` (making containers, handovers). All state
+restores), ``ray_hosting`` (making containers, handovers) and ``ray_savepoints``. All state
 changes happen in the cores. An actor is a *host*: it starts with one
 container (same id) and adopts more when a recovery gives it a dead
 container's slices; it keeps one ``BackupStore`` for the peers it backs up.
@@ -57,6 +57,7 @@ from chronostream.containers.ray_hosting import ContainerHosting, Handover
 from chronostream.containers.ray_pushes import HostPushes
 from chronostream.containers.routing import OutputRoute
 from chronostream.containers.ray_shipping import CheckpointShipping
+from chronostream.containers.ray_savepoints import HostSavepoints
 from chronostream.containers.sink_parts import PackedSinkParts, pack_sink_parts
 from chronostream.slices.checkpoint import capture, encode
 
@@ -85,6 +86,7 @@ class ResourceContainer:
         self.shipping = CheckpointShipping(self)
         self.backups = HostBackups(self)
         self.hosting = ContainerHosting(self)
+        self.savepoints = HostSavepoints(self)
         self.host_id: int | None = None
         self.container_id: int | None = None
         self.master: Any = None
@@ -288,9 +290,8 @@ class ResourceContainer:
             self.conds[container_id].notify_all()
 
     async def freeze(self, container_id: int, on: bool) -> int:
-        """Pause (or resume) a hosted container between epochs; returns its next epoch.
-
-        Only the stop-copy-restart baseline of ``benchmarks.migration`` uses it."""
+        """Pause (or resume) a hosted container between epochs (a savepoint's cut; the stop-copy
+        baseline of ``benchmarks.migration``); returns its next epoch."""
         async with self.conds[container_id]:
             (self.frozen.add if on else self.frozen.discard)(container_id)
             self.conds[container_id].notify_all()
@@ -313,14 +314,15 @@ class ResourceContainer:
     async def migration_state(self, container_ids: list[int], with_times: bool = False) -> dict[int, dict[str, Any]]:
         """Per hosted container: next epoch, done, released slices (and, ``with_times``, when its
         recent epochs finished: the pause measurement)."""
-        out = {}
-        for c in container_ids:
-            core = self.cores.get(c)
-            if core is not None:
-                out[c] = {"next_epoch": core.next_epoch, "done": core.done, "released": dict(core.released),
-                          "awaiting_handover": core.awaiting_handover,
-                          "epoch_done_at": dict(core.epoch_done_at) if with_times else {}}
-        return out
+        return self.hosting.migration_state(container_ids, with_times)
+
+    async def arm_savepoint(self, container_ids: list[int], epoch: int) -> dict[int, str]:
+        """Capture the slices of ``container_ids`` at the end of ``epoch`` (``containers.ray_savepoints``)."""
+        return await self.savepoints.arm(container_ids, epoch)
+
+    async def savepoint_frames(self, container_ids: list[int], timeout_s: float) -> list[bytes]:
+        """The encoded full checkpoints captured for a savepoint, once captured."""
+        return await self.savepoints.frames(container_ids, timeout_s)
 
     async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""

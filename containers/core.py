@@ -170,6 +170,8 @@ class ContainerCore:
         self.next_epoch = 0  # invariant: only grows; every epoch below it is fully processed
         self.num_epochs: int | None = plan.num_epochs  # None until a followed source log is sealed
         self.end_announced = False  # a message carrying ``end`` went to every destination
+        self.savepoint_epoch: int | None = None  # capture every slice after this epoch (a savepoint)
+        self.savepoint_taken: tuple[int, list[Any]] | None = None  # (epoch, full checkpoints) not collected
         self.messages_dropped = 0
         self.busy_s = 0.0
         # Seconds the host's loop spent handing this container's epoch messages to the transport,
@@ -352,6 +354,8 @@ class ContainerCore:
         self._persist(epoch, outputs)
         messages = self._route(self._with_held_outputs(epoch, outputs))
         self.next_epoch = epoch + 1
+        if self.savepoint_epoch is not None and (epoch >= self.savepoint_epoch or self.done):
+            self._take_savepoint(epoch)
         self.epoch_done_at[epoch] = time.time()
         if len(self.epoch_done_at) > 256:
             self.epoch_done_at.popitem(last=False)
@@ -1010,6 +1014,31 @@ class ContainerCore:
                     parts.append(t.filter(pa.array(keep)))
             if parts:
                 out[sid] = pa.concat_tables(parts, promote_options="permissive")
+        return out
+
+    # -- savepoints --------------------------------------------------------------
+
+    def arm_savepoint(self, epoch: int) -> str:
+        """Capture every slice's full state at the end of ``epoch`` (a savepoint; the delta chain
+        of checkpoints is not touched). ``"taken"``: captured now (``epoch`` is the last one
+        processed, or this container ended before it); ``"armed"``: captured after processing
+        ``epoch``; ``"late"``: this container is past it, nothing is captured."""
+        last = self.next_epoch - 1
+        if epoch < last:
+            return "late"
+        if epoch == last or self.done:
+            self._take_savepoint(last)
+            return "taken"
+        self.savepoint_epoch, self.savepoint_taken = epoch, None
+        return "armed"
+
+    def _take_savepoint(self, epoch: int) -> None:
+        self.savepoint_epoch = None
+        self.savepoint_taken = (epoch, [capture(rt, False, epoch=epoch, clear=False) for rt in self.slices.values()])
+
+    def take_savepoint(self) -> tuple[int, list[Any]] | None:
+        """The savepoint captured (epoch, one full ``SliceCheckpoint`` per slice), once; None before."""
+        out, self.savepoint_taken = self.savepoint_taken, None
         return out
 
     # -- reading ---------------------------------------------------------------

@@ -3,7 +3,8 @@
 Owns creating a ``ContainerCore`` with its sinks, logs and peers (idempotent
 by container id: a restarted master runs a recovery's plan again), restoring
 its slices from fetched backups off the event loop, and the handover of a
-compaction's source containers' slices at one epoch.
+compaction's source containers' slices at one epoch, and what a migration asks of its
+containers' positions.
 """
 
 from __future__ import annotations
@@ -187,6 +188,18 @@ class ContainerHosting:
                     async with h.conds[c]:
                         h.conds[c].notify_all()
         return plan.state
+
+    def migration_state(self, container_ids: list[int], with_times: bool) -> dict[int, dict[str, Any]]:
+        """Per hosted container: next epoch, done, released slices, a handover awaited (and,
+        ``with_times``, when its recent epochs finished: a migration's pause)."""
+        out = {}
+        for c in container_ids:
+            core = self.h.cores.get(c)
+            if core is not None:
+                out[c] = {"next_epoch": core.next_epoch, "done": core.done, "released": dict(core.released),
+                          "awaiting_handover": core.awaiting_handover,
+                          "epoch_done_at": dict(core.epoch_done_at) if with_times else {}}
+        return out
 
     async def remove(self, container_id: int) -> None:
         """Drop a hosted container that never joined the placement (an aborted migration destination)."""

@@ -39,6 +39,7 @@ from chronostream.master.ray_chains import RayChains
 from chronostream.master.ray_deploy import RayDeploy
 from chronostream.master.ray_hosts import RayHosts
 from chronostream.master.ray_reads import RayReads
+from chronostream.master.ray_savepoints import RaySavepoints
 from chronostream.master.ray_scaling import RayScaling
 from chronostream.master.ray_sources import SourceRefs
 from chronostream.master.ray_stop import RayStop
@@ -141,6 +142,7 @@ class JobMaster:
         self.scaling = RayScaling(self)
         self.watcher = RayWatch(self)
         self.reads = RayReads(self)
+        self.savepoints = RaySavepoints(self)
         self.catalog = MasterCatalog(f"{workdir}/master")
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
         # after a restart in the middle of a deploy.
@@ -298,6 +300,10 @@ class JobMaster:
         ``baseline="stop_copy"``: the stop-copy-restart baseline of ``benchmarks.migration``."""
         return await self.scaling.migrate(stage, slices, to_container, reason, baseline, request)
 
+    async def savepoint(self, path: str) -> dict[str, Any]:
+        """Every slice's state at one epoch boundary to ``path``, the job running (``master.ray_savepoints``)."""
+        return await self.savepoints.take(path)
+
     async def set_threads(self, container: int, threads: int) -> dict[str, Any]:
         """Scale up/down (paper III-D): run ``container``'s slices on ``threads`` threads."""
         return await self.scaling.set_threads(container, threads)
@@ -396,10 +402,8 @@ class JobMaster:
         return self.chains.plan()
 
     async def source_log_floors(self) -> dict[str, int]:
-        """Source stage name -> the first global order it may read again (0: all of it): a
-        recovery or migration of its slices restores them from checkpoints no older, and the
-        floor only grows. Computed at each GC round; 0 without checkpoints or with
-        ``recompute_lost`` (a lost slice is then rebuilt from the start)."""
+        """Source stage name -> the first global order a recovery or migration may read again
+        (``master.recovery.floors_of_sources``; 0: all of it)."""
         return floors_of_sources(self.plan, self.gc.source_floors if self.gc is not None else {})
 
     async def plan_of(self) -> JobPlan:

@@ -325,7 +325,10 @@ def raised(known: dict, new: dict, unknown: int) -> dict:
 
 
 def floors_of_sources(plan, floors: dict[str, int]) -> dict[str, int]:
-    """Every source stage's floor (``source_log_floors``; 0 for one no GC round has seen)."""
+    """Every source stage's floor (``source_log_floors``; 0 for one no GC round has seen): a
+    recovery or migration of its slices restores them from checkpoints no older, and the floor
+    only grows. Computed at each GC round; 0 without checkpoints or with ``recompute_lost``
+    (a lost slice is then rebuilt from the start)."""
     return {st.name: floors.get(st.name, 0) for st in plan.stages if st.kind == "source"}
 
 

@@ -112,3 +112,8 @@ class SinkRowsLost(RecoveryError):
         """
         return "; ".join(f"stage {d['stage']!r} slices {d['slices']} (container {d['container']} on host {d['host']})"
                          for d in lost)
+
+
+class SavepointError(ChronoStreamError):
+    """A savepoint cannot be taken, written or read as asked; the message names the savepoint's
+    path and the stage or slice concerned."""

@@ -49,6 +49,8 @@ RAY_TIER = {
     "test_migration_ray.py::test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted",
     "test_migration_ray.py::test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_the_serial_output",
     "test_migration_ray.py::test_threads_scaled_up_and_down_mid_stream_give_the_serial_output",
+    # savepoints
+    "test_savepoints.py::test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",
     "test_migration_ray.py::test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full",
     # safety and bounds: loopback, hosts outliving no master, deleting only the job's files, memory

@@ -1,0 +1,51 @@
+"""Owns a host's part of a savepoint: arming its containers at the savepoint's epoch and
+handing over their slices' full checkpoints, encoded (``ContainerCore.arm_savepoint``).
+
+The master picks the epoch and writes the files (``master.ray_savepoints``); this module
+changes no state of its own and never touches the checkpoint chain or the backups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from chronostream.slices.checkpoint import encode
+from chronostream.slices.errors import SavepointError
+
+
+class HostSavepoints:
+    """The savepoint calls of one ``ResourceContainer`` (``h``)."""
+
+    def __init__(self, host: Any) -> None:
+        self.h = host
+
+    async def arm(self, container_ids: list[int], epoch: int) -> dict[int, str]:
+        """Arm each hosted container at ``epoch``: container id -> taken / armed / late."""
+        h, out = self.h, {}
+        for c in container_ids:
+            async with h.conds[c]:
+                out[c] = h.cores[c].arm_savepoint(epoch)
+        return out
+
+    async def frames(self, container_ids: list[int], timeout_s: float) -> list[bytes]:
+        """The encoded full checkpoints of every slice of ``container_ids``, once each container
+        has captured them (``SavepointError`` after ``timeout_s``, or when the host stops)."""
+        h = self.h
+        frames: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        for c in container_ids:
+            core, cond = h.cores[c], h.conds[c]
+            async with cond:
+                try:
+                    await asyncio.wait_for(cond.wait_for(
+                        lambda: core.savepoint_taken is not None or h.stopped or h.failed is not None), timeout_s)
+                except asyncio.TimeoutError:
+                    raise SavepointError(f"savepoint: container {c} did not reach epoch {core.savepoint_epoch} "
+                                         f"within {timeout_s:g} s (at epoch {core.next_epoch})") from None
+                taken = core.take_savepoint()
+            if taken is None:
+                raise SavepointError(f"savepoint: container {c}'s host stopped before its slices were captured")
+            _, checkpoints = taken
+            frames.extend(await loop.run_in_executor(None, lambda cks=checkpoints: [bytes(encode(ck)) for ck in cks]))
+        return frames

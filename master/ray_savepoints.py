@@ -1,0 +1,80 @@
+"""Owns the master's side of a savepoint (``Job.savepoint``): the epoch, the hosts' captures,
+the files (``slices.savepoint``).
+
+The cut: the source containers are frozen between two epochs for the time of
+one call each; the savepoint's epoch E is the furthest epoch any of them is
+about to process (a bounded job's last epoch at most). Every other container
+is behind its sources, so none is past E: each is armed to capture its
+slices' full state at the end of E, the sources go on, and the job keeps
+running while the captures are encoded and collected. Every slice is then at
+epoch E, having consumed exactly its producers' rows of epochs up to E: a
+consistent cut, which a resumed job restores without any output log.
+
+Runs under the master's control lock: no migration, rescaling or recovery
+changes the placement between the freeze and the last capture. A host that
+dies on the way fails the savepoint (``SavepointError``); the job goes on and
+its recovery runs once the lock is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from chronostream.master.job_state import JobState
+from chronostream.master.launch import plan_fingerprint
+from chronostream.slices.errors import SavepointError
+from chronostream.slices.savepoint import write_savepoint
+
+
+class RaySavepoints:
+    """The savepoints of one ``JobMaster`` (``master``)."""
+
+    def __init__(self, master: Any) -> None:
+        self.m = master
+
+    def _layout(self) -> tuple[dict[int, list[int]], list[int]]:
+        """Host id -> its containers holding slices, and the source containers among them."""
+        m = self.m
+        by_host: dict[int, list[int]] = {}
+        sources = []
+        for stage_id, ids in m.placement.containers.items():
+            for c in ids:
+                if not m.placement.slices_of(c):
+                    continue
+                by_host.setdefault(m.host_of[c], []).append(c)
+                if m.plan.stages[stage_id].kind == "source":
+                    sources.append(c)
+        return by_host, sources
+
+    async def take(self, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Write a savepoint of every slice to ``path`` (a new directory) while the job runs;
+        returns ``path``, ``epoch``, ``slices`` and ``bytes``."""
+        m = self.m
+        if m.state not in (JobState.RUNNING, JobState.FINISHED):
+            raise SavepointError(f"savepoint {path}: the job is {m.state}; a savepoint needs its hosts")
+        async with m.control_lock:
+            by_host, sources = self._layout()
+            frozen: list[int] = []
+            try:
+                nexts = await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, True) for c in sources))
+                frozen = list(sources)
+                epoch = max(nexts) if nexts else 0
+                if m.plan.num_epochs is not None:
+                    epoch = min(epoch, m.plan.num_epochs - 1)
+                armed = await asyncio.gather(*(m.handles[h].arm_savepoint.remote(cs, epoch)
+                                               for h, cs in by_host.items()))
+            finally:
+                await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, False) for c in frozen),
+                                     return_exceptions=True)
+            late = sorted(c for a in armed for c, v in a.items() if v == "late")
+            if late:  # (none can be: every container is behind its frozen sources)
+                raise SavepointError(f"savepoint {path}: containers {late} were past epoch {epoch}")
+            frames = await asyncio.gather(*(m.handles[h].savepoint_frames.remote(cs, timeout_s)
+                                            for h, cs in by_host.items()))
+        flat = [f for fs in frames for f in fs]
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: write_savepoint(path, m.plan, epoch, flat, job=m.job_key, fingerprint=plan_fingerprint(m.plan)))
+        size = sum(len(f) for f in flat)
+        m._event("savepoint", path=str(path), epoch=epoch, slices=len(flat), bytes=size)
+        return {"path": str(path), "epoch": epoch, "slices": len(flat), "bytes": size}

@@ -1,0 +1,157 @@
+"""Savepoints: every slice's state at one epoch boundary, written while the job runs, read back
+with pandas alone and with ``cs.read_state``.
+
+The oracle of a savepoint at epoch E is independent of the runtime: the
+running counts and sums of the input rows of orders below (E + 1) *
+epoch_events, computed with pandas. The format's refusals (a path that
+exists, a slice missing, a frame at another epoch, a manifest naming a file
+outside the savepoint) are checked on frames made by hand, without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+import chronostream as cs
+from chronostream.dag import compile_query
+from chronostream.slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, table_part
+from chronostream.slices.savepoint import read_frames, write_savepoint
+from chronostream.slices.state import KeyValueState
+
+EPOCH = 500
+
+
+class RunningSum(cs.Operator):
+    """Per-event running sum of ``amount`` per ``user`` in a registered key-value state."""
+
+    def setup(self):
+        self.sums = self.register_state("sums")
+
+    def consume(self, stream_id, event):
+        total = self.sums.get(event["user"], 0) + event["amount"]
+        self.sums.set(event["user"], total)
+        self.produce("out", {"user": event["user"], "total": total})
+
+
+def _inputs(n: int = 40_000):
+    rng = np.random.default_rng(7)
+    words = pa.table({"word": [f"w{i}" for i in rng.zipf(1.5, n) % 400]})
+    payments = pa.table({"user": rng.integers(0, 300, n), "amount": rng.integers(1, 100, n)})
+    return words, payments
+
+
+def _query(words: pa.Table, payments: pa.Table) -> cs.Query:
+    q = cs.Query(epoch_events=EPOCH)
+    q.source("words", words, slices=2).key_by("word").count(slices=4, name="counts").sink(name="c")
+    q.source("payments", payments, slices=2).key_by("user").apply(RunningSum, slices=4, name="sums").sink(name="s")
+    return q
+
+
+def test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas(ray_session, tmp_path):
+    words, payments = _inputs()
+    q = _query(words, payments)
+    job = cs.run(q, containers=2, source_pace_s=0.03)
+    try:
+        deadline = time.monotonic() + 60
+        while job.status().state == "created" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # some epochs in
+        sp = job.savepoint(tmp_path / "sp")
+        with pytest.raises(cs.SavepointError, match="exists"):
+            job.savepoint(tmp_path / "sp")
+        job.wait()
+    finally:
+        job.stop()
+    last = (words.num_rows + payments.num_rows) // EPOCH - 1
+    epoch = sp["epoch"]
+    assert 0 <= epoch < last, f"the savepoint landed at epoch {epoch}, not mid-run (last {last})"
+    manifest = json.loads((tmp_path / "sp" / "manifest.json").read_text())
+    plan, sources = compile_query(q)[:2]
+    assert len(manifest["slices"]) == sum(st.num_slices for st in plan.stages) == sp["slices"]
+    _, frames = read_frames(tmp_path / "sp")
+    assert len(frames) == sp["slices"]
+    assert {(decode(f).epoch, decode(f).kind) for f in frames.values()} == {(epoch, "full")}
+
+    # The rows every slice had consumed at the end of the epoch: global orders below this (the
+    # two sources' rows interleave by position: their orders are 0, 2, 4, ... and 1, 3, 5, ...).
+    upto = (epoch + 1) * EPOCH
+    words_in, payments_in = (sources[st.stage_id].to_pandas() for st in plan.stages if st.kind == "source")
+    words_in, payments_in = words_in[words_in["_order"] < upto], payments_in[payments_in["_order"] < upto]
+    # The built-in count: pandas alone reads the Parquet file; both equal the input's prefix.
+    by_pandas = pd.read_parquet(tmp_path / "sp" / "counts" / "__op__aggregate.parquet")
+    expected = words_in["word"].value_counts()
+    got = by_pandas.set_index("word")["count"].sort_index()
+    assert got.to_dict() == expected.sort_index().to_dict()
+    state = cs.read_state(tmp_path / "sp", "counts").to_pandas()
+    assert set(state["state"]) == {"__op__aggregate"}
+    assert state.drop(columns="state").sort_values("word").reset_index(drop=True).equals(
+        by_pandas.sort_values("word").reset_index(drop=True))
+
+    # The per-event operator's key-value state: (slice, key, value) rows.
+    sums = cs.read_state(tmp_path / "sp", "sums", state="sums").to_pandas()
+    expected_sums = payments_in.groupby("user")["amount"].sum()
+    assert sums.set_index("key")["value"].sort_index().to_dict() == expected_sums.sort_index().to_dict()
+    # Each key is in the slice the plan's hashing gives it.
+    assert (sums["slice"].to_numpy() == cs.slice_of([pa.array(sums["key"])], 4)).all()
+    with pytest.raises(cs.SavepointError, match="no stage 'nope'; stages: "):
+        cs.read_state(tmp_path / "sp", "nope")
+
+
+def _plan():
+    q = cs.Query()
+    q.source("w", [{"word": "a"}], slices=1).key_by("word").count(slices=2, name="counts").sink(name="c")
+    return compile_query(q)[0]
+
+
+def _frames(epoch: int = 3) -> list:
+    agg = table_part(pa.table({"slot": [0], "key0": ["a"], "count": [2]}))
+    kv = KeyValueState("mixed")
+    kv.set("x", 1)
+    kv.set("y", "two")  # an int and a str: Arrow cannot type the values as one column
+    ints = KeyValueState("ints")
+    ints.set(5, 2.5)  # int keys: a "key" column that cannot combine with "mixed"'s strings
+    return [encode(SliceCheckpoint(0, 0, epoch, "full", -1, {}, {}, {})),
+            encode(SliceCheckpoint(1, 0, epoch, "full", -1, {}, {}, {"__op__aggregate": agg,
+                                                                      "ints": capture_kv(ints, False)})),
+            encode(SliceCheckpoint(1, 1, epoch, "full", -1, {}, {}, {"mixed": capture_kv(kv, False)}))]
+
+
+def test_values_arrow_cannot_type_are_kept_as_msgpack_and_said_so(tmp_path):
+    manifest = write_savepoint(tmp_path / "sp", _plan(), 3, _frames())
+    state = manifest["stages"][1]["states"]
+    assert state["mixed"]["value_encoding"] == "msgpack" and "value_encoding" not in state["__op__aggregate"]
+    t = cs.read_state(tmp_path / "sp", "counts", state="mixed")
+    assert t.schema.field("value").type == pa.binary() and sorted(t["key"].to_pylist()) == ["x", "y"]
+    both = cs.read_state(tmp_path / "sp", "counts", state="__op__aggregate").to_pylist() + \
+        cs.read_state(tmp_path / "sp", "counts", state="ints").to_pylist()
+    assert both == [{"slice": 0, "word": "a", "count": 2, "state": "__op__aggregate"},
+                    {"slice": 0, "key": 5, "value": 2.5, "state": "ints"}]
+    with pytest.raises(cs.SavepointError, match="do not combine"):
+        cs.read_state(tmp_path / "sp", "counts")  # "key": ints in one state, strings in another
+
+
+def test_the_format_refuses_what_would_make_a_wrong_savepoint(tmp_path):
+    plan = _plan()
+    with pytest.raises(cs.SavepointError, match="no checkpoint of 'counts' slice 1"):
+        write_savepoint(tmp_path / "a", plan, 3, _frames()[:2])
+    with pytest.raises(cs.SavepointError, match="not a full one at epoch 4"):
+        write_savepoint(tmp_path / "b", plan, 4, _frames())
+    with pytest.raises(cs.SavepointError, match="given twice"):
+        write_savepoint(tmp_path / "c", plan, 3, _frames() + _frames()[:1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written is left
+    write_savepoint(tmp_path / "d", plan, 3, _frames())
+    with pytest.raises(cs.SavepointError, match="the path exists"):
+        write_savepoint(tmp_path / "d", plan, 3, _frames())
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    manifest["slices"][0]["file"] = "../../etc/passwd"
+    (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(cs.SavepointError, match="outside the savepoint"):
+        read_frames(tmp_path / "d")
+    with pytest.raises(cs.SavepointError, match="not a savepoint"):
+        cs.read_state(tmp_path, "counts")
