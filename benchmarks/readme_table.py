@@ -278,6 +278,28 @@ def deploy_times(results: list[Result]) -> str:
     return f"warm {warm:.2f} s p50, {high:.2f} s max; cold {cold:.1f} s p50"
 
 
+def state_growth(results: list[Result]) -> str:
+    """Rows/s at the largest key count over the smallest, per query (the median over the lines)."""
+    ratios: dict[str, list[float]] = {}
+    for res in results:
+        for query in dict.fromkeys(row["query"] for row in res.rows):
+            rows = [row for row in res.rows if row["query"] == query]
+            ratios.setdefault(query, []).append(max(rows, key=lambda row: row["keys"])["vs_smallest"])
+    return ", ".join(f"{query.replace('_', ' ')} {_median(v):.2f}x" for query, v in ratios.items())
+
+
+def vs_peers(results: list[Result]) -> str:
+    """This runtime with checkpoints over the best peer, per query, over processing time and wall
+    time (the medians over the lines)."""
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    for res in results:
+        for row in res.rows:
+            if row["system"] == "chronostream" and row["config"] == "checkpoints_on" and "vs_best_peer" in row:
+                ratios.setdefault(row["query"], []).append((row["vs_best_peer"], row["vs_best_peer_wall"]))
+    return ", ".join(f"{query.replace('_', ' ')} {_median([p for p, _ in v]):.1f}x "
+                     f"({_median([w for _, w in v]):.1f}x wall)" for query, v in ratios.items())
+
+
 def sim_runs(results: list[Result]) -> str:
     """Schedules, landed faults and failures of the simulator's runs (summed over the lines), and
     their time."""
@@ -311,6 +333,9 @@ FIGURES = (
            lambda res: "ft_ratio" in res.data and "ft_ratio_per_event" in res.data),
     Figure("deploy: `cs.run` to first output of a 2-stage job", "warm <= 1 s; cold <= 5 s", "deploy",
            deploy_times),
+    Figure("10^7 keys over 10^4, checkpoints every second", ">= 0.7x", "state_growth", state_growth),
+    Figure("against the best peer (Spark Structured Streaming, Bytewax), checkpoints on", ">= 3x", "peers",
+           vs_peers, lambda res: any("vs_best_peer" in row for row in res.rows)),
     Figure("async delta checkpoint after every epoch, one slice", "max epoch <= 1.5x without; throughput >= 0.9x",
            "checkpoint", checkpoint_cost),
     Figure("recovery of 1 GB lost, 2 peers", "< 10 s", "recovery", recovery),

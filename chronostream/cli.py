@@ -93,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run a query defined in a Python file and print each sink's row count."""
     query = _load_query(args.file)
     t0 = time.perf_counter()
-    job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option))
+    job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option),
+                 restore_from=args.restore)
     try:
         job.wait()
         summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
@@ -210,6 +211,8 @@ def _control(args: argparse.Namespace) -> int:
         out = job.migrate(args.stage, args.slices, args.to)
     elif args.command == "compact":
         out = job.compact(args.stage)
+    elif args.command == "savepoint":
+        out = job.savepoint(args.path)
     elif args.command == "scale-up":
         out = job.scale_up(args.container, args.threads)
     else:
@@ -263,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--containers", type=int, default=2)
     r.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
+    r.add_argument("--restore", default=None, metavar="SAVEPOINT",
+                   help="start every slice from this savepoint (chronostream savepoint JOB PATH)")
     v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")
     v.add_argument("output", help="the job's ParquetSink directory")
     v.add_argument("--expected", required=True, help="Parquet file or directory of the expected rows")
@@ -297,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("scale-in", "remove hosts from a stage of a running job"),
                         ("migrate", "move slices of a stage of a running job"),
                         ("compact", "merge a stage's containers on each host of a running job into one"),
+                        ("savepoint", "write every slice's state of a running job to a new directory"),
                         ("scale-up", "give a container of a running job more threads"),
                         ("scale-down", "take threads from a container of a running job")]:
         p = sub.add_parser(name, help=help_)
@@ -311,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "migrate":
             p.add_argument("slices", type=int, nargs="+")
             p.add_argument("--to", type=int, default=None, help="a container whose host takes them (default: a new host)")
+        if name == "savepoint":
+            p.add_argument("path", help="a new directory (on the job's master's node)")
         if name in ("scale-up", "scale-down"):
             p.add_argument("container", type=int)
             p.add_argument("-t", "--threads", type=int, default=1, help="threads to add or remove (default 1)")

@@ -27,6 +27,7 @@ from chronostream.dag import JobPlan, Query, compile_query
 from chronostream.slices.errors import JobFailed, QueryError, SavepointError, WorkdirError
 from chronostream.containers.options import JobOptions
 from chronostream.serial import SerialResult, _SerialRun
+from chronostream.slices.savepoint import check_restorable
 from chronostream.slices.sinks import ParquetSink, dead_letter_table, read_parquet_sink
 from chronostream.source_ref_keeper import ray_keeper
 from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
@@ -545,7 +546,8 @@ class CompletedJob:
 
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         options: JobOptions | None = None, address: str | None = None, workdir: str | None = None,
-        autoscale: Any = None, resume: bool = False, seed: int = 0, **knobs: Any) -> Job | CompletedJob:
+        autoscale: Any = None, resume: bool = False, seed: int = 0, restore_from: str | os.PathLike | None = None,
+        **knobs: Any) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process, listening on
@@ -564,6 +566,13 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     master asks every ``autoscale_interval_s`` with ``job.metrics()``.
     ``seed``: the local executor's interleaving of containers (any seed gives the
     same output).
+
+    ``restore_from``: a savepoint (``Job.savepoint``) every slice starts from: the
+    job goes on from the epoch after the savepoint's, with any number of containers,
+    and with operators whose code changed (an upgrade) as long as the stages, their
+    slices and the epoch size are the same (``SavepointError`` otherwise). A Parquet
+    sink keeps the files already there: its parts are per slice and epoch, so the
+    parts this run makes again replace the same rows.
 
     Files (Ray executor): the job's catalog and its hosts' stores live under
     ``workdir`` (default: a new directory in the system's temporary directory, mode
@@ -589,8 +598,14 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     # Checked for every executor, the serial one too (it runs no containers), before Ray starts.
     per_stage = containers_per_stage(plan, containers)
+    if restore_from is not None:
+        if executor != "ray":
+            raise SavepointError(f"restore_from: the {executor} executor runs a job from its start; "
+                                 "a savepoint is restored on Ray")
+        restore_from = os.path.abspath(os.fspath(restore_from))
+        check_restorable(restore_from, plan)
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
-        if isinstance(spec, ParquetSink):
+        if isinstance(spec, ParquetSink) and restore_from is None:
             spec.prepare()  # an earlier run's files would be read back with this one's
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
@@ -630,10 +645,20 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     # The job goes to deploy, not the constructor: Ray restarts the master with its constructor's
     # arguments, which must hold nothing from the object store (master.launch).
-    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs)).pack()
+    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs), restore_from).pack()
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE).remote(
         workdir, key)
-    placement = ray.get(master.deploy.remote(launch, refs, made))
+    try:
+        placement = ray.get(master.deploy.remote(launch, refs, made))
+    except ray.exceptions.RayTaskError as exc:  # (e.g. a savepoint the operators do not fit)
+        try:  # the hosts made so far, the master and what they wrote go; the deploy's error stays
+            ray.get(master.stop.remote(True))
+        finally:
+            ray.kill(master)
+        cause: BaseException = exc
+        while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
+            cause = cause.cause  # (a host's error, through the master's deploy)
+        raise cause from None
     return Job(plan, master, placement, workdir, key, source_refs=refs)
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from chronostream.slices.plan import JobPlan
-from chronostream.slices.errors import QueryError, RecoveryError
+from chronostream.slices.errors import QueryError, RecoveryError, SavepointError
 from chronostream.containers.metrics import LatencyHistogram, SliceMetrics
 from chronostream.slices.readers import SourceReader, make_reader
 from chronostream.slices.sinks import SinkWriter
@@ -1035,6 +1035,20 @@ class ContainerCore:
     def _take_savepoint(self, epoch: int) -> None:
         self.savepoint_epoch = None
         self.savepoint_taken = (epoch, [capture(rt, False, epoch=epoch, clear=False) for rt in self.slices.values()])
+
+    def check_state_names(self, slice_id: int, ckpt: Any) -> None:
+        """Refuse (``SavepointError``) a checkpoint holding a key-value state that the slice's
+        operator no longer registers in ``setup()``: an upgraded operator that dropped or renamed
+        one would silently lose it."""
+        rt = self.slices[slice_id]
+        if rt.op is None:
+            return
+        unknown = sorted(n for n, part in ckpt.state.items()
+                         if part.get("shape") == "kv" and not n.startswith("__op__") and n not in rt.ctx.states)
+        if unknown:
+            raise SavepointError(f"stage {self.stage.name!r} slice {slice_id}: the savepoint holds state "
+                                 f"{', '.join(map(repr, unknown))}, which the operator no longer registers "
+                                 f"(it registers {sorted(rt.ctx.states)}); keep the name in setup()")
 
     def take_savepoint(self) -> tuple[int, list[Any]] | None:
         """The savepoint captured (epoch, one full ``SliceCheckpoint`` per slice), once; None before."""

@@ -19,6 +19,7 @@ import pyarrow as pa
 from chronostream.containers.core import ContainerCore, hand_over
 from chronostream.containers.output_log import OutputLog
 from chronostream.containers.routing import OutputRoute
+from chronostream.containers.ray_savepoints import SAVEPOINT_HOLDER
 
 log = logging.getLogger("chronostream.container")
 
@@ -110,6 +111,9 @@ class ContainerHosting:
             t0 = time.time()
             fetched = {s: await h.backups.fetch(stage_id, s, restore_from.get(s, [])) for s in slices}
             t1 = time.time()
+            for s, f in fetched.items():
+                if f.holder == SAVEPOINT_HOLDER and f.point.checkpoint is not None:
+                    core.check_state_names(s, f.point.checkpoint)  # an upgrade may not drop a state
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).
             await asyncio.to_thread(core.restore_slices, {s: f.point for s, f in fetched.items()})

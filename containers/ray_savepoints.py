@@ -13,6 +13,10 @@ from typing import Any
 from chronostream.slices.checkpoint import encode
 from chronostream.slices.errors import SavepointError
 
+#: The holder a restore from a savepoint names for every slice (no host has this id): the
+#: master's ``SavepointReader``, which hands out the savepoint's frames as a backup holder would.
+SAVEPOINT_HOLDER = -1
+
 
 class HostSavepoints:
     """The savepoint calls of one ``ResourceContainer`` (``h``)."""

@@ -1,5 +1,6 @@
 """Owns what a job's master is launched with: the plan, the containers per stage, the options,
-the autoscaling policy and which stages read in-memory tables (``JobLaunch``), and the plan's
+the autoscaling policy, which stages read in-memory tables and the savepoint to start from
+(``JobLaunch``), and the plan's
 fingerprint (``plan_fingerprint``: which job a catalog belongs to).
 
 The client packs it (cloudpickle, with the user's code by value) and hands it to the master's
@@ -34,6 +35,7 @@ class JobLaunch:
     options: JobOptions | None = None
     policy: Any = None  # an autoscaling policy (chronostream.master.policies), or None
     source_stages: list[int] = field(default_factory=list)  # stages reading in-memory tables
+    restore_from: str | None = None  # a savepoint directory every slice starts from (``slices.savepoint``)
 
     def pack(self) -> bytes:
         """The launch as bytes (the catalog checksums them)."""

@@ -20,6 +20,7 @@ import ray
 from chronostream.master.launch import JobLaunch, plan_fingerprint
 from chronostream.master.protocols.job import Deployed, JobLifecycle
 from chronostream.master.placement import initial_placement
+from chronostream.containers.ray_savepoints import SAVEPOINT_HOLDER
 
 log = logging.getLogger("chronostream.master")
 
@@ -61,12 +62,22 @@ class RayDeploy:
                 await m.hosts.new_or_found(c, nodes[(i + stage_id) % len(nodes)] if len(nodes) > 1 else None)
         m.next_id = max(m.host_of) + 1
         await asyncio.gather(*[self.configure(h) for h in m.handles])
+        # A job started from a savepoint restores every slice from it, as a recovery from a backup.
+        reader = None if job.restore_from is None else await m.savepoints.reader(job.restore_from)
         added = []
         for stage_id, ids in m.placement.containers.items():
             chain = m.chains.of_stage(stage_id)
             for c in ids:
-                added.append(self.add_container(c, stage_id, m.placement.slices_of(c), chain[c]))
-        await asyncio.gather(*added)
+                slices = m.placement.slices_of(c)
+                restore = None if reader is None else {s: [(SAVEPOINT_HOLDER, reader)] for s in slices}
+                added.append(self.add_container(c, stage_id, slices, chain[c], restore))
+        try:
+            await asyncio.gather(*added)
+        finally:
+            if reader is not None:
+                ray.kill(reader)
+        if reader is not None:
+            m._event("restored_from_savepoint", path=job.restore_from)
         m.chains.note_copies()
         m.started_at = time.time()
         await asyncio.gather(*[h.start.remote() for h in m.handles.values()])

@@ -2,9 +2,10 @@
 the files (``slices.savepoint``).
 
 The cut: the source containers are frozen between two epochs for the time of
-one call each; the savepoint's epoch E is the furthest epoch any of them is
-about to process (a bounded job's last epoch at most). Every other container
-is behind its sources, so none is past E: each is armed to capture its
+one call each; the savepoint's epoch E is the newest epoch any of them has
+processed (0 before any has; a bounded job's last epoch at most), so every
+row E needs is already read. Every other container is behind its sources,
+so none is past E: each is armed to capture its
 slices' full state at the end of E, the sources go on, and the job keeps
 running while the captures are encoded and collected. Every slice is then at
 epoch E, having consumed exactly its producers' rows of epochs up to E: a
@@ -21,10 +22,29 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import plan_fingerprint
 from chronostream.slices.errors import SavepointError
-from chronostream.slices.savepoint import write_savepoint
+from chronostream.slices.plan import JobPlan
+from chronostream.slices.savepoint import check_restorable, slice_files, write_savepoint
+
+
+@ray.remote(num_cpus=0)
+class SavepointReader:
+    """A savepoint's frames to the hosts of a job starting from it, as a backup holder hands its
+    copies (``HostBackups.fetch`` calls ``backup_bytes``): one file read a slice, nothing kept."""
+
+    def __init__(self, path: str, plan: JobPlan) -> None:
+        self.files = slice_files(path)
+        self.names = {st.stage_id: st.name for st in plan.stages}
+
+    def backup_bytes(self, stage_id: int, slice_id: int, with_outputs: bool = False) -> Any:
+        """The slice's checkpoint frame (and no carried outputs: the cut needs none)."""
+        data = self.files[(self.names[stage_id], slice_id)].read_bytes()
+        return (data, []) if with_outputs else data
 
 
 class RaySavepoints:
@@ -47,6 +67,13 @@ class RaySavepoints:
                     sources.append(c)
         return by_host, sources
 
+    async def reader(self, path: str) -> Any:
+        """A ``SavepointReader`` of ``path`` on this node (where the path is), once the savepoint
+        is checked against the plan (``SavepointError``)."""
+        await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan)
+
     async def take(self, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
         """Write a savepoint of every slice to ``path`` (a new directory) while the job runs;
         returns ``path``, ``epoch``, ``slices`` and ``bytes``."""
@@ -59,7 +86,9 @@ class RaySavepoints:
             try:
                 nexts = await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, True) for c in sources))
                 frozen = list(sources)
-                epoch = max(nexts) if nexts else 0
+                # The newest epoch a source has processed: its input is there for every other
+                # container (a source idle on a followed log holds nothing back).
+                epoch = max(max(nexts) - 1 if nexts else 0, 0)
                 if m.plan.num_epochs is not None:
                     epoch = min(epoch, m.plan.num_epochs - 1)
                 armed = await asyncio.gather(*(m.handles[h].arm_savepoint.remote(cs, epoch)

@@ -189,7 +189,8 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
                        "states": states})
     manifest = {"format": FORMAT, "version": VERSION, "job": job, "plan_fingerprint": fingerprint,
                 "epoch": epoch, "epoch_events": plan.epoch_events, "created_at": time.time(),
-                "stages": stages, "slices": slices_out}
+                "stages": stages, "slices": slices_out,
+                "streams": [[sp.stream_id, sp.name, sp.stage_id] for sp in plan.streams]}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -248,3 +249,40 @@ def read_frames(path: str | os.PathLike) -> tuple[dict[str, Any], dict[tuple[int
     manifest = read_manifest(root)
     frames = {(s["stage_id"], s["slice"]): _inside(root, s["file"]).read_bytes() for s in manifest["slices"]}
     return manifest, frames
+
+
+def check_restorable(path: str | os.PathLike, plan: JobPlan) -> dict[str, Any]:
+    """The manifest of the savepoint at ``path``, once it is checked to fit ``plan``: the same
+    stages by name, each with the same number of slices and the savepoint holding every slice
+    (an operator's code may differ: an upgrade keeps its state names). ``SavepointError`` names
+    the first stage that does not fit."""
+    manifest = read_manifest(path)
+    saved = {s["name"]: s for s in manifest["stages"]}
+    names = [st.name for st in plan.stages]
+    if sorted(saved) != sorted(names):
+        raise SavepointError(f"savepoint {path}: its stages {sorted(saved)} are not the query's {sorted(names)}")
+    held = {(s["stage"], s["slice"]) for s in manifest["slices"]}
+    streams = [[sp.stream_id, sp.name, sp.stage_id] for sp in plan.streams]
+    if manifest["streams"] != streams:  # progress vectors are by stream id
+        raise SavepointError(f"savepoint {path}: its streams {manifest['streams']} are not the query's {streams} "
+                             "(stream id, name, producing stage)")
+    for st in plan.stages:
+        if saved[st.name]["stage_id"] != st.stage_id:
+            raise SavepointError(f"savepoint {path}: stage {st.name!r} is stage {saved[st.name]['stage_id']} there "
+                                 f"and {st.stage_id} in the query; declare the stages in the same order")
+        if saved[st.name]["slices"] != st.num_slices:
+            raise SavepointError(f"savepoint {path}: stage {st.name!r} has {saved[st.name]['slices']} slices there "
+                                 f"and {st.num_slices} in the query; a stage keeps its slices across a resume")
+        missing = [s for s in range(st.num_slices) if (st.name, s) not in held]
+        if missing:
+            raise SavepointError(f"savepoint {path}: stage {st.name!r} slices {missing} are missing")
+    if manifest["epoch_events"] != plan.epoch_events:
+        raise SavepointError(f"savepoint {path}: epochs of {manifest['epoch_events']} events there and "
+                             f"{plan.epoch_events} in the query; a resume keeps the epoch size")
+    return manifest
+
+
+def slice_files(path: str | os.PathLike) -> dict[tuple[str, int], Path]:
+    """Each slice's checkpoint file in the savepoint at ``path``, by (stage name, slice)."""
+    root = Path(path)
+    return {(s["stage"], s["slice"]): _inside(root, s["file"]) for s in read_manifest(root)["slices"]}

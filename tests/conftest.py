@@ -51,6 +51,7 @@ RAY_TIER = {
     "test_migration_ray.py::test_threads_scaled_up_and_down_mid_stream_give_the_serial_output",
     # savepoints
     "test_savepoints.py::test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas",
+    "test_savepoints.py::test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",
     "test_migration_ray.py::test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full",
     # safety and bounds: loopback, hosts outliving no master, deleting only the job's files, memory

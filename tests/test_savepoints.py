@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 import chronostream as cs
@@ -46,22 +47,57 @@ def _inputs(n: int = 40_000):
     return words, payments
 
 
-def _query(words: pa.Table, payments: pa.Table) -> cs.Query:
+class RunningSumV2(RunningSum):
+    """An upgrade of ``RunningSum``: the same state name, a new output column."""
+
+    def consume(self, stream_id, event):
+        total = self.sums.get(event["user"], 0) + event["amount"]
+        self.sums.set(event["user"], total)
+        self.produce("out", {"user": event["user"], "total": total, "version": 2})
+
+
+class RenamedState(RunningSum):
+    """A bad upgrade: its state is registered under another name."""
+
+    def setup(self):
+        self.sums = self.register_state("totals")
+
+
+def _query(words: pa.Table, payments: pa.Table, op: type = RunningSum) -> cs.Query:
     q = cs.Query(epoch_events=EPOCH)
     q.source("words", words, slices=2).key_by("word").count(slices=4, name="counts").sink(name="c")
-    q.source("payments", payments, slices=2).key_by("user").apply(RunningSum, slices=4, name="sums").sink(name="s")
+    q.source("payments", payments, slices=2).key_by("user").apply(op, slices=4, name="sums").sink(name="s")
     return q
+
+
+def _sorted(t: pa.Table) -> list[dict]:
+    return sorted(t.to_pylist(), key=lambda r: (r["_slice"], r["_seq"]))
+
+
+def _started(q: cs.Query) -> cs.Job:
+    """``q`` running on Ray, paced, some epochs in."""
+    job = cs.run(q, containers=2, source_pace_s=0.03)
+    deadline = time.monotonic() + 60
+    while job.status().state == "created" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return job
+
+
+def _savepoint_mid_run(q: cs.Query, path) -> dict:
+    """Run ``q`` on Ray, take a savepoint at ``path`` while it runs, stop it; the savepoint."""
+    job = _started(q)
+    try:
+        return job.savepoint(path)
+    finally:
+        job.stop()
 
 
 def test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas(ray_session, tmp_path):
     words, payments = _inputs()
     q = _query(words, payments)
-    job = cs.run(q, containers=2, source_pace_s=0.03)
+    job = _started(q)
     try:
-        deadline = time.monotonic() + 60
-        while job.status().state == "created" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # some epochs in
         sp = job.savepoint(tmp_path / "sp")
         with pytest.raises(cs.SavepointError, match="exists"):
             job.savepoint(tmp_path / "sp")
@@ -155,3 +191,42 @@ def test_the_format_refuses_what_would_make_a_wrong_savepoint(tmp_path):
         read_frames(tmp_path / "d")
     with pytest.raises(cs.SavepointError, match="not a savepoint"):
         cs.read_state(tmp_path, "counts")
+
+
+def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly(
+        ray_session, tmp_path):
+    """Savepoint mid-run, stop, resume with 3 containers a keyed stage and ``RunningSumV2``: the resumed
+    job's output is the serial run's rows after the savepoint's epoch, row for row and out_seq
+    for out_seq (the counts against the original query, the sums against the upgraded one)."""
+    words, payments = _inputs(20_000)
+    sp = _savepoint_mid_run(_query(words, payments), tmp_path / "sp")
+    cut = (sp["epoch"] + 1) * EPOCH
+    job = cs.run(_query(words, payments, RunningSumV2), containers={"words": 1, "payments": 1, "counts": 3, "sums": 3},
+                 restore_from=tmp_path / "sp")
+    try:
+        job.wait()
+        counts, sums = job.results("c"), job.results("s")
+        assert any(e[1] == "restored_from_savepoint" for e in job.timeline())
+    finally:
+        job.stop()
+    for name, got, query in (("c", counts, _query(words, payments)), ("s", sums, _query(words, payments, RunningSumV2))):
+        serial = cs.run(query, executor="serial").results(name)
+        after = serial.filter(pc.greater_equal(serial["_order"], cut))
+        assert 0 < after.num_rows < serial.num_rows
+        assert _sorted(got) == _sorted(after), name
+    assert set(sums["version"].to_pylist()) == {2}
+    with pytest.raises(cs.SavepointError, match="holds state 'sums', which the operator no longer registers"):
+        cs.run(_query(words, payments, RenamedState), containers=1, restore_from=tmp_path / "sp")
+
+
+def test_a_savepoint_that_does_not_fit_the_query_is_refused_before_the_job_starts(tmp_path):
+    words, payments = _inputs(2000)
+    write_savepoint(tmp_path / "sp", _plan(), 3, _frames())
+    with pytest.raises(cs.SavepointError, match="its stages"):
+        cs.run(_query(words, payments), restore_from=tmp_path / "sp")
+    q = cs.Query()
+    q.source("w", [{"word": "a"}], slices=1).key_by("word").count(slices=3, name="counts").sink(name="c")
+    with pytest.raises(cs.SavepointError, match="stage 'counts' has 2 slices there and 3 in the query"):
+        cs.run(q, restore_from=tmp_path / "sp")
+    with pytest.raises(cs.SavepointError, match="a savepoint is restored on Ray"):
+        cs.run(q, executor="serial", restore_from=tmp_path / "sp")
