@@ -675,8 +675,8 @@ def job_options(options: JobOptions | None, knobs: dict[str, Any]) -> JobOptions
         near = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r} ({hint}run takes the query, "
-                        "executor, containers, options, address, workdir, autoscale, resume, seed and the "
-                        f"fields of JobOptions: {', '.join(sorted(fields))})")
+                        "executor, containers, options, address, workdir, autoscale, resume, seed, restore_from "
+                        f"and the fields of JobOptions: {', '.join(sorted(fields))})")
     base = options if options is not None else JobOptions()
     if not isinstance(base, JobOptions):
         raise TypeError(f"options must be a chronostream.JobOptions, got {type(base).__name__}")

@@ -102,8 +102,9 @@ class RaySavepoints:
             frames = await asyncio.gather(*(m.handles[h].savepoint_frames.remote(cs, timeout_s)
                                             for h, cs in by_host.items()))
         flat = [f for fs in frames for f in fs]
+        fingerprint = plan_fingerprint(m.plan)
         await asyncio.get_running_loop().run_in_executor(
-            None, lambda: write_savepoint(path, m.plan, epoch, flat, job=m.job_key, fingerprint=plan_fingerprint(m.plan)))
+            None, lambda: write_savepoint(path, m.plan, epoch, flat, job=m.job_key, fingerprint=fingerprint))
         size = sum(len(f) for f in flat)
         m._event("savepoint", path=str(path), epoch=epoch, slices=len(flat), bytes=size)
         return {"path": str(path), "epoch": epoch, "slices": len(flat), "bytes": size}

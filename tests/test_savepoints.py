@@ -94,7 +94,7 @@ def _savepoint_mid_run(q: cs.Query, path) -> dict:
 
 
 def test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas(ray_session, tmp_path):
-    words, payments = _inputs()
+    words, payments = _inputs(20_000)
     q = _query(words, payments)
     job = _started(q)
     try:
@@ -198,7 +198,7 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
     """Savepoint mid-run, stop, resume with 3 containers a keyed stage and ``RunningSumV2``: the resumed
     job's output is the serial run's rows after the savepoint's epoch, row for row and out_seq
     for out_seq (the counts against the original query, the sums against the upgraded one)."""
-    words, payments = _inputs(20_000)
+    words, payments = _inputs(10_000)
     sp = _savepoint_mid_run(_query(words, payments), tmp_path / "sp")
     cut = (sp["epoch"] + 1) * EPOCH
     job = cs.run(_query(words, payments, RunningSumV2), containers={"words": 1, "payments": 1, "counts": 3, "sums": 3},
@@ -209,7 +209,8 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
         assert any(e[1] == "restored_from_savepoint" for e in job.timeline())
     finally:
         job.stop()
-    for name, got, query in (("c", counts, _query(words, payments)), ("s", sums, _query(words, payments, RunningSumV2))):
+    upgraded = _query(words, payments, RunningSumV2)
+    for name, got, query in (("c", counts, _query(words, payments)), ("s", sums, upgraded)):
         serial = cs.run(query, executor="serial").results(name)
         after = serial.filter(pc.greater_equal(serial["_order"], cut))
         assert 0 < after.num_rows < serial.num_rows
