@@ -355,7 +355,7 @@ class ContainerCore:
         messages = self._route(self._with_held_outputs(epoch, outputs))
         self.next_epoch = epoch + 1
         if self.savepoint_epoch is not None and (epoch >= self.savepoint_epoch or self.done):
-            self._take_savepoint(epoch)
+            self._capture_savepoint(epoch)
         self.epoch_done_at[epoch] = time.time()
         if len(self.epoch_done_at) > 256:
             self.epoch_done_at.popitem(last=False)
@@ -1027,12 +1027,12 @@ class ContainerCore:
         if epoch < last:
             return "late"
         if epoch == last or self.done:
-            self._take_savepoint(last)
+            self._capture_savepoint(last)
             return "taken"
         self.savepoint_epoch, self.savepoint_taken = epoch, None
         return "armed"
 
-    def _take_savepoint(self, epoch: int) -> None:
+    def _capture_savepoint(self, epoch: int) -> None:
         self.savepoint_epoch = None
         self.savepoint_taken = (epoch, [capture(rt, False, epoch=epoch, clear=False) for rt in self.slices.values()])
 

@@ -7,8 +7,8 @@ nodes, the next free id, the containers that finished, the memory-sink rows
 handed over at checkpoints, the GC marks, the job's state and its timeline, the job's identity
 (its key and plan fingerprint: ``run(..., resume=True)`` checks it) and the job's launch (plan,
 options, policy: ``master.launch``). Values are msgpack (sink rows: one key per packed group,
-``containers.sink_parts``, its rows as Arrow IPC under a key of their own): nothing executes when they are read, except
-the launch, which is a pickle (it carries the user's code). So the launch is stored with an
+``containers.sink_parts``, its rows as Arrow IPC under a key of their own): nothing executes
+when they are read, except the launch, which is a pickle (it carries the user's code). So the launch is stored with an
 HMAC-SHA256 under a random per-job key kept next to the catalog (``launch.key``: created
 exclusively, mode 0600, in the catalog's 0700 directory), and ``load_launch`` verifies it before
 anything unpickles the bytes: whoever can forge a launch must already be able to read that file.

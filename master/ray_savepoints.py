@@ -82,10 +82,8 @@ class RaySavepoints:
             raise SavepointError(f"savepoint {path}: the job is {m.state}; a savepoint needs its hosts")
         async with m.control_lock:
             by_host, sources = self._layout()
-            frozen: list[int] = []
             try:
                 nexts = await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, True) for c in sources))
-                frozen = list(sources)
                 # The newest epoch a source has processed: its input is there for every other
                 # container (a source idle on a followed log holds nothing back).
                 epoch = max(max(nexts) - 1 if nexts else 0, 0)
@@ -93,8 +91,8 @@ class RaySavepoints:
                     epoch = min(epoch, m.plan.num_epochs - 1)
                 armed = await asyncio.gather(*(m.handles[h].arm_savepoint.remote(cs, epoch)
                                                for h, cs in by_host.items()))
-            finally:
-                await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, False) for c in frozen),
+            finally:  # (every source, also when a freeze failed: thawing a running one is a no-op)
+                await asyncio.gather(*(m.handles[m.host_of[c]].freeze.remote(c, False) for c in sources),
                                      return_exceptions=True)
             late = sorted(c for a in armed for c, v in a.items() if v == "late")
             if late:  # (none can be: every container is behind its frozen sources)

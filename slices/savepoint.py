@@ -9,9 +9,9 @@ A savepoint is a directory::
 
 The Parquet files are the open view: pandas or pyarrow read them without
 this runtime. A key-value state (``KeyValueState``) has columns ``slice``,
-``key``, ``value`` (values that Arrow cannot type, e.g. mixed kinds, are
-their msgpack bytes, and the manifest says ``"value_encoding":
-"msgpack"``); a built-in aggregate (``__op__aggregate``) has ``slice``, the
+``key``, ``value`` (a column Arrow cannot type as one, e.g. ints and strings
+mixed, holds each value's msgpack bytes, and the manifest says so:
+``"key_encoding"`` / ``"value_encoding": "msgpack"``, else ``"arrow"``); a built-in aggregate (``__op__aggregate``) has ``slice``, the
 stage's key columns by name and its running values (``count``, ``<col>_i``
 sums of ints, ``<col>_f`` of floats, ``<col>_b`` flags). The frames are
 what a resumed job restores, exactly. Every slice's checkpoint is at the
@@ -83,20 +83,34 @@ def _unwrap_key(k: Any) -> Any:
     return k[0] if isinstance(k, tuple) and len(k) == 1 else k
 
 
-def _kv_table(slice_id: int, part: dict[str, Any]) -> tuple[pa.Table, str]:
-    """A kv part as (slice, key, value) rows, and how its values are encoded."""
-    keys = [_unwrap_key(k) for k in codec.unpackb(part["keys"], use_list=False)]
-    values = codec.unpackb(part["values"], use_list=True)
-    slices = pa.array([slice_id] * len(keys), pa.int32())
+def _column(values: list[Any]) -> tuple[pa.Array, str]:
+    """Python values as one Arrow column, typed by Arrow (``"arrow"``) or, when Arrow cannot
+    type them as one column, each value's msgpack bytes (``"msgpack"``)."""
     try:
-        key_col = pa.array(keys)
+        return pa.array(values), "arrow"
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-        key_col = pa.array([codec.packb(k) for k in keys], pa.binary())
-    try:
-        return pa.table({"slice": slices, "key": key_col, "value": pa.array(values)}), "arrow"
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-        return pa.table({"slice": slices, "key": key_col,
-                         "value": pa.array([codec.packb(v) for v in values], pa.binary())}), "msgpack"
+        return pa.array([codec.packb(v) for v in values], pa.binary()), "msgpack"
+
+
+class _KvRows:
+    """A kv state's rows over every slice, typed once all are in (a column types as a whole)."""
+
+    def __init__(self) -> None:
+        self.slices: list[int] = []
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+
+    def add(self, slice_id: int, part: dict[str, Any]) -> None:
+        keys = [_unwrap_key(k) for k in codec.unpackb(part["keys"], use_list=False)]
+        self.keys += keys
+        self.values += codec.unpackb(part["values"], use_list=True)
+        self.slices += [slice_id] * len(keys)
+
+    def table(self) -> tuple[pa.Table, dict[str, str]]:
+        keys, key_enc = _column(self.keys)
+        values, value_enc = _column(self.values)
+        return (pa.table({"slice": pa.array(self.slices, pa.int32()), "key": keys, "value": values}),
+                {"key_encoding": key_enc, "value_encoding": value_enc})
 
 
 def _table_state(slice_id: int, part: dict[str, Any], key_names: list[str]) -> pa.Table:
@@ -135,7 +149,7 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
                 job: str, fingerprint: str) -> dict[str, Any]:
     seen: dict[tuple[int, int], str] = {}
     tables: dict[tuple[int, str], list[pa.Table]] = {}
-    encodings: dict[tuple[int, str], str] = {}
+    kv: dict[tuple[int, str], _KvRows] = {}
     slices_out = []
     for data in frames:
         ck: SliceCheckpoint = decode(data, "savepoint frame")
@@ -157,13 +171,10 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
                            "next_seq": {str(k): v for k, v in ck.next_seq.items()}})
         for name, part in ck.state.items():
             if part.get("shape") == "kv":
-                t, enc = _kv_table(ck.slice_id, part)
-                if encodings.get((ck.stage_id, name), enc) != enc:
-                    enc = "msgpack"
-                encodings[(ck.stage_id, name)] = enc
+                kv.setdefault((ck.stage_id, name), _KvRows()).add(ck.slice_id, part)
             else:
-                t = _table_state(ck.slice_id, part, _key_names(plan, ck.stage_id))
-            tables.setdefault((ck.stage_id, name), []).append(t)
+                tables.setdefault((ck.stage_id, name), []).append(
+                    _table_state(ck.slice_id, part, _key_names(plan, ck.stage_id)))
     missing = [f"{st.name!r} slice {s}" for st in plan.stages for s in range(st.num_slices)
                if (st.stage_id, s) not in seen]
     if missing:
@@ -172,19 +183,15 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
     stages = []
     for st in plan.stages:
         states = {}
-        for (sid, name), parts in sorted(tables.items()):
-            if sid != st.stage_id:
-                continue
-            enc = encodings.get((sid, name))
-            if enc == "msgpack":  # one slice's values needed bytes: every slice's are bytes
-                parts = [t if t.schema.field("value").type == pa.binary() else
-                         t.set_column(2, "value", pa.array([codec.packb(v) for v in t["value"].to_pylist()],
-                                                           pa.binary())) for t in parts]
-            table = pa.concat_tables(parts, promote_options="permissive")
+        names = sorted({name for sid, name in [*tables, *kv] if sid == st.stage_id})
+        for name in names:
+            if (st.stage_id, name) in kv:
+                table, encodings = kv[(st.stage_id, name)].table()
+            else:
+                table, encodings = pa.concat_tables(tables[(st.stage_id, name)], promote_options="permissive"), {}
             rel = f"{_file_name(st.name)}/{_file_name(name)}.parquet"
             pq.write_table(table, root / rel)
-            states[name] = {"file": rel, "rows": table.num_rows, "columns": table.schema.names,
-                            **({"value_encoding": enc} if enc else {})}
+            states[name] = {"file": rel, "rows": table.num_rows, "columns": table.schema.names, **encodings}
         stages.append({"name": st.name, "stage_id": st.stage_id, "kind": st.kind, "slices": st.num_slices,
                        "states": states})
     manifest = {"format": FORMAT, "version": VERSION, "job": job, "plan_fingerprint": fingerprint,
