@@ -31,7 +31,7 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "slices"))
         and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml"))):
     __path__.append(_checkout)
 
-from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_warm_hosts, run  # noqa: E402
+from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_warm_hosts, run, submit  # noqa: E402
 from chronostream.containers.options import JobOptions  # noqa: E402
 from chronostream.dag import (DEFAULT_EPOCH_EVENTS, DEFAULT_SLICES, DEFAULT_SOURCE_SLICES, Query,  # noqa: E402
                               Stream, compile_query, join)
@@ -44,8 +44,8 @@ from chronostream.master.policies import (CompactionRule, Decision, HotSliceRule
                                           UtilizationPolicy)
 from chronostream.master.rpc_results import PlacementView  # noqa: E402
 from chronostream.serial import SerialResult, run_serial  # noqa: E402
-from chronostream.slices.errors import (ChronoStreamError, EventError, JobFailed, QueryError,  # noqa: E402
-                                        RecoveryError, RuntimeFault, SavepointError, SinkRowsLost,
+from chronostream.slices.errors import (ChronoStreamError, ClusterError, EventError, JobFailed,  # noqa: E402
+                                        JobNotFound, QueryError, RecoveryError, RuntimeFault, SavepointError, SinkRowsLost,
                                         StateEncodingError, StoreFullError, WorkdirError)
 from chronostream.slices.savepoint import read_state  # noqa: E402
 from chronostream.slices.hashing import hash_array, hash_columns, slice_of  # noqa: E402
@@ -61,11 +61,11 @@ from chronostream.slices.windows import (CountWindow, HoppingWindow, LateEventEr
 
 __all__ = [
     "CompletedJob", "Job", "JobState", "JobStatus", "PlacementView", "PoolStats", "ensure_ray", "keep_warm_hosts",
-    "run", "JobOptions",
+    "run", "submit", "JobOptions",
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
-    "ChronoStreamError", "EventError", "JobFailed", "QueryError", "RecoveryError", "RuntimeFault",
-    "SavepointError", "SinkRowsLost", "StateEncodingError", "StoreFullError", "WorkdirError", "CatalogError",
+    "ChronoStreamError", "ClusterError", "EventError", "JobNotFound", "JobFailed", "QueryError", "RecoveryError",
+    "RuntimeFault", "SavepointError", "SinkRowsLost", "StateEncodingError", "StoreFullError", "WorkdirError", "CatalogError",
     "MigrationError",
     "SourceLogError", "LateEventError",
     "CompactionRule", "Decision", "HotSliceRule", "LatencyPolicy", "Policies", "RatePolicy", "ScalingAction",

@@ -1,9 +1,10 @@
-"""The ``chronostream`` command line: ``demo``, ``run``, ``chaos``, ``validate``, and control of running jobs.
+"""The ``chronostream`` command line: ``demo``, ``run``, ``submit``, ``chaos``, ``validate``, and control of running jobs.
 
-Running jobs (on the same Ray cluster, found with ``--address``, default
-``auto``): ``jobs``, ``placement``, ``metrics``, ``log-floor``, ``scale-out``,
-``scale-in``, ``migrate``, ``compact``, ``scale-up``, ``scale-down``; and offline,
-``autoscale-sim`` replays a recorded metrics trace through a policy.
+Running jobs, found by name on the cluster their record on this machine
+names (or ``--address``): ``jobs``, ``status``, ``attach``, ``stop``,
+``placement``, ``metrics``, ``log-floor``, ``scale-out``, ``scale-in``,
+``migrate``, ``compact``, ``savepoint``, ``scale-up``, ``scale-down``; and
+offline, ``autoscale-sim`` replays a recorded metrics trace through a policy.
 
 Owns: argument parsing and the printing of summaries. Everything it does
 goes through the public API (``chronostream.run`` and the Job handle).
@@ -16,6 +17,8 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -26,15 +29,21 @@ import ray
 
 import chronostream as cs
 from chronostream.chaos import Fault, random_faults, run_with_faults
-from chronostream.client import Job, jobs, keep_warm_hosts
+from chronostream.client import Job, keep_warm_hosts
+from chronostream.cluster import connected_address, ensure_ray
+from chronostream.job import job_states, same_cluster
+from chronostream.job_records import all_records, read_record, remove_record
 from chronostream.demo import run_demo
 from chronostream.master.migration import MigrationError
 from chronostream.master.policies import BUILTIN, read_trace, simulate
-from chronostream.slices.errors import ChronoStreamError
+from chronostream.slices.errors import ChronoStreamError, ClusterError
 from chronostream.spark import spark_session, validate
 
 if TYPE_CHECKING:
     from chronostream.chaos import Fault
+
+#: Seconds between two progress lines of ``attach``.
+ATTACH_EVERY_S = 2.0
 
 
 def _load_query(path: str) -> cs.Query:
@@ -105,6 +114,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit a query defined in a Python file to a Ray cluster; print the job's name."""
+    query = _load_query(args.file)
+    try:
+        job = cs.submit(query, address=args.address, containers=args.containers, options=parse_options(args.option),
+                        restore_from=args.restore, name=args.name, workdir=args.workdir)
+    except (ChronoStreamError, ValueError, OSError) as exc:  # (an OSError: e.g. a sink directory in use)
+        print(f"chronostream submit: {exc}", file=sys.stderr)
+        return 1
+    print(f"submitted {job.key} to the Ray cluster at {connected_address()}; follow it with `chronostream attach "
+          f"{job.key}`, end it with `chronostream stop {job.key}`", file=sys.stderr)
+    print(job.key)
+    return 0
+
+
 def _parse_kill(spec: str) -> "Fault":
 
     stage, _, epoch = spec.partition("@")
@@ -170,6 +194,99 @@ def _attach(args: argparse.Namespace) -> "cs.Job":
     return Job.attach(args.job, args.address)
 
 
+def _on_sigterm_exit() -> None:
+    """Exit at SIGTERM, also inside a Ray call (Ray's own handling waited for the call)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+
+
+def list_jobs(address: str | None) -> list[dict]:
+    """``chronostream jobs``: every job of the cluster at ``address``; without one, every job this
+    machine has a record of, each asked on its own cluster (``gone`` when that cluster does not
+    answer or no longer runs it), and every other job on the clusters asked.
+    A process already connected to Ray (a caller's) asks only that cluster."""
+
+    records = all_records()
+    if address is not None or connected_address() is not None:
+        clusters = [address]
+    else:
+        clusters = list(dict.fromkeys(r.address for r in records))
+    fresh = connected_address() is None
+    seen: dict[str, dict] = {}
+    for where in clusters:
+        try:
+            ensure_ray(where)
+        except ClusterError:
+            continue
+        now = connected_address()
+        for name, state in job_states().items():
+            rec = read_record(name)
+            mine = rec is not None and same_cluster(rec.address, now)
+            seen[f"{now}/{name}"] = {"name": name, "state": state, "address": now,
+                                     "workdir": rec.workdir if mine else "", "submitted": mine and rec.submitted}
+        if fresh:
+            ray.shutdown()
+    out = list(seen.values())
+    if address is None:
+        out += [{"name": r.name, "state": "gone", "address": r.address, "workdir": r.workdir,
+                 "submitted": r.submitted} for r in records if f"{r.address}/{r.name}" not in seen
+                and (r.address in clusters or not same_cluster(r.address, connected_address()))]
+    return out
+
+
+def job_status(job: "cs.Job") -> dict:
+    """``chronostream status``: the job's state, progress and where it runs."""
+    p = job.progress()
+    s = job.status()
+    return {"name": job.key, "state": str(s.state), "containers": s.containers, "done_containers": s.done_containers,
+            "epochs": p["epochs"], "min_epoch": p["min_epoch"], "elapsed_s": round(s.elapsed_s, 3),
+            "recoveries": p["recoveries"], "error": None if s.error is None else str(s.error),
+            "address": connected_address(), "workdir": job.workdir}
+
+
+def follow(job: "cs.Job", timeout_s: float | None) -> int:
+    """``chronostream attach``: a progress line on stderr every ``ATTACH_EVERY_S`` until the job
+    ends, then each sink's rows as JSON; 0 when it finished, 1 otherwise. Ctrl-C leaves the
+    job running."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        st = job_status(job)
+        print(f"{job.key}: {st['state']}, epoch {st['min_epoch']} of {st['epochs']}, {st['done_containers']}/"
+              f"{st['containers']} containers done, {st['recoveries']} recoveries, {st['elapsed_s']:.0f} s",
+              file=sys.stderr)
+        if cs.JobState(st["state"]).terminal:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"chronostream attach: {job.key} still {st['state']} after {timeout_s} s; it runs on",
+                  file=sys.stderr)
+            return 1
+        time.sleep(ATTACH_EVERY_S)
+    if st["state"] != "finished":
+        print(f"chronostream attach: {job.key} {st['state']}" + (f": {st['error']}" if st["error"] else ""),
+              file=sys.stderr)
+        return 1
+    print(json.dumps({s.name: job.results(s.name).num_rows for s in job.plan.sinks}))
+    return 0
+
+
+def stop_job(args: argparse.Namespace) -> dict:
+    """``chronostream stop``: a savepoint first when asked, then the stop; a job whose cluster is
+    gone is forgotten (its record removed), its files left where the record says."""
+    try:
+        job = _attach(args)
+    except ClusterError:
+        record = read_record(args.job)
+        if record is None or args.savepoint:
+            raise
+        remove_record(args.job)
+        return {"name": args.job, "stopped": False, "forgotten": True, "workdir": record.workdir}
+    out: dict = {"name": job.key}
+    if args.savepoint:
+        out["savepoint"] = job.savepoint(args.savepoint)
+    job.stop(cleanup=not args.keep_files)
+    out["stopped"] = True
+    return out
+
+
 def cmd_control(args: argparse.Namespace) -> int:
     """Commands against a running job: print the master's answer as JSON.
 
@@ -180,6 +297,7 @@ def cmd_control(args: argparse.Namespace) -> int:
     """
 
 
+    _on_sigterm_exit()
     try:
         return _control(args)
     except (ChronoStreamError, MigrationError, KeyError, ValueError) as exc:
@@ -194,10 +312,17 @@ def cmd_control(args: argparse.Namespace) -> int:
 def _control(args: argparse.Namespace) -> int:
 
     if args.command == "jobs":
-        print(json.dumps(jobs(args.address)))
+        print(json.dumps(list_jobs(args.address)))
+        return 0
+    if args.command == "stop":
+        print(json.dumps(stop_job(args), default=str))
         return 0
     job = _attach(args)
-    if args.command == "placement":
+    if args.command == "attach":
+        return follow(job, args.timeout)
+    if args.command == "status":
+        out = job_status(job)
+    elif args.command == "placement":
         out = asdict(job.placement())
     elif args.command == "metrics":
         out = job.metrics()
@@ -268,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
     r.add_argument("--restore", default=None, metavar="SAVEPOINT",
                    help="start every slice from this savepoint (chronostream savepoint JOB PATH)")
+    sb = sub.add_parser("submit", help="start a query file on a Ray cluster as a job that outlives this command; "
+                                       "print its name")
+    sb.add_argument("file")
+    sb.add_argument("--address", default=None, help="the Ray cluster's address (default: $RAY_ADDRESS)")
+    sb.add_argument("--containers", type=int, default=2)
+    sb.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
+    sb.add_argument("--restore", default=None, metavar="SAVEPOINT", help="start every slice from this savepoint")
+    sb.add_argument("--name", default=None, help="the job's name (default: made from its work directory)")
+    sb.add_argument("--workdir", default=None, help="the job's work directory (default: a new temporary one)")
     v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")
     v.add_argument("output", help="the job's ParquetSink directory")
     v.add_argument("--expected", required=True, help="Parquet file or directory of the expected rows")
@@ -294,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--settle-pace", type=float, default=0.0,
                    help="while a fault applies and settles, slow the sources to S seconds per epoch "
                         "(so the job does not end before the later faults)")
-    for name, help_ in [("jobs", "list the jobs running on the Ray cluster"),
+    for name, help_ in [("jobs", "list the jobs started from this machine (or running on --address's cluster)"),
+                        ("status", "a job's state and progress"),
+                        ("attach", "follow a job to its end, then print each sink's row count"),
+                        ("stop", "stop a job (after a savepoint with --savepoint) and release what it holds"),
                         ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
                         ("log-floor", "the order below which a running job will not read its source log again "
                                       "(what its feeder may trim the log to)"),
@@ -306,10 +444,18 @@ def main(argv: list[str] | None = None) -> int:
                         ("scale-up", "give a container of a running job more threads"),
                         ("scale-down", "take threads from a container of a running job")]:
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        p.add_argument("--address", default=None,
+                       help="the Ray cluster's address (default: the job's record on this machine)")
         if name == "jobs":
             continue
-        p.add_argument("job", help="the job's key (chronostream jobs)")
+        p.add_argument("job", help="the job's name (chronostream jobs)")
+        if name == "attach":
+            p.add_argument("--timeout", type=float, default=None, help="give up following after S seconds")
+        if name == "stop":
+            p.add_argument("--savepoint", default=None, metavar="PATH",
+                           help="write a savepoint to PATH (a new directory) first")
+            p.add_argument("--keep-files", action="store_true",
+                           help="keep the job's catalog and stores (a later run may resume it)")
         if name in ("scale-out", "scale-in", "migrate", "compact"):
             p.add_argument("stage")
         if name in ("scale-out", "scale-in"):
@@ -331,9 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
     a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
-    if args.command in ("jobs", "placement", "metrics", "log-floor", "scale-out", "scale-in", "migrate", "compact",
-                        "scale-up", "scale-down"):
+    if args.command in ("jobs", "status", "attach", "stop", "placement", "metrics", "log-floor", "scale-out",
+                        "scale-in", "migrate", "compact", "savepoint", "scale-up", "scale-down"):
         return cmd_control(args)
+    if args.command == "submit":
+        return cmd_submit(args)
     if args.command == "autoscale-sim":
         return cmd_autoscale_sim(args)
     if args.command == "warm-hosts":

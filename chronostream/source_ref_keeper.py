@@ -15,6 +15,11 @@ called (``Job.stop``, or the ``Job`` handle collected: the thread holds no
 reference to it), and after ``GIVE_UP_AFTER`` failed asks in a row (a master
 gone for good, or Ray shut down). ``ray_keeper`` binds it to a master's two
 calls; the thread itself knows no Ray.
+
+A submitted job outlives the process that submitted it, so its tables
+cannot be that process's: a ``SourceHolder`` (a detached actor named after
+the job) puts them in the object store itself, owns them for the job's
+life, and runs the keeper; ``Job.stop`` kills it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import threading
 import time
 import weakref
 from typing import Any, Callable
+
+import pyarrow as pa
 
 import ray
 
@@ -113,3 +120,28 @@ def ray_keeper(master: Any, source_refs: dict[int, list]) -> SourceRefKeeper:
         return ray.get(master.give_source_refs.remote(source_refs), timeout=30)
 
     return SourceRefKeeper(ask, give, connected=ray.is_initialized)
+
+
+def holder_name(key: str) -> str:
+    """Ray actor name of a submitted job's ``SourceHolder``."""
+    return f"chronostream-{key}-sources"
+
+
+@ray.remote(num_cpus=0)
+class SourceHolder:
+    """Owns a submitted job's in-memory source tables: ``hold`` puts them in the object store
+    from this actor (which then owns them; their first copies, the submitter's, may go) and
+    answers a restarted master's question for them, as a ``Job`` handle would."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list] = {}
+        self.keeper: SourceRefKeeper | None = None
+
+    def hold(self, tables: dict[int, pa.Table]) -> dict[int, list]:
+        """Put every table (stage id -> table) in the object store; stage id -> [reference]."""
+        self.refs = {sid: [ray.put(t)] for sid, t in tables.items()}
+        return self.refs
+
+    def keep_for(self, master: Any) -> None:
+        """Answer ``master``'s question for the references for the job's life."""
+        self.keeper = ray_keeper(master, self.refs)

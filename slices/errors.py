@@ -117,3 +117,17 @@ class SinkRowsLost(RecoveryError):
 class SavepointError(ChronoStreamError):
     """A savepoint cannot be taken, written or read as asked; the message names the savepoint's
     path and the stage or slice concerned."""
+
+
+class ClusterError(ChronoStreamError):
+    """The Ray cluster a job runs on (or should run on) cannot be reached or used as asked: no
+    cluster answers at the address, a submitted job has no cluster that outlives its caller, or
+    this process is connected to another cluster than the job's. The message names the address."""
+
+
+class JobNotFound(ChronoStreamError, KeyError):
+    """No job of that name runs where it was looked for (its cluster, or this machine's records
+    of the jobs started from it); the message says where it looked and what runs there."""
+
+    def __str__(self) -> str:  # (KeyError's own quotes the message)
+        return str(self.args[0]) if self.args else ""

@@ -18,6 +18,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # (containers/shm_transport.py), however small: the suite's kills, migrations and recoveries then
 # exercise that path, where the default (100 KB and more) would leave most of its small epochs on Ray.
 os.environ.setdefault("CHRONOSTREAM_SHM_MIN_BYTES", "0")
+# The records of the jobs the tests start (chronostream.job_records) go to a directory of the
+# session's, not the user's ~/.chronostream.
+os.environ.setdefault("CHRONOSTREAM_HOME", tempfile.mkdtemp(prefix="chronostream-test-home-"))
 
 #: Spare hosts the test session keeps warm (a job here runs 3-9 hosts).
 WARM_HOSTS = 6
@@ -49,7 +52,8 @@ RAY_TIER = {
     "test_migration_ray.py::test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted",
     "test_migration_ray.py::test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_the_serial_output",
     "test_migration_ray.py::test_threads_scaled_up_and_down_mid_stream_give_the_serial_output",
-    # savepoints
+    # savepoints, submitted jobs
+    "test_submit.py::test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name_until_its_cluster_is_gone",
     "test_savepoints.py::test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas",
     "test_savepoints.py::test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",

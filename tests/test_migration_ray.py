@@ -399,7 +399,7 @@ def run_cli(*args: str) -> "subprocess.CompletedProcess[str]":
 
     import ray
 
-    control = args[0] in ("jobs", "placement", "metrics", "log-floor", "scale-out", "scale-in", "migrate", "compact",
+    control = args[0] in ("jobs", "status", "attach", "stop", "placement", "metrics", "log-floor", "scale-out", "scale-in", "migrate", "compact",
                           "scale-up", "scale-down", "warm-hosts")
     address = ["--address", ray.get_runtime_context().gcs_address] if control else []
     return subprocess.run([sys.executable, "-m", "chronostream", *args, *address], capture_output=True, text=True,
@@ -423,7 +423,8 @@ def test_the_cli_lists_a_running_job_and_scales_it_out(ray_session):
             assert run.returncode == 0, (args, run.stderr[-2000:])
             return json.loads(run.stdout.strip().splitlines()[-1])
 
-        assert job.key in cli("jobs")
+        assert {"name": job.key, "state": "running", "address": ray_session.get_runtime_context().gcs_address,
+                "workdir": job.workdir, "submitted": False} in cli("jobs")
         moved = cli("scale-out", job.key, "stats", "-n", "1")
         assert moved["transfers"] and all(t["phase"] == "done" for t in moved["transfers"])
         assert len(set(cli("placement", job.key)["hosts"].values())) >= 4
@@ -454,7 +455,8 @@ def test_the_cli_refuses_to_rescale_a_finished_or_unknown_job_in_one_line_naming
         job.stop()
     unknown = run_cli("placement", "no-such-job")
     assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
-    assert unknown.stderr.strip().splitlines()[-1].startswith("chronostream placement: no running job 'no-such-job'")
+    assert unknown.stderr.strip().splitlines()[-1].startswith("chronostream placement: no job 'no-such-job' runs on "
+                                                              "the Ray cluster at ")
 
 
 def test_job_metrics_report_rates_backlog_state_and_latency_percentiles(ray_session):

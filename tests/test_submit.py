@@ -1,0 +1,158 @@
+"""Jobs that outlive the process that started them: submitted to a Ray cluster started with
+``ray start --head`` (token authentication on), found by name from other processes through this
+machine's job records, controlled from the CLI after the submitter was killed, and given up on
+in one line when their cluster is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+import chronostream as cs
+from chronostream.chaos import compare_tables
+from chronostream.job_records import HOME_ENV
+
+pytestmark = pytest.mark.ray
+
+QUERY = '''
+import chronostream as cs
+
+def build(path={path!r}):
+    q = cs.Query(epoch_events=100)
+    rows = [{{"k": f"k{{i % 37}}", "v": i}} for i in range(ROWS)]
+    q.source("events", rows).key_by("k").count(slices=4, name="count").sink(cs.ParquetSink(path, name="counts"))
+    return q
+
+ROWS = {rows}
+'''
+
+SUBMITTER = '''
+import importlib.util, sys, time
+import chronostream as cs
+spec = importlib.util.spec_from_file_location("user_query", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); sys.modules["user_query"] = mod; spec.loader.exec_module(mod)
+job = cs.submit(mod.build(), address=sys.argv[2], containers=1, name=sys.argv[3], source_pace_s=0.25)
+print(job.key, flush=True)
+time.sleep(600)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A Ray head started with ``ray start --head`` on loopback with token authentication on (its
+    own token file); yields (address, the environment a user's shell would have: the token at
+    hand, no auth mode chosen, a job records directory of its own)."""
+    token = tmp_path / "auth_token"
+    token.write_text(generate_new_authentication_token())
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update({"RAY_AUTH_TOKEN_PATH": str(token), HOME_ENV: str(tmp_path / "home")})
+    port = _free_port()
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+         "--object-store-memory=300000000"],
+        env={**env, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+             "RAY_oom_grace_period_s": "0"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None, "ray start --head exited"
+            time.sleep(0.5)
+    try:
+        yield address, env, head
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # (the head's session: ray start and the cluster it started)
+        head.wait(30)
+
+
+def _cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chronostream", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _json(run: subprocess.CompletedProcess) -> object:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name_until_its_cluster_is_gone(
+        cluster, tmp_path):
+    address, env, head = cluster
+    rows = 6000
+    query_file = tmp_path / "query.py"
+    query_file.write_text(QUERY.format(path=str(tmp_path / "out"), rows=rows))
+
+    # The submitter is killed (SIGKILL) once the job runs: nothing of the job is its.
+    submitter = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(query_file), address, "nightly"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name = submitter.stdout.readline().strip()
+    assert name == "nightly", submitter.stderr.read()[-3000:] if submitter.poll() is not None else name
+    submitter.kill()
+    submitter.wait(30)
+
+    # Found by name with no address given (this machine's record), token authentication on.
+    status = _json(_cli(env, "status", name))
+    assert status["state"] == "running" and status["address"] == address, status
+    listed = _json(_cli(env, "jobs"))
+    assert [(j["name"], j["state"], j["submitted"]) for j in listed] == [(name, "running", True)], listed
+    moved = _json(_cli(env, "scale-out", name, "count"))
+    assert moved["transfers"] and all(t["phase"] == "done" for t in moved["transfers"]), moved
+    assert _json(_cli(env, "status", name))["containers"] == status["containers"] + 1
+
+    # Followed to its end; every row once, as the serial executor makes them.
+    assert _json(_cli(env, "attach", name, "--timeout", "120")) == {"counts": rows}
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import query as user_query  # noqa: PLC0415 (the file the test wrote)
+    finally:
+        sys.path.remove(str(tmp_path))
+    serial = cs.run(user_query.build(str(tmp_path / "serial")), executor="serial").results("counts")
+    assert compare_tables({"counts": cs.read_parquet_sink(str(tmp_path / "out"))}, {"counts": serial}) == {}
+    assert _json(_cli(env, "stop", name)) == {"name": name, "stopped": True}
+    gone = _cli(env, "status", name)
+    assert gone.returncode == 1 and f"no job {name!r}" in gone.stderr, gone.stderr[-2000:]
+    assert _json(_cli(env, "jobs")) == []
+
+    # A job whose cluster died: one line, at once, and `stop` forgets it.
+    (tmp_path / "again.py").write_text(QUERY.format(path=str(tmp_path / "again"), rows=rows))
+    rerun = _cli(env, "submit", str(query_file), "--address", address)
+    assert rerun.returncode == 1 and "Traceback" not in rerun.stderr, rerun.stderr[-2000:]
+    assert rerun.stderr.startswith("chronostream submit: ParquetSink 'counts': "), rerun.stderr[-2000:]
+    second = _cli(env, "submit", str(tmp_path / "again.py"), "--address", address, "--containers", "1", "--name", "orphan",
+                  "--option", "source_pace_s=1")
+    assert second.returncode == 0 and second.stdout.strip() == "orphan", second.stderr[-3000:]
+    os.killpg(head.pid, signal.SIGKILL)  # every process of the cluster, at once
+    head.wait(60)
+    t0 = time.monotonic()
+    lost = _cli(env, "status", "orphan", timeout=60)
+    assert lost.returncode == 1 and time.monotonic() - t0 < 30, lost.stderr[-2000:]
+    assert lost.stderr.startswith("chronostream status: job 'orphan': no Ray cluster answers at " + address)
+    assert "Traceback" not in lost.stderr
+    assert [(j["name"], j["state"]) for j in _json(_cli(env, "jobs"))] == [("orphan", "gone")]
+    forgotten = _json(_cli(env, "stop", "orphan"))
+    assert forgotten["forgotten"] and not forgotten["stopped"] and Path(forgotten["workdir"]).is_dir()
+    shutil.rmtree(forgotten["workdir"])  # (the dead job's; forgetting it leaves its files)
+    assert _json(_cli(env, "jobs")) == []
