@@ -27,8 +27,11 @@ from chronostream.master.policies import Decision
 from chronostream.master.results import packed_sink_table
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 from chronostream.slices.errors import ClusterError, JobFailed, JobNotFound, QueryError
+from chronostream.slices.hashing import slice_of_scalar
 from chronostream.slices.plan import JobPlan
+from chronostream.slices.savepoint import key_names
 from chronostream.slices.sinks import ParquetSink, dead_letter_table, read_parquet_sink
+from chronostream.slices.state_query import answer_rows
 from chronostream.source_ref_keeper import holder_name, ray_keeper
 
 #: Seconds ``job_states`` waits for a master's answer before it calls the job unreachable.
@@ -232,6 +235,35 @@ class Job:
         ``slices`` and ``bytes``; ``SavepointError`` when it cannot be taken (the job ended
         and released its hosts, a host died on the way, the path exists)."""
         return self._control(self.master.savepoint.remote(os.path.abspath(os.fspath(path))))
+
+    def query_state(self, stage: str, keys: Any, state: str | None = None) -> pa.Table:
+        """The values ``keys`` have in ``stage``'s state now, read from the live slices without
+        stopping them: each slice that owns one of the keys is read on its host between two of
+        its epochs (a slice moving meanwhile waits for the move to end). ``keys``: key values
+        of the stage's key (one column: the values; several: tuples of them).
+
+        Returns the rows ``cs.read_state`` gives for a savepoint, for these keys only, with a
+        ``state`` column: a registered key-value state's ``slice, key, value`` (a key it holds
+        no value for has no row) and a built-in aggregate's ``slice``, key columns and running
+        values. ``state`` names one state. ``QueryError`` when the job is not running or the
+        stage is not keyed.
+        """
+        self._check_stage(stage)
+        st = next(s for s in self.plan.stages if s.name == stage)
+        names = key_names(self.plan, st.stage_id)
+        if not names:
+            raise QueryError(f"query_state: stage {stage!r} is not keyed (its input has no key_by): its state has "
+                             "no keys to ask for")
+        wanted: dict[int, list[tuple]] = {}
+        for key in (keys if isinstance(keys, (list, tuple, set)) else [keys]):
+            values = tuple(key) if isinstance(key, tuple) else (key,)
+            if len(values) != len(names):
+                raise QueryError(f"query_state: stage {stage!r} is keyed by {names}: a key is "
+                                 f"{'a tuple of ' + str(len(names)) + ' values' if len(names) > 1 else 'one value'}, "
+                                 f"got {key!r}")
+            wanted.setdefault(slice_of_scalar(list(values), st.num_slices), []).append(values)
+        answers = self._control(self.master.query_state.remote(st.stage_id, wanted))
+        return answer_rows(answers, names, state)
 
     def compact(self, stage: str) -> dict[str, Any]:
         """Merge ``stage``'s containers on each host into one, while the job runs.

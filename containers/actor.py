@@ -290,12 +290,8 @@ class ResourceContainer:
             self.conds[container_id].notify_all()
 
     async def freeze(self, container_id: int, on: bool) -> int:
-        """Pause (or resume) a hosted container between epochs (a savepoint's cut; the stop-copy
-        baseline of ``benchmarks.migration``); returns its next epoch."""
-        async with self.conds[container_id]:
-            (self.frozen.add if on else self.frozen.discard)(container_id)
-            self.conds[container_id].notify_all()
-            return self.cores[container_id].next_epoch
+        """Pause (or resume) a hosted container between epochs; its next epoch (``containers.ray_savepoints``)."""
+        return await self.savepoints.freeze(container_id, on)
 
     async def set_extra_window(self, container_id: int, epochs: int) -> None:
         """Let a catching-up migration destination buffer ``epochs`` more epochs (0: back to normal)."""
@@ -305,8 +301,7 @@ class ResourceContainer:
                 self.conds[container_id].notify_all()
 
     async def set_threads(self, container_id: int, threads: int) -> dict[str, int]:
-        """Scale a hosted container up/down: its slices run on ``threads`` threads from its next
-        epoch (a new thread-control table; no state moves)."""
+        """Its slices run on ``threads`` threads from its next epoch (no state moves)."""
         core = self.cores[container_id]
         version = core.set_threads(threads)
         return {"container": container_id, "threads": threads, "version": version, "from_epoch": core.next_epoch}
@@ -323,6 +318,10 @@ class ResourceContainer:
     async def savepoint_frames(self, container_ids: list[int], timeout_s: float) -> list[bytes]:
         """The encoded full checkpoints captured for a savepoint, once captured."""
         return await self.savepoints.frames(container_ids, timeout_s)
+
+    async def query_state(self, wanted: dict[int, dict[int, list[tuple]]]) -> dict[int, dict[str, Any]]:
+        """Container -> slice -> keys: slice -> each state's values of those keys, read between epochs."""
+        return await self.savepoints.query(wanted)
 
     async def drain_sink_parts(self) -> PackedSinkParts:
         """Every memory-sink and dead-letter part this host's containers hold, by sink id (the host is released)."""

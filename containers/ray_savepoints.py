@@ -1,5 +1,7 @@
-"""Owns a host's part of a savepoint: arming its containers at the savepoint's epoch and
-handing over their slices' full checkpoints, encoded (``ContainerCore.arm_savepoint``).
+"""Owns a host's reading of its slices' state for the master: a savepoint's part (freezing a
+source between epochs, arming its containers at the savepoint's epoch and handing over their
+slices' full checkpoints, encoded: ``ContainerCore.arm_savepoint``) and point queries of live
+state (``Job.query_state``: ``slices.state_query``).
 
 The master picks the epoch and writes the files (``master.ray_savepoints``); this module
 changes no state of its own and never touches the checkpoint chain or the backups.
@@ -11,7 +13,8 @@ import asyncio
 from typing import Any
 
 from chronostream.slices.checkpoint import encode
-from chronostream.slices.errors import SavepointError
+from chronostream.slices.errors import QueryError, SavepointError
+from chronostream.slices.state_query import query_slice
 
 #: The holder a restore from a savepoint names for every slice (no host has this id): the
 #: master's ``SavepointReader``, which hands out the savepoint's frames as a backup holder would.
@@ -23,6 +26,28 @@ class HostSavepoints:
 
     def __init__(self, host: Any) -> None:
         self.h = host
+
+    async def freeze(self, container_id: int, on: bool) -> int:
+        """Pause (or resume) a hosted container between epochs (a savepoint's cut; the stop-copy
+        baseline of ``benchmarks.migration``); returns its next epoch."""
+        h = self.h
+        async with h.conds[container_id]:
+            (h.frozen.add if on else h.frozen.discard)(container_id)
+            h.conds[container_id].notify_all()
+            return h.cores[container_id].next_epoch
+
+    async def query(self, wanted: dict[int, dict[int, list[tuple]]]) -> dict[int, dict[str, Any]]:
+        """Container -> slice -> keys: slice -> ``query_slice``'s answer, each container read
+        between two of its epochs (under its condition, which every epoch's step holds)."""
+        h, out = self.h, {}
+        for c, by_slice in wanted.items():
+            if c not in h.cores:
+                raise QueryError(f"query_state: container {c} is not on this host any more (it moved); ask again")
+            async with h.conds[c]:
+                core = h.cores[c]
+                for s, keys in by_slice.items():
+                    out[s] = query_slice(core.slices[s], keys)
+        return out
 
     async def arm(self, container_ids: list[int], epoch: int) -> dict[int, str]:
         """Arm each hosted container at ``epoch``: container id -> taken / armed / late."""

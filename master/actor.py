@@ -228,8 +228,7 @@ class JobMaster:
         log.info("%s %s", kind, info)
 
     async def kill_next_spare(self) -> None:
-        """Failure injection (``chronostream.chaos``, kind ``kill_spare``): the next warm spare this
-        master takes dies before it is adopted (``_adopted_spare``). Once only."""
+        """Failure injection (``kill_spare``): the next spare this master takes dies before its adoption."""
         self._kill_spare = True
 
     async def deploy(self, launch: bytes, source_refs: dict[int, list], made_workdir: bool = False) -> dict[str, Any]:
@@ -296,13 +295,16 @@ class JobMaster:
     async def migrate(self, stage: str | int, slices: list[int], to_container: int | None = None,
                       reason: str = "requested", baseline: str | None = None,
                       request: str | None = None) -> dict[str, Any]:
-        """Move ``slices`` of ``stage`` to the host of container ``to_container`` (None: a new host);
-        ``baseline="stop_copy"``: the stop-copy-restart baseline of ``benchmarks.migration``."""
+        """Move ``slices`` of ``stage`` to container ``to_container``'s host (None: a new host)."""
         return await self.scaling.migrate(stage, slices, to_container, reason, baseline, request)
 
     async def savepoint(self, path: str) -> dict[str, Any]:
         """Every slice's state at one epoch boundary to ``path``, the job running (``master.ray_savepoints``)."""
         return await self.savepoints.take(path)
+
+    async def query_state(self, stage_id: int, wanted: dict[int, list[tuple]]) -> dict[int, dict[str, Any]]:
+        """Slice -> keys: slice -> each state's values of those keys, read from the live slices."""
+        return await self.savepoints.query(stage_id, wanted)
 
     async def set_threads(self, container: int, threads: int) -> dict[str, Any]:
         """Scale up/down (paper III-D): run ``container``'s slices on ``threads`` threads."""
@@ -313,8 +315,7 @@ class JobMaster:
         return await self.scaling.threads_of(container)
 
     async def autoscale_trace(self) -> list[dict[str, Any]]:
-        """The latest autoscaler ticks (plain ``Decision``s, at most ``DECISIONS_KEPT``): replay
-        them with ``autoscale.simulate``."""
+        """The latest autoscaler ticks (plain ``Decision``s, at most ``DECISIONS_KEPT``)."""
         return [d.to_plain() for d in self.decisions]
 
     # -- reports from hosts ------------------------------------------------------------
@@ -330,8 +331,7 @@ class JobMaster:
         self._job(ContainerFailed(where.strip(), str(error)))
 
     async def ping(self) -> str:
-        """The job's state, as its plain value: a host's sign that its master lives
-        (``EpochLoop.watch_master``; a host reads no master type)."""
+        """The job's state's plain value: a host's sign that its master lives (``EpochLoop.watch_master``)."""
         return self.state.value
 
     async def heartbeat(self, host_id: int, stats: dict[int, ContainerStatistics]) -> None:

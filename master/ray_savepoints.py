@@ -1,5 +1,6 @@
 """Owns the master's side of a savepoint (``Job.savepoint``): the epoch, the hosts' captures,
-the files (``slices.savepoint``).
+the files (``slices.savepoint``); and of a point query of live state (``Job.query_state``:
+each slice asked on the host that owns it, under the control lock, so no slice moves meanwhile).
 
 The cut: the source containers are frozen between two epochs for the time of
 one call each; the savepoint's epoch E is the newest epoch any of them has
@@ -27,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import plan_fingerprint
-from chronostream.slices.errors import SavepointError
+from chronostream.slices.errors import QueryError, SavepointError
 from chronostream.slices.plan import JobPlan
 from chronostream.slices.savepoint import check_restorable, slice_files, write_savepoint
 
@@ -106,3 +107,21 @@ class RaySavepoints:
         size = sum(len(f) for f in flat)
         m._event("savepoint", path=str(path), epoch=epoch, slices=len(flat), bytes=size)
         return {"path": str(path), "epoch": epoch, "slices": len(flat), "bytes": size}
+
+    async def query(self, stage_id: int, wanted: dict[int, list[tuple]], timeout_s: float = 60.0
+                    ) -> dict[int, dict[str, Any]]:
+        """Slice -> keys of ``stage_id``: slice -> each state's values of them (``slices.state_query``),
+        every slice read on its host between two of its epochs."""
+        m = self.m
+        if m.state is not JobState.RUNNING:
+            raise QueryError(f"query_state: the job is {m.state}; live state is read from a running job's hosts "
+                             "(take a savepoint and read it with cs.read_state)")
+        async with m.control_lock:
+            by_host: dict[int, dict[int, dict[int, list[tuple]]]] = {}
+            for c in m.placement.containers[stage_id]:
+                mine = set(m.placement.slices_of(c)) & set(wanted)
+                if mine:
+                    by_host.setdefault(m.host_of[c], {})[c] = {s: wanted[s] for s in sorted(mine)}
+            answers = await asyncio.wait_for(asyncio.gather(
+                *(m.handles[h].query_state.remote(req) for h, req in by_host.items())), timeout_s)
+        return {s: a for answer in answers for s, a in answer.items()}

@@ -70,7 +70,7 @@ def _file_name(name: str) -> str:
     return safe or "_"
 
 
-def _key_names(plan: JobPlan, stage_id: int) -> list[str]:
+def key_names(plan: JobPlan, stage_id: int) -> list[str]:
     """The stage's key columns by name (its first keyed input's key), or ``[]``."""
     for inp in plan.stages[stage_id].inputs:
         key = plan.streams[inp.stream_id].key
@@ -79,11 +79,11 @@ def _key_names(plan: JobPlan, stage_id: int) -> list[str]:
     return []
 
 
-def _unwrap_key(k: Any) -> Any:
+def unwrap_key(k: Any) -> Any:
     return k[0] if isinstance(k, tuple) and len(k) == 1 else k
 
 
-def _column(values: list[Any]) -> tuple[pa.Array, str]:
+def typed_column(values: list[Any]) -> tuple[pa.Array, str]:
     """Python values as one Arrow column, typed by Arrow (``"arrow"``) or, when Arrow cannot
     type them as one column, each value's msgpack bytes (``"msgpack"``)."""
     try:
@@ -101,19 +101,19 @@ class _KvRows:
         self.values: list[Any] = []
 
     def add(self, slice_id: int, part: dict[str, Any]) -> None:
-        keys = [_unwrap_key(k) for k in codec.unpackb(part["keys"], use_list=False)]
+        keys = [unwrap_key(k) for k in codec.unpackb(part["keys"], use_list=False)]
         self.keys += keys
         self.values += codec.unpackb(part["values"], use_list=True)
         self.slices += [slice_id] * len(keys)
 
     def table(self) -> tuple[pa.Table, dict[str, str]]:
-        keys, key_enc = _column(self.keys)
-        values, value_enc = _column(self.values)
+        keys, key_enc = typed_column(self.keys)
+        values, value_enc = typed_column(self.values)
         return (pa.table({"slice": pa.array(self.slices, pa.int32()), "key": keys, "value": values}),
                 {"key_encoding": key_enc, "value_encoding": value_enc})
 
 
-def _table_state(slice_id: int, part: dict[str, Any], key_names: list[str]) -> pa.Table:
+def table_state_rows(slice_id: int, part: dict[str, Any], key_names: list[str]) -> pa.Table:
     """A table part (slot-keyed) as rows: ``slice``, key columns by name, the running values."""
     t = read_table_part(part)
     if "slot" in t.schema.names:
@@ -174,7 +174,7 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
                 kv.setdefault((ck.stage_id, name), _KvRows()).add(ck.slice_id, part)
             else:
                 tables.setdefault((ck.stage_id, name), []).append(
-                    _table_state(ck.slice_id, part, _key_names(plan, ck.stage_id)))
+                    table_state_rows(ck.slice_id, part, key_names(plan, ck.stage_id)))
     missing = [f"{st.name!r} slice {s}" for st in plan.stages for s in range(st.num_slices)
                if (st.stage_id, s) not in seen]
     if missing:

@@ -98,17 +98,40 @@ def test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas(ra
     q = _query(words, payments)
     job = _started(q)
     try:
+        # Point queries of the live state first: a few keys of each stage, each slice read between epochs.
+        asked_words = ["w1", "w2", "w7", "no-such-word"]
+        live_counts = job.query_state("counts", asked_words).to_pylist()
+        live_sums = job.query_state("sums", [3, 77, 150, 10_000], state="sums").to_pylist()
+        with pytest.raises(cs.QueryError, match="is not keyed"):
+            job.query_state("words", ["w1"])
+        with pytest.raises(cs.QueryError, match=r"keyed by \['user'\]: a key is one value"):
+            job.query_state("sums", [(3, 4)])
         sp = job.savepoint(tmp_path / "sp")
         with pytest.raises(cs.SavepointError, match="exists"):
             job.savepoint(tmp_path / "sp")
         job.wait()
+        with pytest.raises(cs.QueryError, match="the job is finished"):
+            job.query_state("counts", ["w1"])
     finally:
         job.stop()
+    plan, sources = compile_query(q)[:2]
+    words_all, payments_all = (sources[st.stage_id].to_pandas() for st in plan.stages if st.kind == "source")
+    # Each answer is the value over the rows its slice had consumed at the end of its epoch.
+    assert sorted(r["word"] for r in live_counts) == ["w1", "w2", "w7"]
+    for r in live_counts:
+        assert r["state"] == "__op__aggregate" and r["slice"] == cs.slice_of([pa.array([r["word"]])], 4)[0]
+        seen = words_all[words_all["_order"] < (r["epoch"] + 1) * EPOCH]
+        assert r["count"] == (seen["word"] == r["word"]).sum(), r
+    assert live_sums and {r["key"] for r in live_sums} <= {3, 77, 150}, live_sums
+    # Read before the savepoint, so at most at its epoch: mid-run values, not the final ones.
+    assert max(r["epoch"] for r in live_counts + live_sums) <= sp["epoch"]
+    for r in live_sums:
+        seen = payments_all[payments_all["_order"] < (r["epoch"] + 1) * EPOCH]
+        assert r["value"] == seen.loc[seen["user"] == r["key"], "amount"].sum(), r
     last = (words.num_rows + payments.num_rows) // EPOCH - 1
     epoch = sp["epoch"]
     assert 0 <= epoch < last, f"the savepoint landed at epoch {epoch}, not mid-run (last {last})"
     manifest = json.loads((tmp_path / "sp" / "manifest.json").read_text())
-    plan, sources = compile_query(q)[:2]
     assert len(manifest["slices"]) == sum(st.num_slices for st in plan.stages) == sp["slices"]
     _, frames = read_frames(tmp_path / "sp")
     assert len(frames) == sp["slices"]
