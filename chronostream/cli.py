@@ -30,7 +30,7 @@ import ray
 import chronostream as cs
 from chronostream.chaos import Fault, random_faults, run_with_faults
 from chronostream.client import Job, keep_warm_hosts
-from chronostream.cluster import connected_address, ensure_ray
+from chronostream.cluster import connected_address, ensure_ray, probe
 from chronostream.job import job_states, same_cluster
 from chronostream.job_records import all_records, read_record, remove_record
 from chronostream.demo import run_demo
@@ -98,17 +98,40 @@ def parse_options(pairs: list[str]) -> cs.JobOptions:
         raise SystemExit(f"--option: {exc}") from None
 
 
+def parse_drops(specs: list[str]) -> dict[str, list[str]] | None:
+    """``--drop-state STAGE:STATE`` values as ``drop_states`` (stage -> states).
+
+    >>> parse_drops(["sums:totals", "sums:seen"])
+    {'sums': ['totals', 'seen']}
+    >>> parse_drops(["sums"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: --drop-state takes STAGE:STATE, got 'sums'
+    """
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        stage, sep, state = spec.rpartition(":")
+        if not sep or not stage or not state:
+            raise SystemExit(f"--drop-state takes STAGE:STATE, got {spec!r}")
+        out.setdefault(stage, []).append(state)
+    return out or None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a query defined in a Python file and print each sink's row count."""
     query = _load_query(args.file)
     t0 = time.perf_counter()
-    job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option),
-                 restore_from=args.restore)
     try:
-        job.wait()
-        summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
-    finally:
-        job.stop()
+        job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option),
+                     restore_from=args.restore, drop_states=parse_drops(args.drop_state))
+        try:
+            job.wait()
+            summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
+        finally:
+            job.stop()
+    except (ChronoStreamError, ValueError, OSError) as exc:  # (an OSError: e.g. a sink directory in use)
+        print(f"chronostream run: {exc}", file=sys.stderr)
+        return 1
     summary["elapsed_s"] = round(time.perf_counter() - t0, 3)
     print(json.dumps(summary))
     return 0
@@ -119,7 +142,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     query = _load_query(args.file)
     try:
         job = cs.submit(query, address=args.address, containers=args.containers, options=parse_options(args.option),
-                        restore_from=args.restore, name=args.name, workdir=args.workdir)
+                        restore_from=args.restore, name=args.name, workdir=args.workdir,
+                        drop_states=parse_drops(args.drop_state))
     except (ChronoStreamError, ValueError, OSError) as exc:  # (an OSError: e.g. a sink directory in use)
         print(f"chronostream submit: {exc}", file=sys.stderr)
         return 1
@@ -202,8 +226,9 @@ def _on_sigterm_exit() -> None:
 def list_jobs(address: str | None) -> list[dict]:
     """``chronostream jobs``: every job of the cluster at ``address``; without one, every job this
     machine has a record of, each asked on its own cluster (``gone`` when that cluster does not
-    answer or no longer runs it), and every other job on the clusters asked.
-    A process already connected to Ray (a caller's) asks only that cluster."""
+    answer or no longer runs it), and every other job on the clusters asked. A process already
+    connected to Ray (a caller's) asks only that cluster: a record of another cluster that
+    answers is ``unknown`` there."""
 
     records = all_records()
     if address is not None or connected_address() is not None:
@@ -212,12 +237,14 @@ def list_jobs(address: str | None) -> list[dict]:
         clusters = list(dict.fromkeys(r.address for r in records))
     fresh = connected_address() is None
     seen: dict[str, dict] = {}
+    asked: list[str] = []
     for where in clusters:
         try:
             ensure_ray(where)
         except ClusterError:
             continue
         now = connected_address()
+        asked.append(now)
         for name, state in job_states().items():
             rec = read_record(name)
             mine = rec is not None and same_cluster(rec.address, now)
@@ -227,9 +254,18 @@ def list_jobs(address: str | None) -> list[dict]:
             ray.shutdown()
     out = list(seen.values())
     if address is None:
-        out += [{"name": r.name, "state": "gone", "address": r.address, "workdir": r.workdir,
-                 "submitted": r.submitted} for r in records if f"{r.address}/{r.name}" not in seen
-                and (r.address in clusters or not same_cluster(r.address, connected_address()))]
+        for r in records:
+            if f"{r.address}/{r.name}" in seen:
+                continue
+            state = "gone"
+            if not any(same_cluster(r.address, a) for a in asked):
+                try:
+                    probe(r.address)
+                    state = "unknown"  # (its cluster answers; this process is connected to another)
+                except ClusterError:
+                    pass
+            out.append({"name": r.name, "state": state, "address": r.address, "workdir": r.workdir,
+                        "submitted": r.submitted})
     return out
 
 
@@ -393,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
     r.add_argument("--restore", default=None, metavar="SAVEPOINT",
                    help="start every slice from this savepoint (chronostream savepoint JOB PATH)")
+    r.add_argument("--drop-state", action="append", default=[], metavar="STAGE:STATE",
+                   help="with --restore: leave this state of the savepoint behind (repeatable)")
     sb = sub.add_parser("submit", help="start a query file on a Ray cluster as a job that outlives this command; "
                                        "print its name")
     sb.add_argument("file")
@@ -401,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     sb.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                     help="a JobOptions field, e.g. checkpoint_interval_s=1 (repeatable)")
     sb.add_argument("--restore", default=None, metavar="SAVEPOINT", help="start every slice from this savepoint")
+    sb.add_argument("--drop-state", action="append", default=[], metavar="STAGE:STATE",
+                    help="with --restore: leave this state of the savepoint behind (repeatable)")
     sb.add_argument("--name", default=None, help="the job's name (default: made from its work directory)")
     sb.add_argument("--workdir", default=None, help="the job's work directory (default: a new temporary one)")
     v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")

@@ -143,7 +143,7 @@ class CompletedJob:
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         options: JobOptions | None = None, address: str | None = None, workdir: str | None = None,
         autoscale: Any = None, resume: bool = False, seed: int = 0, restore_from: str | os.PathLike | None = None,
-        **knobs: Any) -> Job | CompletedJob:
+        drop_states: dict[str, list[str]] | None = None, **knobs: Any) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process, listening on
@@ -166,7 +166,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``restore_from``: a savepoint (``Job.savepoint``) every slice starts from: the
     job goes on from the epoch after the savepoint's, with any number of containers,
     and with operators whose code changed (an upgrade) as long as the stages, their
-    slices and the epoch size are the same (``SavepointError`` otherwise). A Parquet
+    slices and the epoch size are the same (``SavepointError`` otherwise). A key-value state
+    the savepoint holds must be registered by the new code under its name and as its kind
+    (``register_state``, ``register_list`` ...), or be dropped: ``drop_states={stage name:
+    [state names]}`` leaves those states behind (the new code starts them empty). A Parquet
     sink keeps the files already there: its parts are per slice and epoch, so the
     parts this run makes again replace the same rows.
 
@@ -199,7 +202,9 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
             raise SavepointError(f"restore_from: the {executor} executor runs a job from its start; "
                                  "a savepoint is restored on Ray")
         restore_from = os.path.abspath(os.fspath(restore_from))
-        check_restorable(restore_from, plan)
+        check_restorable(restore_from, plan, drop_states)
+    elif drop_states:
+        raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
         if isinstance(spec, ParquetSink) and restore_from is None:
             spec.prepare()  # an earlier run's files would be read back with this one's
@@ -215,12 +220,14 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
 
 
-    return _start_on_ray(plan, sources, per_stage, options, autoscale, restore_from, address, workdir, resume)
+    return _start_on_ray(plan, sources, per_stage, options, autoscale, restore_from, address, workdir, resume,
+                         drop_states=drop_states)
 
 
 def submit(query: Query, *, address: str | None = None, containers: int | dict[str, int] = 2,
            options: JobOptions | None = None, workdir: str | None = None, autoscale: Any = None,
-           name: str | None = None, restore_from: str | os.PathLike | None = None, **knobs: Any) -> Job:
+           name: str | None = None, restore_from: str | os.PathLike | None = None,
+           drop_states: dict[str, list[str]] | None = None, **knobs: Any) -> Job:
     """Start ``query`` on a Ray cluster as a job that does not depend on this process: it runs
     on when the caller exits, and is found by its name (``job.key``, also ``name``) from any
     process on this machine (``Job.attach(name)``, ``chronostream status NAME``) until
@@ -240,7 +247,9 @@ def submit(query: Query, *, address: str | None = None, containers: int | dict[s
     per_stage = containers_per_stage(plan, containers)
     if restore_from is not None:
         restore_from = os.path.abspath(os.fspath(restore_from))
-        check_restorable(restore_from, plan)
+        check_restorable(restore_from, plan, drop_states)
+    elif drop_states:
+        raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
     address = address or os.environ.get("RAY_ADDRESS")
     if cluster.started_here() or (address is None and connected_address() is None):
         raise ClusterError("submit: a submitted job needs a Ray cluster that outlives this process; start one "
@@ -250,14 +259,15 @@ def submit(query: Query, *, address: str | None = None, containers: int | dict[s
         if isinstance(spec, ParquetSink) and restore_from is None:
             spec.prepare()
     job = _start_on_ray(plan, sources, per_stage, options, autoscale, restore_from, address, workdir, False,
-                        submitted=True, name=name)
+                        submitted=True, name=name, drop_states=drop_states)
     assert isinstance(job, Job)
     return job
 
 
 def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[str, int], options: JobOptions,
                   autoscale: Any, restore_from: str | None, address: str | None, workdir: str | None,
-                  resume: bool, *, submitted: bool = False, name: str | None = None) -> Job:
+                  resume: bool, *, submitted: bool = False, name: str | None = None,
+                  drop_states: dict[str, list[str]] | None = None) -> Job:
     """Start the job's master on Ray, deploy the job, write its record; its handle."""
     workdir, made = _job_workdir(workdir)
     key = name or (os.path.basename(workdir.rstrip("/")).removeprefix("chronostream-") + "-" + uuid.uuid4().hex[:8])
@@ -272,7 +282,12 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
         if taken:
             raise WorkdirError(f"the work directory {workdir} holds {taken}, which are not a job's: the job "
                                "would write into them and delete them at its stop; choose another workdir")
-    ensure_ray(address)
+    try:
+        ensure_ray(address)
+    except ClusterError:
+        if made:
+            os.rmdir(workdir)  # (made empty here a moment ago)
+        raise
     try:
         ray.get_actor(master_name(key), namespace=RAY_NAMESPACE)
     except ValueError:
@@ -292,7 +307,7 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
         refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     # The job goes to deploy, not the constructor: Ray restarts the master with its constructor's
     # arguments, which must hold nothing from the object store (master.launch).
-    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs), restore_from).pack()
+    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs), restore_from, drop_states).pack()
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE,
                                lifetime="detached" if submitted else None).remote(workdir, key)
     try:
@@ -328,7 +343,7 @@ def job_options(options: JobOptions | None, knobs: dict[str, Any]) -> JobOptions
         near = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r} ({hint}run takes the query, "
-                        "executor, containers, options, address, workdir, autoscale, resume, seed, restore_from "
+                        "executor, containers, options, address, workdir, autoscale, resume, seed, restore_from, drop_states "
                         f"and the fields of JobOptions: {', '.join(sorted(fields))})")
     base = options if options is not None else JobOptions()
     if not isinstance(base, JobOptions):

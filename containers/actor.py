@@ -315,8 +315,8 @@ class ResourceContainer:
         """Capture the slices of ``container_ids`` at the end of ``epoch`` (``containers.ray_savepoints``)."""
         return await self.savepoints.arm(container_ids, epoch)
 
-    async def savepoint_frames(self, container_ids: list[int], timeout_s: float) -> list[bytes]:
-        """The encoded full checkpoints captured for a savepoint, once captured."""
+    async def savepoint_frames(self, container_ids: list[int], timeout_s: float) -> tuple[list[bytes], dict]:
+        """The encoded full checkpoints captured for a savepoint, once captured, and the states' kinds."""
         return await self.savepoints.frames(container_ids, timeout_s)
 
     async def query_state(self, wanted: dict[int, dict[int, list[tuple]]]) -> dict[int, dict[str, Any]]:

@@ -1036,19 +1036,37 @@ class ContainerCore:
         self.savepoint_epoch = None
         self.savepoint_taken = (epoch, [capture(rt, False, epoch=epoch, clear=False) for rt in self.slices.values()])
 
-    def check_state_names(self, slice_id: int, ckpt: Any) -> None:
+    def state_kinds(self) -> dict[str, str]:
+        """Each key-value state the operator registers -> its kind: a state library handle's
+        (``value``, ``list``, ``queue``, ``map``, ``topk``) or ``kv`` (``register_state``)."""
+        rt = next(iter(self.slices.values()), None)
+        if rt is None or rt.op is None:
+            return {}
+        return {n: rt.ctx.handles[n].kind if n in rt.ctx.handles else "kv" for n in rt.ctx.states}
+
+    def check_state_names(self, slice_id: int, ckpt: Any, saved_kinds: dict[str, str] | None = None) -> None:
         """Refuse (``SavepointError``) a checkpoint holding a key-value state that the slice's
-        operator no longer registers in ``setup()``: an upgraded operator that dropped or renamed
-        one would silently lose it."""
+        operator no longer registers in ``setup()``, or registers as another kind than the
+        savepoint's (``saved_kinds``): an upgraded operator that dropped, renamed or retyped one
+        would silently lose or misread it (a state given up on purpose is dropped from the
+        frames before: ``run(..., drop_states=...)``)."""
         rt = self.slices[slice_id]
         if rt.op is None:
             return
-        unknown = sorted(n for n, part in ckpt.state.items()
-                         if part.get("shape") == "kv" and not n.startswith("__op__") and n not in rt.ctx.states)
+        held = [n for n, part in ckpt.state.items() if part.get("shape") == "kv" and not n.startswith("__op__")]
+        unknown = sorted(n for n in held if n not in rt.ctx.states)
+        hint = f"keep the name in setup(), or drop it: drop_states={{{self.stage.name!r}: [...]}}"
         if unknown:
             raise SavepointError(f"stage {self.stage.name!r} slice {slice_id}: the savepoint holds state "
                                  f"{', '.join(map(repr, unknown))}, which the operator no longer registers "
-                                 f"(it registers {sorted(rt.ctx.states)}); keep the name in setup()")
+                                 f"(it registers {sorted(rt.ctx.states)}); {hint}")
+        now = self.state_kinds()
+        retyped = sorted(n for n in held if (saved_kinds or {}).get(n, now[n]) != now[n])
+        if retyped:
+            said = ", ".join(f"{n!r} (a {saved_kinds[n]} state there, a {now[n]} state now)" for n in retyped)
+            raise SavepointError(f"stage {self.stage.name!r} slice {slice_id}: the savepoint holds state {said}: "
+                                 f"its values would be misread; register it as it was, or drop it: "
+                                 f"drop_states={{{self.stage.name!r}: [...]}}")
 
     def take_savepoint(self) -> tuple[int, list[Any]] | None:
         """The savepoint captured (epoch, one full ``SliceCheckpoint`` per slice), once; None before."""

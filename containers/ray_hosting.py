@@ -113,7 +113,9 @@ class ContainerHosting:
             t1 = time.time()
             for s, f in fetched.items():
                 if f.holder == SAVEPOINT_HOLDER and f.point.checkpoint is not None:
-                    core.check_state_names(s, f.point.checkpoint)  # an upgrade may not drop a state
+                    reader = dict(restore_from[s])[SAVEPOINT_HOLDER]
+                    kinds = await reader.state_kinds.remote(stage_id)
+                    core.check_state_names(s, f.point.checkpoint, kinds)  # an upgrade may not drop a state
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).
             await asyncio.to_thread(core.restore_slices, {s: f.point for s, f in fetched.items()})

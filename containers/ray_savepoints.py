@@ -57,11 +57,14 @@ class HostSavepoints:
                 out[c] = h.cores[c].arm_savepoint(epoch)
         return out
 
-    async def frames(self, container_ids: list[int], timeout_s: float) -> list[bytes]:
+    async def frames(self, container_ids: list[int], timeout_s: float
+                     ) -> tuple[list[bytes], dict[int, dict[str, str]]]:
         """The encoded full checkpoints of every slice of ``container_ids``, once each container
-        has captured them (``SavepointError`` after ``timeout_s``, or when the host stops)."""
+        has captured them (``SavepointError`` after ``timeout_s``, or when the host stops), and
+        stage id -> the kinds of its key-value states (``ContainerCore.state_kinds``)."""
         h = self.h
         frames: list[bytes] = []
+        kinds: dict[int, dict[str, str]] = {}
         loop = asyncio.get_running_loop()
         for c in container_ids:
             core, cond = h.cores[c], h.conds[c]
@@ -76,5 +79,6 @@ class HostSavepoints:
             if taken is None:
                 raise SavepointError(f"savepoint: container {c}'s host stopped before its slices were captured")
             _, checkpoints = taken
+            kinds[core.stage.stage_id] = core.state_kinds()
             frames.extend(await loop.run_in_executor(None, lambda cks=checkpoints: [bytes(encode(ck)) for ck in cks]))
-        return frames
+        return frames, kinds

@@ -36,6 +36,7 @@ class JobLaunch:
     policy: Any = None  # an autoscaling policy (chronostream.master.policies), or None
     source_stages: list[int] = field(default_factory=list)  # stages reading in-memory tables
     restore_from: str | None = None  # a savepoint directory every slice starts from (``slices.savepoint``)
+    drop_states: dict[str, list[str]] | None = None  # stage name -> savepoint states the restore leaves behind
 
     def pack(self) -> bytes:
         """The launch as bytes (the catalog checksums them)."""

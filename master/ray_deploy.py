@@ -63,7 +63,9 @@ class RayDeploy:
         m.next_id = max(m.host_of) + 1
         await asyncio.gather(*[self.configure(h) for h in m.handles])
         # A job started from a savepoint restores every slice from it, as a recovery from a backup.
-        reader = None if job.restore_from is None else await m.savepoints.reader(job.restore_from)
+        reader = None
+        if job.restore_from is not None:
+            reader = await m.savepoints.reader(job.restore_from, job.drop_states)
         added = []
         for stage_id, ids in m.placement.containers.items():
             chain = m.chains.of_stage(stage_id)

@@ -30,7 +30,8 @@ from chronostream.master.job_state import JobState
 from chronostream.master.launch import plan_fingerprint
 from chronostream.slices.errors import QueryError, SavepointError
 from chronostream.slices.plan import JobPlan
-from chronostream.slices.savepoint import check_restorable, slice_files, write_savepoint
+from chronostream.slices.savepoint import (check_restorable, read_manifest, saved_kinds, slice_files, without_states,
+                                           write_savepoint)
 
 
 @ray.remote(num_cpus=0)
@@ -38,14 +39,26 @@ class SavepointReader:
     """A savepoint's frames to the hosts of a job starting from it, as a backup holder hands its
     copies (``HostBackups.fetch`` calls ``backup_bytes``): one file read a slice, nothing kept."""
 
-    def __init__(self, path: str, plan: JobPlan) -> None:
+    def __init__(self, path: str, plan: JobPlan, drop_states: dict[str, list[str]] | None = None) -> None:
         self.files = slice_files(path)
         self.names = {st.stage_id: st.name for st in plan.stages}
+        self.drop = {k: v for k, v in (drop_states or {}).items() if v}
+        manifest = read_manifest(path)
+        self.kinds = {st.stage_id: {n: k for n, k in saved_kinds(manifest, st.name).items()
+                                    if n not in self.drop.get(st.name, [])} for st in plan.stages}
 
     def backup_bytes(self, stage_id: int, slice_id: int, with_outputs: bool = False) -> Any:
-        """The slice's checkpoint frame (and no carried outputs: the cut needs none)."""
-        data = self.files[(self.names[stage_id], slice_id)].read_bytes()
+        """The slice's checkpoint frame, without the states dropped (and no carried outputs: the
+        cut needs none)."""
+        stage = self.names[stage_id]
+        data = self.files[(stage, slice_id)].read_bytes()
+        if stage in self.drop:
+            data = without_states(data, self.drop[stage])
         return (data, []) if with_outputs else data
+
+    def state_kinds(self, stage_id: int) -> dict[str, str]:
+        """The kinds of the stage's key-value states the savepoint recorded (those kept)."""
+        return self.kinds.get(stage_id, {})
 
 
 class RaySavepoints:
@@ -68,12 +81,12 @@ class RaySavepoints:
                     sources.append(c)
         return by_host, sources
 
-    async def reader(self, path: str) -> Any:
+    async def reader(self, path: str, drop_states: dict[str, list[str]] | None = None) -> Any:
         """A ``SavepointReader`` of ``path`` on this node (where the path is), once the savepoint
         is checked against the plan (``SavepointError``)."""
-        await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan)
+        await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan, drop_states)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan)
+        return SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan, drop_states)
 
     async def take(self, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
         """Write a savepoint of every slice to ``path`` (a new directory) while the job runs;
@@ -100,10 +113,12 @@ class RaySavepoints:
                 raise SavepointError(f"savepoint {path}: containers {late} were past epoch {epoch}")
             frames = await asyncio.gather(*(m.handles[h].savepoint_frames.remote(cs, timeout_s)
                                             for h, cs in by_host.items()))
-        flat = [f for fs in frames for f in fs]
+        flat = [f for fs, _ in frames for f in fs]
+        kinds = {sid: k for _, ks in frames for sid, k in ks.items()}
         fingerprint = plan_fingerprint(m.plan)
         await asyncio.get_running_loop().run_in_executor(
-            None, lambda: write_savepoint(path, m.plan, epoch, flat, job=m.job_key, fingerprint=fingerprint))
+            None, lambda: write_savepoint(path, m.plan, epoch, flat, job=m.job_key, fingerprint=fingerprint,
+                                          kinds=kinds))
         size = sum(len(f) for f in flat)
         m._event("savepoint", path=str(path), epoch=epoch, slices=len(flat), bytes=size)
         return {"path": str(path), "epoch": epoch, "slices": len(flat), "bytes": size}

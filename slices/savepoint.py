@@ -41,6 +41,7 @@ master; ``write_savepoint`` takes encoded frames, ``read_state`` reads files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -54,7 +55,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from chronostream.slices import codec
-from chronostream.slices.checkpoint import SliceCheckpoint, decode, read_table_part
+from chronostream.slices.checkpoint import SliceCheckpoint, decode, encode, read_table_part
 from chronostream.slices.errors import SavepointError
 from chronostream.slices.plan import JobPlan
 
@@ -125,9 +126,12 @@ def table_state_rows(slice_id: int, part: dict[str, Any], key_names: list[str]) 
 
 
 def write_savepoint(path: str | os.PathLike, plan: JobPlan, epoch: int, frames: Iterable[bytes | memoryview],
-                    job: str = "", fingerprint: str = "") -> dict[str, Any]:
+                    job: str = "", fingerprint: str = "", kinds: dict[int, dict[str, str]] | None = None
+                    ) -> dict[str, Any]:
     """Write the savepoint of every slice's full checkpoint at ``epoch`` (``frames``: each an
     encoded ``SliceCheckpoint``) to ``path``, which must not exist yet; return its manifest.
+    ``kinds``: stage id -> each key-value state's kind (``ContainerCore.state_kinds``), kept in
+    the manifest so that a resume refuses an operator that registers a state as another kind.
 
     Refuses (``SavepointError``) a frame that is damaged, not full, at another epoch, or a
     slice missing or given twice."""
@@ -137,7 +141,7 @@ def write_savepoint(path: str | os.PathLike, plan: JobPlan, epoch: int, frames: 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
-        manifest = _write_into(tmp, plan, epoch, frames, job, fingerprint)
+        manifest = _write_into(tmp, plan, epoch, frames, job, fingerprint, kinds or {})
         os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # (only the directory this call made)
@@ -146,7 +150,7 @@ def write_savepoint(path: str | os.PathLike, plan: JobPlan, epoch: int, frames: 
 
 
 def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | memoryview],
-                job: str, fingerprint: str) -> dict[str, Any]:
+                job: str, fingerprint: str, kinds: dict[int, dict[str, str]]) -> dict[str, Any]:
     seen: dict[tuple[int, int], str] = {}
     tables: dict[tuple[int, str], list[pa.Table]] = {}
     kv: dict[tuple[int, str], _KvRows] = {}
@@ -187,6 +191,8 @@ def _write_into(root: Path, plan: JobPlan, epoch: int, frames: Iterable[bytes | 
         for name in names:
             if (st.stage_id, name) in kv:
                 table, encodings = kv[(st.stage_id, name)].table()
+                if name in kinds.get(st.stage_id, {}):
+                    encodings["kind"] = kinds[st.stage_id][name]
             else:
                 table, encodings = pa.concat_tables(tables[(st.stage_id, name)], promote_options="permissive"), {}
             rel = f"{_file_name(st.name)}/{_file_name(name)}.parquet"
@@ -258,13 +264,23 @@ def read_frames(path: str | os.PathLike) -> tuple[dict[str, Any], dict[tuple[int
     return manifest, frames
 
 
-def check_restorable(path: str | os.PathLike, plan: JobPlan) -> dict[str, Any]:
+def check_restorable(path: str | os.PathLike, plan: JobPlan,
+                     drop_states: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """The manifest of the savepoint at ``path``, once it is checked to fit ``plan``: the same
     stages by name, each with the same number of slices and the savepoint holding every slice
-    (an operator's code may differ: an upgrade keeps its state names). ``SavepointError`` names
-    the first stage that does not fit."""
+    (an operator's code may differ: an upgrade keeps its state names), and each state of
+    ``drop_states`` (stage name -> state names to leave behind) held there. ``SavepointError``
+    names the first stage that does not fit."""
     manifest = read_manifest(path)
     saved = {s["name"]: s for s in manifest["stages"]}
+    for stage, names in (drop_states or {}).items():
+        if stage not in saved:
+            raise SavepointError(f"savepoint {path}: drop_states names stage {stage!r}; its stages: {sorted(saved)}")
+        unknown = sorted(set(names) - set(saved[stage]["states"]))
+        if unknown or any(n.startswith("__op__") for n in names):
+            raise SavepointError(f"savepoint {path}: stage {stage!r} holds no state {unknown or names} to drop "
+                                 f"(its registered states: "
+                                 f"{sorted(n for n in saved[stage]['states'] if not n.startswith('__op__'))})")
     names = [st.name for st in plan.stages]
     if sorted(saved) != sorted(names):
         raise SavepointError(f"savepoint {path}: its stages {sorted(saved)} are not the query's {sorted(names)}")
@@ -287,6 +303,19 @@ def check_restorable(path: str | os.PathLike, plan: JobPlan) -> dict[str, Any]:
         raise SavepointError(f"savepoint {path}: epochs of {manifest['epoch_events']} events there and "
                              f"{plan.epoch_events} in the query; a resume keeps the epoch size")
     return manifest
+
+
+def without_states(frame: bytes, names: Iterable[str]) -> bytes:
+    """A checkpoint frame with the states ``names`` left out (a resume that drops them)."""
+    ck: SliceCheckpoint = decode(frame, "savepoint frame")
+    gone = set(names)
+    return bytes(encode(dataclasses.replace(ck, state={n: p for n, p in ck.state.items() if n not in gone})))
+
+
+def saved_kinds(manifest: dict[str, Any], stage: str) -> dict[str, str]:
+    """The kind of each key-value state of ``stage`` the savepoint recorded (older ones: none)."""
+    states = next((s["states"] for s in manifest["stages"] if s["name"] == stage), {})
+    return {n: st["kind"] for n, st in states.items() if "kind" in st}
 
 
 def slice_files(path: str | os.PathLike) -> dict[tuple[str, int], Path]:

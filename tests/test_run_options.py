@@ -27,7 +27,7 @@ def test_run_takes_few_keywords_and_the_rest_as_job_options():
     params = inspect.signature(cs.run).parameters
     named = [p for p in params if params[p].kind is not inspect.Parameter.VAR_KEYWORD]
     assert named == ["query", "executor", "containers", "options", "address", "workdir", "autoscale",
-                     "resume", "seed", "restore_from"]
+                     "resume", "seed", "restore_from", "drop_states"]
 
 
 def test_a_keyword_overrides_the_field_of_options():
@@ -100,3 +100,20 @@ def test_the_cli_run_command_takes_job_options(tmp_path, capsys):
         main(["run", str(path), "--executor", "local", "--option", "backup_factor=two"])
     with pytest.raises(SystemExit, match="--option: backup_factor must be >= 0, got -1"):
         main(["run", str(path), "--executor", "local", "--option", "backup_factor=-1"])
+
+
+def test_the_cli_run_command_says_in_one_line_why_a_run_cannot_start(tmp_path, capsys):
+    """A sink directory holding an earlier run's files, a state dropped with no savepoint: one line
+    ``chronostream run: why`` on stderr and exit 1, not a traceback."""
+    out = tmp_path / "out"
+    path = tmp_path / "q.py"
+    path.write_text(f"import chronostream as cs\nquery = cs.Query()\nquery.source('w', [{{'w': 'a'}}])"
+                    f".key_by('w').count(slices=2).sink(cs.ParquetSink({str(out)!r}, name='c'))\n")
+    assert main(["run", str(path), "--executor", "serial"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--executor", "serial"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("chronostream run: ParquetSink 'c': ") and "earlier run's output" in err, err
+    assert main(["run", str(path), "--executor", "serial", "--drop-state", "c:x"]) == 1
+    assert capsys.readouterr().err == ("chronostream run: drop_states: states are dropped from a savepoint the job "
+                                       "restores (restore_from=)\n")

@@ -63,6 +63,13 @@ class RenamedState(RunningSum):
         self.sums = self.register_state("totals")
 
 
+class ListedSums(RunningSum):
+    """A bad upgrade: its state keeps its name and becomes a list."""
+
+    def setup(self):
+        self.sums = self.register_list("sums")
+
+
 def _query(words: pa.Table, payments: pa.Table, op: type = RunningSum) -> cs.Query:
     q = cs.Query(epoch_events=EPOCH)
     q.source("words", words, slices=2).key_by("word").count(slices=4, name="counts").sink(name="c")
@@ -241,6 +248,25 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
     assert set(sums["version"].to_pylist()) == {2}
     with pytest.raises(cs.SavepointError, match="holds state 'sums', which the operator no longer registers"):
         cs.run(_query(words, payments, RenamedState), containers=1, restore_from=tmp_path / "sp")
+    with pytest.raises(cs.SavepointError, match=r"holds state 'sums' \(a kv state there, a list state now\)"):
+        cs.run(_query(words, payments, ListedSums), containers=1, restore_from=tmp_path / "sp")
+    with pytest.raises(cs.SavepointError, match=r"stage 'sums' holds no state \['totals'\] to drop"):
+        cs.run(_query(words, payments, RenamedState), restore_from=tmp_path / "sp", drop_states={"sums": ["totals"]})
+
+    # Dropped on purpose: the renamed state starts empty after the cut, the rest goes on.
+    job = cs.run(_query(words, payments, RenamedState), containers=1, restore_from=tmp_path / "sp",
+                 drop_states={"sums": ["sums"]})
+    try:
+        job.wait()
+        renamed = job.results("s").to_pandas()
+    finally:
+        job.stop()
+    plan, sources = compile_query(_query(words, payments))[:2]
+    paid = sources[next(st.stage_id for st in plan.stages if st.name == "payments")].to_pandas()
+    paid = paid[paid["_order"] >= cut].sort_values("_order")
+    paid["total"] = paid.groupby("user")["amount"].cumsum()
+    got = renamed.sort_values("_order")[["_order", "user", "total"]].reset_index(drop=True)
+    assert got.equals(paid[["_order", "user", "total"]].reset_index(drop=True))
 
 
 def test_a_savepoint_that_does_not_fit_the_query_is_refused_before_the_job_starts(tmp_path):
