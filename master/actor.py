@@ -168,6 +168,7 @@ class JobMaster:
         self.gc_every_ticks = max(1, round(self.opts.gc_interval_s / self.heartbeat_s))
         self.policy = launch.policy
         self.source_stages = set(launch.source_stages)
+        self.restored_from = (launch.restore_from, launch.drop_states)  # (a savepoint the job started from)
 
     def _ensure_watching(self) -> None:
         if not self._watching and self.state is JobState.RUNNING:

@@ -75,10 +75,10 @@ class RayDeploy:
                 added.append(self.add_container(c, stage_id, slices, chain[c], restore))
         try:
             await asyncio.gather(*added)
-        finally:
-            if reader is not None:
-                ray.kill(reader)
-        if reader is not None:
+        except BaseException:
+            m.savepoints.release()
+            raise
+        if reader is not None:  # (it stays: the slices' copy until their first checkpoints)
             m._event("restored_from_savepoint", path=job.restore_from)
         m.chains.note_copies()
         m.started_at = time.time()
@@ -132,3 +132,5 @@ class RayDeploy:
         m._unsettled_request, left = m.catalog.load_migration()
         m._unsettled = left
         m._unfinished_recovery = m.catalog.load_recovery()
+        if m.restored_from[0] is not None:  # (its slices' copy until their first checkpoints)
+            m.savepoints.reopen(*m.restored_from)

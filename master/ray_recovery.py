@@ -179,6 +179,8 @@ class RayRecovery:
             for st, sl, error in bad:
                 m._event("backup_rejected", stage=st, slice=sl, host=h, error=error)
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
+        for key, copy in m.savepoints.recovery_copies(lost).items():
+            backups.setdefault(key, []).append(copy)
         checkpointed = frozenset((st, s) for c, (st, slices) in lost.items()
                                  if c in m.stats and m.stats[c].checkpoints > 0 for s in slices)
         chain = {}
@@ -195,8 +197,9 @@ class RayRecovery:
         not made again: its current progress is replayed from)."""
         m = self.m
         infos = await asyncio.gather(*[m.deployer.add_container(
-            a.new_id, a.stage_id, a.slices, {}, {s: [(h, m.handles.get(h)) for h in restore_order(a.holders[s], a.host)]
-                                                 for s in a.slices}) for a in cmd.plan])
+            a.new_id, a.stage_id, a.slices, {},
+            {s: [(h, m.savepoints.holder(h)) for h in restore_order(a.holders[s], a.host)] for s in a.slices})
+            for a in cmd.plan])
         for a, info in zip(cmd.plan, infos):
             for s, h, why in info["rejected"]:
                 m._event("backup_rejected", container=a.new_id, stage=a.stage_id, slice=s, host=h, error=why)

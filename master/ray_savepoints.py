@@ -26,6 +26,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from chronostream.containers.ray_savepoints import SAVEPOINT_HOLDER
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import plan_fingerprint
 from chronostream.slices.errors import QueryError, SavepointError
@@ -62,10 +63,40 @@ class SavepointReader:
 
 
 class RaySavepoints:
-    """The savepoints of one ``JobMaster`` (``master``)."""
+    """The savepoints of one ``JobMaster`` (``master``), and the one its job started from: its
+    reader stays for the job's life as a holder of every slice's copy at its epoch, so a host
+    that dies before its slices' first checkpoint is recovered from the savepoint
+    (``recovery_copies``)."""
 
     def __init__(self, master: Any) -> None:
         self.m = master
+        self.started_from: tuple[int, Any] | None = None  # (epoch, SavepointReader) of the restore
+
+    def reopen(self, path: str, drop_states: dict[str, list[str]] | None) -> None:
+        """A restarted master of a job started from the savepoint at ``path``: its reader again."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        reader = SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan, drop_states)
+        self.started_from = (int(read_manifest(path)["epoch"]), reader)
+
+    def recovery_copies(self, lost: dict[int, tuple[int, list[int]]]) -> dict[tuple[int, int], tuple[int, int]]:
+        """(stage, slice) -> (``SAVEPOINT_HOLDER``, epoch) for every lost slice, when the job started
+        from a savepoint (a copy every slice has, older than any checkpoint of the job)."""
+        if self.started_from is None:
+            return {}
+        epoch = self.started_from[0]
+        return {(st, s): (SAVEPOINT_HOLDER, epoch) for st, slices in lost.values() for s in slices}
+
+    def holder(self, host: int) -> Any:
+        """The handle of a backup holder: a host's, or the savepoint reader's."""
+        if host == SAVEPOINT_HOLDER and self.started_from is not None:
+            return self.started_from[1]
+        return self.m.handles.get(host)
+
+    def release(self) -> None:
+        """The job stops: its savepoint reader goes."""
+        if self.started_from is not None:
+            ray.kill(self.started_from[1])
+            self.started_from = None
 
     def _layout(self) -> tuple[dict[int, list[int]], list[int]]:
         """Host id -> its containers holding slices, and the source containers among them."""
@@ -84,9 +115,12 @@ class RaySavepoints:
     async def reader(self, path: str, drop_states: dict[str, list[str]] | None = None) -> Any:
         """A ``SavepointReader`` of ``path`` on this node (where the path is), once the savepoint
         is checked against the plan (``SavepointError``)."""
-        await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan, drop_states)
+        manifest = await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan,
+                                                                    drop_states)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan, drop_states)
+        reader = SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan, drop_states)
+        self.started_from = (int(manifest["epoch"]), reader)
+        return reader
 
     async def take(self, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
         """Write a savepoint of every slice to ``path`` (a new directory) while the job runs;

@@ -57,6 +57,7 @@ class RayStop:
         remove_job_files(shm_job_tag(ray.get_runtime_context().current_actor))
         for h, handle in m.handles.items():
             kill_host(h, handle)  # detached: nothing else would release them
+        m.savepoints.release()
 
     def remove_files(self) -> None:
         """Delete what this job made under its work directory: the whole directory when ``run``

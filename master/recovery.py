@@ -111,6 +111,12 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
     >>> plan = plan_recovery({0: (1, [0, 2])}, {(1, 0): [(1, 4)], (1, 2): [(2, 4), (1, 0)]}, {1: [1, 2]}, 3)
     >>> [(a.new_id, a.host, a.slices) for a in plan]
     [(3, 1, [0]), (4, 2, [2])]
+
+    A slice whose only copy is a savepoint's (holder -1) goes to the least loaded live host,
+    which restores it from there:
+
+    >>> [(a.host, a.holders, a.epochs) for a in plan_recovery({0: (1, [0])}, {(1, 0): [(-1, 9)]}, {1: [1, 2]}, 3)]
+    [(1, {0: [-1]}, {0: 9})]
     """
     names = stage_names or {}
     load: dict[int, int] = {}
@@ -131,16 +137,24 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                         f"every usable backup of stage {names.get(stage, stage)!r} slice {s} is lost: the copies "
                         f"left ({', '.join(f'host {h} at epoch {e}' for h, e in copies)}) are older than epoch "
                         f"{oldest_ok}, where its producers' output logs now begin")
-                # Holders on the stage's live hosts first (the stage stays where it was); else any:
-                # a stage on fewer hosts than the backup factor + 1 keeps copies on other stages'
-                # hosts too, and one with no live host left (it lived on one) has only those.
-                best = [h for h in best if h in hosts] or best
-                # Among the holders of a recent enough backup, the least loaded so far
-                # (a dead container's slices spread over all its peers), then the newest.
-                order = (chain or {}).get((stage, s), [])
-                rank = {h: i for i, h in enumerate(order)}
-                host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h))
-                copies = [(host, epoch_of[host])] + [(h, e) for h, e in copies if h != host]
+                # A negative holder keeps copies without being a host (a savepoint a job started
+                # from: ``SAVEPOINT_HOLDER``): it hands its copy over and adopts nothing.
+                hostable = [h for h in best if h >= 0]
+                if hostable:
+                    # Holders on the stage's live hosts first (the stage stays where it was); else
+                    # any: a stage on fewer hosts than the backup factor + 1 keeps copies on other
+                    # stages' hosts too, and one with no live host left has only those.
+                    best = [h for h in hostable if h in hosts] or hostable
+                    # Among the holders of a recent enough backup, the least loaded so far
+                    # (a dead container's slices spread over all its peers), then the newest.
+                    order = (chain or {}).get((stage, s), [])
+                    rank = {h: i for i, h in enumerate(order)}
+                    host = min(best, key=lambda h: (load.get(h, 0), -epoch_of[h], rank.get(h, len(order)), h))
+                else:
+                    host = min(hosts, key=lambda h: (load.get(h, 0), h)) if hosts else None
+                    best = [h for h in best if h < 0]
+                first = host if host in epoch_of and host >= 0 else best[0]
+                copies = [(first, epoch_of[first])] + [(h, e) for h, e in copies if h != first]
             else:
                 bad = (damaged or {}).get((stage, s), [])
                 # Upstream logs still whole from epoch 0 (no GC mark applied to them yet): a

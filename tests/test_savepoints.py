@@ -20,9 +20,13 @@ import pyarrow.compute as pc
 import pytest
 
 import chronostream as cs
+from chronostream.chaos import Fault, apply_schedule
+from chronostream.containers.ray_savepoints import SAVEPOINT_HOLDER
 from chronostream.dag import compile_query
-from chronostream.slices.checkpoint import SliceCheckpoint, capture_kv, decode, encode, table_part
-from chronostream.slices.savepoint import read_frames, write_savepoint
+from chronostream.master.local import make_core
+from chronostream.master.placement import initial_placement
+from chronostream.slices.checkpoint import SliceCheckpoint, capture, capture_kv, decode, encode, table_part
+from chronostream.slices.savepoint import read_frames, without_states, write_savepoint
 from chronostream.slices.state import KeyValueState
 
 EPOCH = 500
@@ -231,14 +235,19 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
     words, payments = _inputs(10_000)
     sp = _savepoint_mid_run(_query(words, payments), tmp_path / "sp")
     cut = (sp["epoch"] + 1) * EPOCH
+    # No checkpoint in the resumed job's life: a host killed two epochs in is rebuilt from the savepoint.
     job = cs.run(_query(words, payments, RunningSumV2), containers={"words": 1, "payments": 1, "counts": 3, "sums": 3},
-                 restore_from=tmp_path / "sp")
+                 restore_from=tmp_path / "sp", checkpoint_interval_s=600, source_pace_s=0.01)
     try:
+        applied = apply_schedule(job, [Fault("kill", sp["epoch"] + 2, "sums")])
         job.wait()
         counts, sums = job.results("c"), job.results("s")
-        assert any(e[1] == "restored_from_savepoint" for e in job.timeline())
+        timeline = job.timeline()
     finally:
         job.stop()
+    assert len(applied) == 1 and any(e[1] == "restored_from_savepoint" for e in timeline)
+    restored = [e[2] for e in timeline if e[1] == "slices_restored"]
+    assert restored and all(set(r["restored_from"]) == {SAVEPOINT_HOLDER} for r in restored), restored
     upgraded = _query(words, payments, RunningSumV2)
     for name, got, query in (("c", counts, _query(words, payments)), ("s", sums, upgraded)):
         serial = cs.run(query, executor="serial").results(name)
@@ -248,12 +257,18 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
     assert set(sums["version"].to_pylist()) == {2}
     with pytest.raises(cs.SavepointError, match="holds state 'sums', which the operator no longer registers"):
         cs.run(_query(words, payments, RenamedState), containers=1, restore_from=tmp_path / "sp")
-    with pytest.raises(cs.SavepointError, match=r"holds state 'sums' \(a kv state there, a list state now\)"):
-        cs.run(_query(words, payments, ListedSums), containers=1, restore_from=tmp_path / "sp")
     with pytest.raises(cs.SavepointError, match=r"stage 'sums' holds no state \['totals'\] to drop"):
         cs.run(_query(words, payments, RenamedState), restore_from=tmp_path / "sp", drop_states={"sums": ["totals"]})
 
-    # Dropped on purpose: the renamed state starts empty after the cut, the rest goes on.
+
+def test_a_state_dropped_on_purpose_starts_empty_and_the_rest_goes_on(ray_session, tmp_path):
+    """``drop_states`` on Ray: a renamed state is left behind, the new one starts empty at the cut
+    (its running sums equal pandas' from the cut on); a retyped state is refused at the host."""
+    words, payments = _inputs(6000)
+    sp = _savepoint_mid_run(_query(words, payments), tmp_path / "sp")
+    cut = (sp["epoch"] + 1) * EPOCH
+    with pytest.raises(cs.SavepointError, match=r"holds state 'sums' \(a kv state there, a list state now\)"):
+        cs.run(_query(words, payments, ListedSums), containers=1, restore_from=tmp_path / "sp")
     job = cs.run(_query(words, payments, RenamedState), containers=1, restore_from=tmp_path / "sp",
                  drop_states={"sums": ["sums"]})
     try:
@@ -267,6 +282,29 @@ def test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_ope
     paid["total"] = paid.groupby("user")["amount"].cumsum()
     got = renamed.sort_values("_order")[["_order", "user", "total"]].reset_index(drop=True)
     assert got.equals(paid[["_order", "user", "total"]].reset_index(drop=True))
+
+
+def test_a_state_registered_as_another_kind_is_refused_unless_dropped():
+    """The host's check, on real cores of the old and the upgraded operator: a state that became a
+    list is refused naming both kinds; a savepoint without kinds is checked by name only; a frame
+    with the state dropped passes."""
+    words, payments = _inputs(400)
+    old_plan, sources = compile_query(_query(words, payments))[:2]
+    new_plan = compile_query(_query(words, payments, ListedSums))[0]
+    sums = next(st.stage_id for st in old_plan.stages if st.name == "sums")
+    placement = initial_placement(old_plan, {st.stage_id: 1 for st in old_plan.stages})
+    c = placement.containers[sums][0]
+    old, new = make_core(old_plan, placement, c, sources), make_core(new_plan, placement, c, sources)
+    assert old.state_kinds() == {"sums": "kv"} and new.state_kinds() == {"sums": "list"}
+    s = placement.slices_of(c)[0]
+    ck = capture(old.slices[s], False)
+    with pytest.raises(cs.SavepointError, match=r"slice \d+: the savepoint holds state 'sums' \(a kv state there, "
+                                                r"a list state now\).*drop_states=\{'sums': \[\.\.\.\]\}"):
+        new.check_state_names(s, ck, old.state_kinds())
+    new.check_state_names(s, ck, {})  # (a savepoint that recorded no kinds: names only)
+    dropped = decode(without_states(bytes(encode(ck)), ["sums"]))
+    assert "sums" not in dropped.state and dropped.epoch == ck.epoch and dropped.progress == ck.progress
+    new.check_state_names(s, dropped, old.state_kinds())
 
 
 def test_a_savepoint_that_does_not_fit_the_query_is_refused_before_the_job_starts(tmp_path):
