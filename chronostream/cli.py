@@ -23,8 +23,6 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import ray
 
 import chronostream as cs
@@ -38,9 +36,6 @@ from chronostream.master.migration import MigrationError
 from chronostream.master.policies import BUILTIN, read_trace, simulate
 from chronostream.slices.errors import ChronoStreamError, ClusterError
 from chronostream.spark import spark_session, validate
-
-if TYPE_CHECKING:
-    from chronostream.chaos import Fault
 
 #: Seconds between two progress lines of ``attach``.
 ATTACH_EVERY_S = 2.0
@@ -153,7 +148,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_kill(spec: str) -> "Fault":
+def _parse_kill(spec: str) -> Fault:
 
     stage, _, epoch = spec.partition("@")
     if not stage or not epoch.isdigit():
@@ -266,7 +261,22 @@ def list_jobs(address: str | None) -> list[dict]:
                     pass
             out.append({"name": r.name, "state": state, "address": r.address, "workdir": r.workdir,
                         "submitted": r.submitted})
+            if state == "gone" and not r.submitted and not _alive(r.driver_pid):
+                remove_record(r.name)  # (a run's job ends with its process: listed once, then forgotten)
     return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (0: unknown, taken as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def job_status(job: "cs.Job") -> dict:

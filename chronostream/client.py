@@ -38,7 +38,7 @@ from chronostream.master.placement import containers_per_stage, initial_placemen
 from chronostream.serial import SerialResult, _SerialRun
 from chronostream.slices.errors import ClusterError, SavepointError, WorkdirError
 from chronostream.slices.savepoint import check_restorable
-from chronostream.slices.sinks import ParquetSink, read_parquet_sink
+from chronostream.slices.sinks import ParquetSink, commit_file_sinks, read_parquet_sink
 from chronostream.source_ref_keeper import SourceHolder, holder_name
 
 #: Names this module re-exports (their homes: ``cluster``, ``job``).
@@ -170,8 +170,9 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     the savepoint holds must be registered by the new code under its name and as its kind
     (``register_state``, ``register_list`` ...), or be dropped: ``drop_states={stage name:
     [state names]}`` leaves those states behind (the new code starts them empty). A Parquet
-    sink keeps the files already there: its parts are per slice and epoch, so the
-    parts this run makes again replace the same rows.
+    sink keeps the parts the stopped job staged: they are per slice and epoch, so the
+    parts this run makes again replace the same rows, and all are committed when it
+    finishes (a sink directory holding a finished run's committed files is refused).
 
     Files (Ray executor): the job's catalog and its hosts' stores live under
     ``workdir`` (default: a new directory in the system's temporary directory, mode
@@ -203,6 +204,7 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                                  "a savepoint is restored on Ray")
         restore_from = os.path.abspath(os.fspath(restore_from))
         check_restorable(restore_from, plan, drop_states)
+        _check_sinks_open(plan)
     elif drop_states:
         raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
@@ -210,12 +212,14 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
             spec.prepare()  # an earlier run's files would be read back with this one's
     if executor == "serial":
         res: SerialResult = _SerialRun(plan, sources).run()
+        commit_file_sinks(plan.sinks)
         dl = lambda: pa.Table.from_pylist(res.dead_letters())  # noqa: E731
         return CompletedJob(plan, res.results, dl, dead_from_sink=False)
     if executor == "local":
 
         cores = run_local(plan, initial_placement(plan, per_stage), sources, seed=seed,
                           spill_state=options.spill_state)
+        commit_file_sinks(plan.sinks)
         return CompletedJob(plan, lambda name: collect(plan, cores, name),
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
 
@@ -248,6 +252,7 @@ def submit(query: Query, *, address: str | None = None, containers: int | dict[s
     if restore_from is not None:
         restore_from = os.path.abspath(os.fspath(restore_from))
         check_restorable(restore_from, plan, drop_states)
+        _check_sinks_open(plan)
     elif drop_states:
         raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
     address = address or os.environ.get("RAY_ADDRESS")
@@ -328,6 +333,17 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
     write_record(JobRecord(key, connected_address() or "", workdir, submitted, token_auth_on(), os.getpid(),
                            time.time()))
     return Job(plan, master, placement, workdir, key, source_refs=None if submitted else refs)
+
+
+def _check_sinks_open(plan: JobPlan) -> None:
+    """A job resumed from a savepoint adds to its Parquet sinks' staged parts (a part made again
+    replaces its rows); a sink whose directory holds a finished run's committed files cannot take
+    them (``SavepointError``)."""
+    for sp in plan.sinks:
+        if isinstance(sp.sink, ParquetSink) and sp.sink.committed():
+            raise SavepointError(f"ParquetSink {sp.sink.name!r}: {sp.sink.path} holds the committed files of a "
+                                 "finished run; a resumed job's rows cannot be added to them: give the sink "
+                                 "another directory")
 
 
 def job_options(options: JobOptions | None, knobs: dict[str, Any]) -> JobOptions:

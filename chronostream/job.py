@@ -135,7 +135,8 @@ class Job:
         return s
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
-        """Block until the job finishes; raise ``JobFailed`` (with the cause) if it failed."""
+        """Block until the job finishes (and its Parquet sinks' files are committed); raise
+        ``JobFailed`` (with the cause) if it failed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             st = self.status()
@@ -143,6 +144,8 @@ class Job:
                 err = st.error
                 raise JobFailed(f"job failed: {err}", err) from err
             if st.state.terminal:
+                if st.state is JobState.FINISHED and any(isinstance(s.sink, ParquetSink) for s in self.plan.sinks):
+                    ray.get(self.master.commit_sinks.remote())  # (the Parquet files in place: ParquetSink)
                 return st
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job still {st.state} after {timeout_s}s ({st.done_containers}/{st.containers} containers done)")

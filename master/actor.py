@@ -40,6 +40,7 @@ from chronostream.master.ray_deploy import RayDeploy
 from chronostream.master.ray_hosts import RayHosts
 from chronostream.master.ray_reads import RayReads
 from chronostream.master.ray_savepoints import RaySavepoints
+from chronostream.master.ray_sinks import RaySinks
 from chronostream.master.ray_scaling import RayScaling
 from chronostream.master.ray_sources import SourceRefs
 from chronostream.master.ray_stop import RayStop
@@ -143,6 +144,7 @@ class JobMaster:
         self.watcher = RayWatch(self)
         self.reads = RayReads(self)
         self.savepoints = RaySavepoints(self)
+        self.sinks = RaySinks(self)
         self.catalog = MasterCatalog(f"{workdir}/master")
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also
         # after a restart in the middle of a deploy.
@@ -213,6 +215,7 @@ class JobMaster:
             if isinstance(cmd, Enter):
                 if cmd.state.terminal:
                     self.finished_at = time.time()
+                    self.sinks.commit_soon(cmd.state)
                 self._save_progress()
                 self._event(f"job_{cmd.state}", **cmd.info)
             elif isinstance(cmd, Kept):
@@ -240,8 +243,7 @@ class JobMaster:
         return await self.deployer.deploy(launch, source_refs, made_workdir)
 
     async def wants_source_refs(self) -> tuple[bool, JobState]:
-        """(Whether this master waits for the source tables' references from the client, the
-        job's state): the client's ``SourceRefKeeper`` asks every second."""
+        """(Whether this master waits for the client's source table references, the job's state)."""
         return self.sources.wanted(), self.state
 
     async def give_source_refs(self, source_refs: dict[int, list]) -> list[int]:
@@ -256,17 +258,15 @@ class JobMaster:
         await self.watcher.unreachable(container_id, reporter)
 
     async def crash_in_recovery(self, step: str) -> None:
-        """Failure injection (``chronostream.chaos``, kind ``kill_master_in_recovery``): this master
-        process exits at ``step`` (``master.recovery.RECOVERY_STEPS``) of its next recovery; Ray
-        restarts it and it resumes the recovery from its catalog. Not persisted: once only."""
+        """Failure injection (``kill_master_in_recovery``): this process exits at ``step`` of its next
+        recovery (``RECOVERY_STEPS``); restarted, it resumes the recovery from its catalog. Once only."""
         if step not in RECOVERY_STEPS:
             raise ValueError(f"unknown recovery step {step!r}; steps: {RECOVERY_STEPS}")
         self._crash_at = step
 
     async def kill_in_recovery(self, step: str, role: str) -> None:
-        """Failure injection (``chronostream.chaos``, kind ``kill_in_recovery``): at ``step`` of its
-        next recovery this master kills a host with ``role`` in it (``master.recovery.RECOVERY_ROLES``;
-        the lowest such host id), so a step meets a host that died after the recovery began. Once only."""
+        """Failure injection (``kill_in_recovery``): at ``step`` of its next recovery this master kills
+        the lowest host with ``role`` in it (``RECOVERY_ROLES``). Once only."""
         if step not in RECOVERY_STEPS:
             raise ValueError(f"unknown recovery step {step!r}; steps: {RECOVERY_STEPS}")
         if role not in RECOVERY_ROLES:
@@ -277,10 +277,7 @@ class JobMaster:
 
     async def scale_out(self, stage: str | int, n: int = 1, reason: str = "requested",
                         request: str | None = None) -> dict[str, Any]:
-        """Add ``n`` hosts to ``stage`` and move slices so every host of it runs an even share.
-
-        ``request``: an id making the call idempotent (Ray retries it on a restarted master).
-        """
+        """Add ``n`` hosts to ``stage`` and even its slices out; ``request`` makes the call idempotent."""
         return await self.scaling.scale_out(stage, n, reason, request)
 
     async def scale_in(self, stage: str | int, n: int = 1, reason: str = "requested",
@@ -407,6 +404,10 @@ class JobMaster:
         (``master.recovery.floors_of_sources``; 0: all of it)."""
         return floors_of_sources(self.plan, self.gc.source_floors if self.gc is not None else {})
 
+    async def commit_sinks(self) -> list[str]:
+        """Once the job finished: its Parquet sinks' staged parts committed into their files (``RaySinks``)."""
+        return await self.sinks.commit()
+
     async def plan_of(self) -> JobPlan:
         """The job's plan (``Job.attach`` from another process)."""
         return self.plan
@@ -420,6 +421,5 @@ class JobMaster:
         return {h: self.handles[h] for h in sorted(self.alive)}
 
     async def stop(self, cleanup: bool = True) -> None:
-        """Stop and release every host; ``cleanup`` deletes what the job wrote under its work
-        directory, and nothing else (``RayStop``)."""
+        """Stop and release every host; ``cleanup`` deletes what the job wrote, nothing else (``RayStop``)."""
         await self.stopper.stop(cleanup)

@@ -1,14 +1,18 @@
 """Sinks: where a job's output streams end up.
 
 Owns: the sink specs users attach to streams (``MemorySink`` for tests and
-notebooks, ``ParquetSink`` for a directory of Parquet files) and their
-per-container writers. Writes are keyed by (producer slice, epoch), so a
-replayed or dual-mode epoch overwrites instead of duplicating: the sink is
-idempotent. Knows no Ray.
+notebooks, ``ParquetSink`` for a directory of Parquet files), their
+per-container writers, and the commit of a Parquet sink's files. Writes are
+keyed by (producer slice, epoch), so a replayed or dual-mode epoch
+overwrites instead of duplicating: the sink is idempotent. A Parquet sink
+writes these parts to a hidden staging directory and commits them, once the
+job has made all of them, into a few large files (``commit_parquet_sink``).
+Knows no Ray.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -222,28 +226,48 @@ class _MemoryWriter(SinkWriter):
         return pa.concat_tables(tables, promote_options="permissive")
 
 
+#: Where a ParquetSink's writers put their (slice, epoch) parts until the commit: a directory
+#: readers skip (pyarrow, pandas and Spark ignore names starting with "_").
+STAGING = "_staging"
+#: The commit's record: the parts it wrote (a commit that stopped half-way finishes from it).
+COMMITTED = "_committed.json"
+#: A committed file's name (``part-00000.parquet``, ...).
+PART = "part-{:05d}.parquet"
 #: The files and directories a ParquetSink writes under its path (a dead-letter sink's per stage).
-_PARQUET_SINK_ENTRIES = ("slice=*", "stage=*")
+_PARQUET_SINK_ENTRIES = ("part-*.parquet", STAGING, COMMITTED, "slice=*", "stage=*")
 
 
 @dataclass
 class ParquetSink(Sink):
-    """Writes output as Parquet files under ``path`` (one file per slice and epoch).
+    """Writes output as Parquet files under ``path``: a few files of about
+    ``target_file_bytes`` each (``part-00000.parquet``, ...), rows in identity order.
 
-    Files are written to a temporary name and renamed, so a reader never sees
-    a half-written file; ``read_parquet_sink(path)`` reads them back in
-    identity order. A run refuses a directory that holds an earlier run's
-    files (they would be read back with its own), unless ``overwrite`` is
-    set: then the run first deletes them (only the sink's own ``slice=*`` and
-    ``stage=*`` directories; other files are left alone).
+    While the job runs, its writers put one part per slice and epoch in a
+    hidden staging directory (``_staging/``): a replayed epoch replaces its
+    part, so a recovery, a migration or a resume never writes a row twice.
+    When the job has made every part (it finished; ``job.wait()`` returns
+    after the commit), the parts are committed: merged into the final files,
+    written under temporary names, recorded in ``_committed.json``, renamed
+    into place, and the staging directory removed. A reader of the directory
+    (pyarrow, pandas, Spark: they skip names starting with ``_``) sees the
+    committed files only, each row once; ``read_parquet_sink(path)`` reads
+    them back. A run refuses a directory that holds an earlier run's files,
+    unless ``overwrite`` is set: then the run first deletes them (only the
+    sink's own entries; other files are left alone).
 
-    >>> ParquetSink("/tmp/out", name="counts", overwrite=True).overwrite
-    True
+    >>> ParquetSink("/tmp/out", name="counts", overwrite=True).target_file_bytes
+    134217728
     """
 
     path: str
     name: str = "out"
     overwrite: bool = False
+    target_file_bytes: int = 128 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target_file_bytes, int) or self.target_file_bytes < 1:
+            raise ValueError(f"ParquetSink {self.name!r}: target_file_bytes must be a positive int, "
+                             f"got {self.target_file_bytes!r}")
 
     def prepare(self) -> None:
         """Before a run: refuse (``FileExistsError``) or, with ``overwrite``, delete an earlier
@@ -263,8 +287,16 @@ class ParquetSink(Sink):
             else:
                 p.unlink()
 
+    def committed(self) -> bool:
+        """Whether the directory holds a committed run's files (a resume cannot add to them)."""
+        return (Path(self.path) / COMMITTED).exists()
+
+    def commit(self) -> list[str]:
+        """Commit the staged parts into the final files (``commit_parquet_sink``); their names."""
+        return commit_parquet_sink(self.path, self.target_file_bytes)
+
     def writer(self, owner: str) -> SinkWriter:
-        return _ParquetWriter(Path(self.path))
+        return _ParquetWriter(Path(self.path) / STAGING)
 
     def dead_letter_writer(self, owner: str, stage_id: int) -> SinkWriter:
         # One directory per stage: two stages' dead letters of one slice id and epoch would
@@ -288,8 +320,69 @@ class _ParquetWriter(SinkWriter):
         os.replace(tmp, final)
 
 
-def read_parquet_sink(path: str | os.PathLike, pattern: str = "slice=*/epoch-*.parquet") -> pa.Table:
-    """Read a ParquetSink directory back as one table sorted by (slice, out_seq).
+def commit_parquet_sink(path: str | os.PathLike, target_file_bytes: int = 128 << 20) -> list[str]:
+    """Merge the staged parts under ``path`` (``_staging/slice=*/epoch-*.parquet``, in slice then
+    epoch order: identity order) into files of about ``target_file_bytes`` of Arrow data each,
+    typed as one (a column null in one part and typed in another, ints and floats: Arrow's
+    permissive promotion). Idempotent: a commit that stopped half-way (``_committed.json``
+    written) finishes its renames and writes nothing again; with nothing staged, nothing
+    happens. Returns the committed files' names.
+
+    >>> import tempfile; root = Path(tempfile.mkdtemp())
+    >>> w = ParquetSink(str(root)).writer("c0")
+    >>> w.write(0, 1, pa.table({"x": [1, 2]})); w.write(0, 0, pa.table({"x": [None]}))
+    >>> w.write(1, 0, pa.table({"x": [0.5]}))
+    >>> commit_parquet_sink(root), sorted(p.name for p in root.iterdir())
+    (['part-00000.parquet'], ['_committed.json', 'part-00000.parquet'])
+    >>> pq.read_table(root).column("x").to_pylist(), commit_parquet_sink(root)
+    ([None, 0.5, 1.0, 2.0], ['part-00000.parquet'])
+    """
+    root = Path(path)
+    mark = root / COMMITTED
+    if not mark.exists():
+        staged = sorted((root / STAGING).glob("slice=*/epoch-*.parquet"))
+        if not staged:
+            return []
+        schema = pa.unify_schemas([pq.read_schema(f) for f in staged], promote_options="permissive")
+        names, writer, size = [], None, 0
+        for f in staged:
+            if writer is None or size >= target_file_bytes:
+                if writer is not None:
+                    writer.close()
+                names.append(PART.format(len(names)))
+                writer, size = pq.ParquetWriter(root / f".{names[-1]}.tmp", schema), 0
+            table = _conform(pq.read_table(f), schema)
+            writer.write_table(table)
+            size += table.nbytes
+        writer.close()
+        tmp = root / f".{COMMITTED}.tmp"
+        tmp.write_text(json.dumps({"parts": names, "staged_parts": len(staged)}))
+        os.replace(tmp, mark)  # the commit point: from here on it only finishes
+    names = json.loads(mark.read_text())["parts"]
+    for name in names:
+        if (root / f".{name}.tmp").exists():
+            os.replace(root / f".{name}.tmp", root / name)
+    shutil.rmtree(root / STAGING, ignore_errors=True)
+    return names
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with ``schema``'s columns in its order and types (a missing one all null)."""
+    cols = [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+            for f in schema]
+    return pa.table(cols, schema=schema)
+
+
+def commit_file_sinks(sinks: Iterable[Any]) -> None:
+    """Commit every sink of ``sinks`` (``JobPlan.sinks`` entries or specs) that commits (Parquet)."""
+    for sp in sinks:
+        spec = getattr(sp, "sink", sp)
+        if hasattr(spec, "commit"):
+            spec.commit()
+
+
+def read_parquet_sink(path: str | os.PathLike, pattern: str = "part-*.parquet") -> pa.Table:
+    """Read a ParquetSink directory's committed files back as one table sorted by (slice, out_seq).
 
     ``pattern``: the files to read; a dead-letter sink's are ``stage=*/slice=*/epoch-*.parquet``.
     """

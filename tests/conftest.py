@@ -25,7 +25,7 @@ os.environ.setdefault("CHRONOSTREAM_HOME", tempfile.mkdtemp(prefix="chronostream
 #: Spare hosts the test session keeps warm (a job here runs 3-9 hosts).
 WARM_HOSTS = 6
 #: The simulator campaign the suite runs (``python -m chronostream.sim``), beside the other tests.
-SIM_CAMPAIGN_SEEDS = "1-200"
+SIM_CAMPAIGN_SEEDS = "1-150"
 _CAMPAIGN = pytest.StashKey[tuple]()  # (the campaign's process, its output directory)
 
 #: The Ray tests ``make test`` runs: a few end-to-end ones per protocol, showing that the Ray

@@ -164,7 +164,7 @@ def small_output(spark, tmp_path):
 
 
 def _rewrite_first_file(out_dir: Path, change) -> None:
-    f = sorted(out_dir.glob("slice=*/epoch-*.parquet"))[0]
+    f = sorted(out_dir.glob("part-*.parquet"))[0]
     pq.write_table(change(pq.read_table(f)), f)
 
 
@@ -174,7 +174,7 @@ def test_validator_catches_an_injected_duplicate(spark, small_output):
     _rewrite_first_file(out, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
     report = validate(out, expected, key=["_order"], spark=spark, show=False)
     assert not report.ok
-    first = pq.read_table(sorted(out.glob("slice=*/epoch-*.parquet"))[0]).slice(0, 1).to_pylist()[0]
+    first = pq.read_table(sorted(out.glob("part-*.parquet"))[0]).slice(0, 1).to_pylist()[0]
     assert report.duplicate_identities == [(first["_slice"], first["_seq"])]
     assert report.n_unexpected == 1
 
@@ -182,7 +182,7 @@ def test_validator_catches_an_injected_duplicate(spark, small_output):
 def test_validator_catches_an_injected_missing_row(spark, small_output):
     """A lost row is reported as a gap in its slice's out_seq and as an expected row missing."""
     out, expected = small_output
-    f = sorted(out.glob("slice=*/epoch-*.parquet"))[0]
+    f = sorted(out.glob("part-*.parquet"))[0]
     dropped = pq.read_table(f).slice(1, 1).to_pylist()[0]
     _rewrite_first_file(out, lambda t: pa.concat_tables([t.slice(0, 1), t.slice(2)]))
     report = validate(out, expected, key=["_order"], spark=spark, show=False)

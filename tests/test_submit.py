@@ -144,8 +144,11 @@ def test_a_job_whose_cluster_is_gone_is_one_line_at_once_and_stop_forgets_it(tmp
     workdir = tmp_path / "work"
     workdir.mkdir()
     os.environ[HOME_ENV], before = env[HOME_ENV], os.environ.get(HOME_ENV)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     try:
         write_record(JobRecord("orphan", dead, str(workdir), submitted=True, started_at=time.time()))
+        # A run's job whose process ended: listed once as gone, then forgotten.
+        write_record(JobRecord("script", dead, str(workdir), driver_pid=int(ended.stdout), started_at=time.time()))
     finally:
         os.environ.pop(HOME_ENV) if before is None else os.environ.update({HOME_ENV: before})
     t0 = time.monotonic()
@@ -153,6 +156,8 @@ def test_a_job_whose_cluster_is_gone_is_one_line_at_once_and_stop_forgets_it(tmp
     assert lost.returncode == 1 and time.monotonic() - t0 < 20, lost.stderr[-2000:]
     assert lost.stderr.startswith(f"chronostream status: job 'orphan': no Ray cluster answers at {dead}"), lost.stderr
     assert f"its files are in {workdir}" in lost.stderr and "Traceback" not in lost.stderr
+    listed = sorted((j["name"], j["state"], j["submitted"]) for j in _json(_cli(env, "jobs")))
+    assert listed == [("orphan", "gone", True), ("script", "gone", False)]
     assert [(j["name"], j["state"]) for j in _json(_cli(env, "jobs"))] == [("orphan", "gone")]
     forgotten = _json(_cli(env, "stop", "orphan"))
     assert forgotten == {"name": "orphan", "stopped": False, "forgotten": True, "workdir": str(workdir)}
