@@ -54,6 +54,7 @@ RAY_TIER = {
     "test_migration_ray.py::test_threads_scaled_up_and_down_mid_stream_give_the_serial_output",
     # savepoints, submitted jobs
     "test_submit.py::test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name",
+    "test_job_records.py::test_a_job_of_another_cluster_is_not_looked_for_on_this_one",
     "test_savepoints.py::test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas",
     "test_savepoints.py::test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",
