@@ -210,12 +210,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _attach(args: argparse.Namespace) -> "cs.Job":
 
-    return Job.attach(args.job, args.address)
+    job = Job.attach(args.job, args.address)
+    _die_at_sigterm()
+    return job
 
 
-def _on_sigterm_exit() -> None:
-    """Exit at SIGTERM, also inside a Ray call (Ray's own handling waited for the call)."""
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+def _die_at_sigterm() -> None:
+    """SIGTERM ends this command at once, also inside a Ray call. ``ray.init`` installs a Python
+    handler (``sys.exit``) that runs only once the call returns: a command waiting on a cluster
+    that went away ignored SIGTERM. The default action needs no Python; set once connected."""
+    if ray.is_initialized():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def list_jobs(address: str | None) -> list[dict]:
@@ -239,6 +244,7 @@ def list_jobs(address: str | None) -> list[dict]:
         except ClusterError:
             continue
         now = connected_address()
+        _die_at_sigterm()
         asked.append(now)
         for name, state in job_states().items():
             rec = read_record(name)
@@ -343,7 +349,6 @@ def cmd_control(args: argparse.Namespace) -> int:
     """
 
 
-    _on_sigterm_exit()
     try:
         return _control(args)
     except (ChronoStreamError, MigrationError, KeyError, ValueError) as exc:
