@@ -20,7 +20,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("CHRONOSTREAM_SHM_MIN_BYTES", "0")
 # The records of the jobs the tests start (chronostream.job_records) go to a directory of the
 # session's, not the user's ~/.chronostream.
-os.environ.setdefault("CHRONOSTREAM_HOME", tempfile.mkdtemp(prefix="chronostream-test-home-"))
+if "CHRONOSTREAM_HOME" not in os.environ:
+    _TEST_HOME = os.environ["CHRONOSTREAM_HOME"] = tempfile.mkdtemp(prefix="chronostream-test-home-")
+else:
+    _TEST_HOME = None
 
 #: Spare hosts the test session keeps warm (a job here runs 3-9 hosts).
 WARM_HOSTS = 6
@@ -150,3 +153,5 @@ def pytest_unconfigure(config):
     started = config.stash.get(_CAMPAIGN, None)
     if started is not None and started[0].poll() is None:
         os.killpg(started[0].pid, signal.SIGKILL)  # (the campaign and its worker processes: a session of their own)
+    if _TEST_HOME is not None:
+        shutil.rmtree(_TEST_HOME, ignore_errors=True)  # (the job records of the session's jobs)

@@ -129,16 +129,17 @@ def test_containers_that_finish_during_deploy_finish_the_job(tmp_path, monkeypat
     m.catalog.close()
 
 
-def test_hosts_leave_when_their_master_dies(ray_session):
+def test_hosts_leave_when_their_master_dies(ray_session, tmp_path):
     """Regression (issue 59, orphan hosts): hosts are detached actors; when their master dies for
     good (here ``ray.kill(no_restart=True)``, as when the driver that owned it is killed), every
-    host exits within ``master_lost_s`` (plus a ping period and slack), not never."""
+    host exits within ``master_lost_s`` (plus a ping period and slack), not never. (Its work
+    directory is the test's: no stop removes it.)"""
     import ray
     from ray.exceptions import RayActorError
 
     q = cs.Query()
     q.source("s", [{"k": i % 3, "v": i} for i in range(30)]).key_by("k").count(slices=4).sink(name="c")
-    job = cs.run(q, containers=1, master_lost_s=2.0)
+    job = cs.run(q, containers=1, master_lost_s=2.0, workdir=str(tmp_path / "job"))
     job.wait(timeout_s=60)
     hosts = list(ray.get(job.master.host_handles.remote()).values())
     assert len(hosts) >= 2
