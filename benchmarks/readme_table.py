@@ -300,6 +300,16 @@ def vs_peers(results: list[Result]) -> str:
                      f"({_median([w for _, w in v]):.1f}x wall)" for query, v in ratios.items())
 
 
+def sink_files(results: list[Result]) -> str:
+    """Staged parts -> committed files of a 10^7-row Parquet sink, and the commit's time against the
+    job's (the medians over the lines)."""
+    row = results[-1].rows[0]
+    job = _median([res.rows[0]["job_s"] for res in results])
+    commit = _median([res.rows[0]["commit_s"] for res in results])
+    return (f"{row['staged_parts']:,} parts -> {row['files']} files ({row['mb']:.0f} MB); "
+            f"commit {commit:.0f} s after a {job:.0f} s job")
+
+
 def sim_runs(results: list[Result]) -> str:
     """Schedules, landed faults and failures of the simulator's runs (summed over the lines), and
     their time."""
@@ -336,6 +346,8 @@ FIGURES = (
     Figure("10^7 keys over 10^4, checkpoints every second", ">= 0.7x", "state_growth", state_growth),
     Figure("against the best peer (Spark Structured Streaming, Bytewax), checkpoints on", ">= 3x", "peers",
            vs_peers, lambda res: any("vs_best_peer" in row for row in res.rows)),
+    Figure("Parquet sink, 10^7 rows: files, and the commit after the job", "a handful of files", "sink_files",
+           sink_files, lambda res: bool(res.rows) and res.rows[0].get("rows", 0) >= 10_000_000),
     Figure("async delta checkpoint after every epoch, one slice", "max epoch <= 1.5x without; throughput >= 0.9x",
            "checkpoint", checkpoint_cost),
     Figure("recovery of 1 GB lost, 2 peers", "< 10 s", "recovery", recovery),

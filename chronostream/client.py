@@ -198,15 +198,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
         raise ValueError(f"unknown executor {executor!r}; choose 'ray', 'serial' or 'local'")
     # Checked for every executor, the serial one too (it runs no containers), before Ray starts.
     per_stage = containers_per_stage(plan, containers)
-    if restore_from is not None:
-        if executor != "ray":
-            raise SavepointError(f"restore_from: the {executor} executor runs a job from its start; "
-                                 "a savepoint is restored on Ray")
-        restore_from = os.path.abspath(os.fspath(restore_from))
-        check_restorable(restore_from, plan, drop_states)
-        _check_sinks_open(plan)
-    elif drop_states:
-        raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
+    if restore_from is not None and executor != "ray":
+        raise SavepointError(f"restore_from: the {executor} executor runs a job from its start; "
+                             "a savepoint is restored on Ray")
+    restore_from = _restore_path(restore_from, plan, drop_states)
     for spec in [s.sink for s in plan.sinks] + [plan.dead_letter_sink]:
         if isinstance(spec, ParquetSink) and restore_from is None:
             spec.prepare()  # an earlier run's files would be read back with this one's
@@ -249,12 +244,7 @@ def submit(query: Query, *, address: str | None = None, containers: int | dict[s
     plan, sources = compile_query(query)
     options = job_options(options, knobs)
     per_stage = containers_per_stage(plan, containers)
-    if restore_from is not None:
-        restore_from = os.path.abspath(os.fspath(restore_from))
-        check_restorable(restore_from, plan, drop_states)
-        _check_sinks_open(plan)
-    elif drop_states:
-        raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
+    restore_from = _restore_path(restore_from, plan, drop_states)
     address = address or os.environ.get("RAY_ADDRESS")
     if cluster.started_here() or (address is None and connected_address() is None):
         raise ClusterError("submit: a submitted job needs a Ray cluster that outlives this process; start one "
@@ -335,15 +325,25 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
     return Job(plan, master, placement, workdir, key, source_refs=None if submitted else refs)
 
 
-def _check_sinks_open(plan: JobPlan) -> None:
-    """A job resumed from a savepoint adds to its Parquet sinks' staged parts (a part made again
-    replaces its rows); a sink whose directory holds a finished run's committed files cannot take
-    them (``SavepointError``)."""
+def _restore_path(restore_from: str | os.PathLike | None, plan: JobPlan,
+                  drop_states: dict[str, list[str]] | None) -> str | None:
+    """The savepoint's absolute path once it fits ``plan`` (``check_restorable``, the states to
+    drop included) and the Parquet sinks can take a resumed job's rows; ``SavepointError``
+    otherwise (``drop_states`` without a savepoint too). A job resumed from a savepoint adds to
+    its Parquet sinks' staged parts (a part made again replaces its rows); a sink whose
+    directory holds a finished run's committed files cannot take them."""
+    if restore_from is None:
+        if drop_states:
+            raise SavepointError("drop_states: states are dropped from a savepoint the job restores (restore_from=)")
+        return None
+    path = os.path.abspath(os.fspath(restore_from))
+    check_restorable(path, plan, drop_states)
     for sp in plan.sinks:
         if isinstance(sp.sink, ParquetSink) and sp.sink.committed():
             raise SavepointError(f"ParquetSink {sp.sink.name!r}: {sp.sink.path} holds the committed files of a "
                                  "finished run; a resumed job's rows cannot be added to them: give the sink "
                                  "another directory")
+    return path
 
 
 def job_options(options: JobOptions | None, knobs: dict[str, Any]) -> JobOptions:

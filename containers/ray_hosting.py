@@ -111,10 +111,11 @@ class ContainerHosting:
             t0 = time.time()
             fetched = {s: await h.backups.fetch(stage_id, s, restore_from.get(s, [])) for s in slices}
             t1 = time.time()
+            kinds = None  # (the savepoint's, asked once: the same for every slice of the stage)
             for s, f in fetched.items():
                 if f.holder == SAVEPOINT_HOLDER and f.point.checkpoint is not None:
-                    reader = dict(restore_from[s])[SAVEPOINT_HOLDER]
-                    kinds = await reader.state_kinds.remote(stage_id)
+                    if kinds is None:
+                        kinds = await dict(restore_from[s])[SAVEPOINT_HOLDER].state_kinds.remote(stage_id)
                     core.check_state_names(s, f.point.checkpoint, kinds)  # an upgrade may not drop a state
             # Off the event loop: a large state takes a while to load, and this host's other
             # containers keep processing meanwhile (the new core is not running yet).

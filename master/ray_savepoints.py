@@ -115,12 +115,9 @@ class RaySavepoints:
     async def reader(self, path: str, drop_states: dict[str, list[str]] | None = None) -> Any:
         """A ``SavepointReader`` of ``path`` on this node (where the path is), once the savepoint
         is checked against the plan (``SavepointError``)."""
-        manifest = await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan,
-                                                                    drop_states)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        reader = SavepointReader.options(scheduling_strategy=here).remote(path, self.m.plan, drop_states)
-        self.started_from = (int(manifest["epoch"]), reader)
-        return reader
+        await asyncio.get_running_loop().run_in_executor(None, check_restorable, path, self.m.plan, drop_states)
+        self.reopen(path, drop_states)
+        return self.started_from[1]
 
     async def take(self, path: str, timeout_s: float = 120.0) -> dict[str, Any]:
         """Write a savepoint of every slice to ``path`` (a new directory) while the job runs;
