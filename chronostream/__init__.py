@@ -31,7 +31,7 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "slices"))
         and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml"))):
     __path__.append(_checkout)
 
-from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_warm_hosts, run, submit  # noqa: E402
+from chronostream.client import CompletedJob, Job, JobStatus, ensure_ray, keep_warm_hosts, resume, run, submit  # noqa: E402
 from chronostream.containers.options import JobOptions  # noqa: E402
 from chronostream.dag import (DEFAULT_EPOCH_EVENTS, DEFAULT_SLICES, DEFAULT_SOURCE_SLICES, Query,  # noqa: E402
                               Stream, compile_query, join)
@@ -61,7 +61,7 @@ from chronostream.slices.windows import (CountWindow, HoppingWindow, LateEventEr
 
 __all__ = [
     "CompletedJob", "Job", "JobState", "JobStatus", "PlacementView", "PoolStats", "ensure_ray", "keep_warm_hosts",
-    "run", "submit", "JobOptions",
+    "run", "submit", "resume", "JobOptions",
     "DEFAULT_EPOCH_EVENTS", "DEFAULT_SLICES", "DEFAULT_SOURCE_SLICES", "JobPlan", "Query", "Stream",
     "compile_query", "join",
     "ChronoStreamError", "ClusterError", "EventError", "JobNotFound", "JobFailed", "QueryError", "RecoveryError",

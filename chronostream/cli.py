@@ -132,6 +132,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Go on with the job whose files are in a work directory after every process of it died:
+    on a cluster (``--address``: print its name), or here to its end (print each sink's rows)."""
+    t0 = time.perf_counter()
+    try:
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        job = cs.resume(args.workdir, address=address)
+        if address:
+            print(f"resumed {job.key} on the Ray cluster at {connected_address()}; follow it with "
+                  f"`chronostream attach {job.key}`", file=sys.stderr)
+            print(job.key)
+            return 0
+        try:
+            job.wait()
+            summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
+        finally:
+            job.stop()
+    except (ChronoStreamError, ValueError, OSError) as exc:
+        print(f"chronostream resume: {exc}", file=sys.stderr)
+        return 1
+    summary["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    print(json.dumps(summary))
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a query defined in a Python file to a Ray cluster; print the job's name."""
     query = _load_query(args.file)
@@ -458,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --restore: leave this state of the savepoint behind (repeatable)")
     sb.add_argument("--name", default=None, help="the job's name (default: made from its work directory)")
     sb.add_argument("--workdir", default=None, help="the job's work directory (default: a new temporary one)")
+    rs = sub.add_parser("resume", help="go on with a job whose every process died, from its work directory "
+                                       "(catalog, source copies, backup stores)")
+    rs.add_argument("workdir")
+    rs.add_argument("--address", default=None, help="a Ray cluster to resume it on as a submitted job "
+                                                    "(default: $RAY_ADDRESS; none: run it here to its end)")
     v = sub.add_parser("validate", help="check a job's Parquet output with Spark: exactly-once and equality")
     v.add_argument("output", help="the job's ParquetSink directory")
     v.add_argument("--expected", required=True, help="Parquet file or directory of the expected rows")
@@ -537,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_control(args)
     if args.command == "submit":
         return cmd_submit(args)
+    if args.command == "resume":
+        return cmd_resume(args)
     if args.command == "autoscale-sim":
         return cmd_autoscale_sim(args)
     if args.command == "warm-hosts":

@@ -1,4 +1,4 @@
-"""The client face: ``run(query)`` and ``submit(query)``.
+"""The client face: ``run(query)``, ``submit(query)`` and ``resume(workdir)``.
 
 Owns: starting a job: choosing its executor, its work directory and name,
 shipping the compiled plan and source data to a new JobMaster on Ray (owned
@@ -29,7 +29,7 @@ from chronostream.dag import JobPlan, Query, compile_query
 from chronostream.job import Job, JobStatus, _parquet_dead_letters, jobs, master_name
 from chronostream.job_records import JobRecord, check_name, write_record
 from chronostream.master.actor import JobMaster
-from chronostream.master.catalog import catalog_identity
+from chronostream.master.catalog import catalog_identity, saved_launch
 from chronostream.master.host_pool import PoolStats, keep_warm_hosts as resize_pool
 from chronostream.master.job_state import JobState
 from chronostream.master.launch import JobLaunch, plan_fingerprint
@@ -39,11 +39,12 @@ from chronostream.serial import SerialResult, _SerialRun
 from chronostream.slices.errors import ClusterError, SavepointError, WorkdirError
 from chronostream.slices.savepoint import check_restorable
 from chronostream.slices.sinks import ParquetSink, commit_file_sinks, read_parquet_sink
+from chronostream.master.source_copies import SOURCES_DIR, load_source_tables, save_source_tables
 from chronostream.source_ref_keeper import SourceHolder, holder_name
 
 #: Names this module re-exports (their homes: ``cluster``, ``job``).
 __all__ = ["CompletedJob", "Job", "JobStatus", "RAY_NAMESPACE", "RAY_SYSTEM_CONFIG", "ensure_ray", "jobs",
-           "keep_warm_hosts", "master_name", "run", "submit"]
+           "keep_warm_hosts", "master_name", "resume", "run", "submit"]
 
 _OWN_PACKAGES = ("chronostream", "slices", "containers", "master", "ray", "pyarrow", "numpy")
 
@@ -259,6 +260,36 @@ def submit(query: Query, *, address: str | None = None, containers: int | dict[s
     return job
 
 
+def resume(workdir: str | os.PathLike, *, address: str | None = None) -> Job:
+    """Go on with the Ray job whose files are in ``workdir`` after every process of it died
+    (``kill -9`` of the driver, the master, the hosts, Ray itself): its code, options and
+    containers come from its catalog (``workdir/master``, authenticated), its in-memory source
+    tables from the copies it wrote when it started (``workdir/sources``), and every slice from
+    the newest copy its dead hosts' backup stores hold on disk (``workdir/host-<id>``). The
+    output goes on exactly once: what the sinks received before is not received twice.
+
+    ``address`` (or ``$RAY_ADDRESS``): a cluster that outlives this process; the job is then a
+    submitted one (found by its name, ended by ``chronostream stop``). Without one, Ray starts
+    here and the job belongs to this process, as with ``run``. A job whose master still runs is
+    refused (attach to it); so is a directory without a catalog (``WorkdirError``).
+
+    The files must be where the job wrote them: a job that ran on several machines resumes
+    where its work directory is one shared filesystem (docs/guide.md, "Operating a job").
+    """
+    workdir = os.path.abspath(workdir)
+    identity = catalog_identity(os.path.join(workdir, "master"))
+    if not identity:
+        raise WorkdirError(f"resume: {workdir} holds no job catalog (its master/ directory) to resume")
+    launch = JobLaunch.unpack(saved_launch(os.path.join(workdir, "master")))
+    sources = load_source_tables(workdir, launch.source_stages)
+    per_stage = {launch.plan.stages[s].name: n for s, n in launch.containers_per_stage.items()}
+    address = address or os.environ.get("RAY_ADDRESS")
+    submitted = address is not None and not cluster.started_here()
+    return _start_on_ray(launch.plan, sources, per_stage, launch.options or JobOptions(), launch.policy,
+                         launch.restore_from, address, workdir, True, submitted=submitted,
+                         name=identity.get("job_key"), drop_states=launch.drop_states)
+
+
 def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[str, int], options: JobOptions,
                   autoscale: Any, restore_from: str | None, address: str | None, workdir: str | None,
                   resume: bool, *, submitted: bool = False, name: str | None = None,
@@ -273,7 +304,7 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
         raise WorkdirError(f"resume=True, but the work directory {workdir} holds no job catalog to resume")
     else:
         # The names the job's own files take (and a stop deletes): none may be the caller's.
-        taken = sorted(n for n in os.listdir(workdir) if n == "master" or re.fullmatch(r"host-\d+", n))
+        taken = sorted(n for n in os.listdir(workdir) if n in ("master", SOURCES_DIR) or re.fullmatch(r"host-\d+", n))
         if taken:
             raise WorkdirError(f"the work directory {workdir} holds {taken}, which are not a job's: the job "
                                "would write into them and delete them at its stop; choose another workdir")
@@ -294,6 +325,8 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
         raise ClusterError(f"a job named {key!r} already runs on the Ray cluster at {connected_address()}; "
                            "choose another name")
     _pickle_user_code_by_value(plan)
+    if identity is None:  # (so that a job whose every process died can go on: ``resume``)
+        save_source_tables(workdir, sources)
     holder = None
     if submitted:  # the tables must outlive this process: an actor of the cluster owns them
         holder = SourceHolder.options(name=holder_name(key), namespace=RAY_NAMESPACE, lifetime="detached").remote()

@@ -387,8 +387,8 @@ class ResourceContainer:
         return await self.backups.corrupt(stage_id, slice_id, truncate)
 
     async def backup_epochs(self) -> dict[tuple[int, int], int]:
-        """(stage, slice) -> newest checkpoint epoch held (cheap: for the master's GC)."""
-        return self.backup_store.epochs() if self.backup_store is not None else {}
+        """(stage, slice) -> newest checkpoint epoch held, for the master's GC (``HostBackups.persisted_epochs``)."""
+        return await self.backups.persisted_epochs()
 
     async def slice_snapshot(self, slice_id: int, container_id: int | None = None) -> bytes | np.ndarray:
         """A full checkpoint of a hosted slice now (does not start a new delta); ``from_wire`` reads it."""

@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from chronostream.containers.backup_store import BackupStore
 from chronostream.slices.checkpoint import CheckpointCorrupt, RestorePoint, decode, decode_outputs, encode
-from chronostream.slices.errors import RecoveryError
+from chronostream.slices.errors import RecoveryError, StoreFullError
 
 log = logging.getLogger("chronostream.container")
 
@@ -98,6 +98,24 @@ class HostBackups:
             return [], []
         store = h.backup_store
         return await self.in_store_thread(store.catalog)
+
+    async def persisted_epochs(self) -> dict[tuple[int, int], int]:
+        """(stage, slice) -> newest checkpoint epoch held, for the master's GC: flushed to lmdb first,
+        so the store on disk covers every epoch the GC trims output logs by (a job whose every
+        process died goes on from the stores on disk: ``master.ray_disk_copies``). A store that
+        cannot be written (full) reports nothing: the GC must not trim by copies only in memory
+        (the heartbeats say why and flush again)."""
+        store = self.h.backup_store
+        if store is None:
+            return {}
+
+        def flushed() -> dict[tuple[int, int], int]:
+            try:
+                store.flush()
+            except StoreFullError:
+                return {}
+            return store.epochs()
+        return await self.in_store_thread(flushed)
 
     async def held(self) -> list[tuple[int, int, int]]:
         """(stage, slice, epoch) of every backup this host holds (after a flush to lmdb)."""

@@ -155,7 +155,8 @@ class EpochLoop:
         The host pings the master; once a ping says its actor is dead (``ActorDiedError``: a
         restarting master's calls wait, an unreachable one's raise ``ActorUnavailableError``)
         and nothing was heard from it for ``JobOptions.master_lost_after_s``, the host
-        releases its stores and exits."""
+        persists its backup store and exits, leaving its files: with the job's catalog they are
+        what ``chronostream resume WORKDIR`` goes on from (``master.ray_disk_copies``)."""
         h = self.h
         bound = h.opts.master_lost_after_s
         every = min(max(h.heartbeat_s, 0.1), bound / 4)
@@ -174,6 +175,9 @@ class EpochLoop:
             if silent >= bound:
                 log.warning("host %s: its master is dead and silent for %.0f s; exiting", h.host_id, silent)
                 try:
-                    await asyncio.wait_for(h.stop(cleanup=True), timeout=10)
+                    await asyncio.wait_for(h.stop(cleanup=False), timeout=10)
+                    if h.backup_store is not None:
+                        store = h.backup_store
+                        await asyncio.wait_for(h.backups.in_store_thread(store.close), timeout=30)
                 finally:
                     os._exit(0)

@@ -6,9 +6,9 @@ and the calls hosts and clients make. The work is done by its topic
 drivers: ``master.ray_deploy`` (deploy, a restarted master's reload), ``ray_stop``,
 ``ray_hosts`` (making, finding, probing, releasing hosts), ``ray_sources``,
 ``ray_chains`` (backup chains, GC), ``ray_watch`` (detection, recovery entry),
-``ray_scaling`` (rescaling, autoscaler), ``ray_reads``, and the machines'
-drivers ``ray_migration`` and ``ray_recovery``. The data plane never waits
-on the master.
+``ray_scaling`` (rescaling, autoscaler), ``ray_reads``, ``ray_savepoints``, ``ray_disk_copies``,
+``ray_sinks``, and the machines' drivers ``ray_migration`` and ``ray_recovery``. The data plane
+never waits on the master.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from chronostream.master.ray_chains import RayChains
 from chronostream.master.ray_deploy import RayDeploy
 from chronostream.master.ray_hosts import RayHosts
 from chronostream.master.ray_reads import RayReads
+from chronostream.master.ray_disk_copies import DiskCopies
 from chronostream.master.ray_savepoints import RaySavepoints
 from chronostream.master.ray_sinks import RaySinks
 from chronostream.master.ray_scaling import RayScaling
@@ -112,14 +113,12 @@ class JobMaster:
         # plan from a placement another is half-way through changing. GC and the finish check
         # skip their turn while it is held instead of waiting for it.
         self.control_lock = asyncio.Lock()
-        self.next_id = 0
+        self.next_id, self._watching = 0, False
         self.threads_asked: dict[int, int] = {}  # container -> threads last asked for (set_threads)
-        self._watching = False
         # The master's own loops (watch, autoscaler, a resumed recovery or migration): cancelled
         # first at the stop, so none is left waiting on a host the stop kills.
         self._background: list[asyncio.Task] = []
-        self.gc_dropped = 0
-        self.stale_backups_dropped = 0  # backup copies off their slice's chain, dropped by GC
+        self.gc_dropped = self.stale_backups_dropped = 0  # (the latter: copies off their slice's chain)
         self.policy: Any = None  # an autoscaling policy (chronostream.master.policies), or None
         # The latest autoscaler ticks (snapshot and actions), at most DECISIONS_KEPT.
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
@@ -144,6 +143,7 @@ class JobMaster:
         self.watcher = RayWatch(self)
         self.reads = RayReads(self)
         self.savepoints = RaySavepoints(self)
+        self.disk_copies = DiskCopies(self)
         self.sinks = RaySinks(self)
         self.catalog = MasterCatalog(f"{workdir}/master")
         # Host id -> actor name of the warm spares adopted (master.host_pool), read back also

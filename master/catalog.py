@@ -94,6 +94,16 @@ def catalog_identity(path: str | os.PathLike) -> dict[str, Any] | None:
     return identity
 
 
+def saved_launch(path: str | os.PathLike) -> bytes:
+    """The launch saved in the catalog at ``path``, verified (``MasterCatalog.load_launch``); the
+    catalog is closed again (a client reads it before it starts the master that resumes the job)."""
+    cat = MasterCatalog(path)
+    try:
+        return cat.load_launch()
+    finally:
+        cat.close()
+
+
 class MasterCatalog:
     """The master's state in lmdb (``exists()`` tells a restarted master to resume)."""
 

@@ -124,8 +124,9 @@ class RayDeploy:
             try:
                 m.handles[h] = ray.get_actor(m.hosts.host_name(h))
                 m.last_seen[h] = now
-            except ValueError:  # it died while the master was away: recovered by the watch loop
-                m.handles[h] = None
+            except ValueError:  # it died while the master was away: recovered by the watch loop,
+                m.handles[h] = None  # from its peers' copies, or its own store's on disk
+                m.disk_copies.found_dead.add(h)
                 m.last_seen[h] = now - 2 * m.opts.heartbeat_timeout_s
         m._event("master_restarted", hosts=sorted(m.alive), containers=len(m.host_of),
                  gc_marks={str(k): v for k, v in sorted(m.gc_marks.items())})

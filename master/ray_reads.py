@@ -34,13 +34,20 @@ class RayReads:
     def __init__(self, master: Any) -> None:
         self.m = master
 
+    def answering(self) -> list[int]:
+        """The live hosts that have a handle to ask (not those a restarted master did not find:
+        a finished job's, or ones its watch loop is about to recover)."""
+        m = self.m
+        return [h for h in sorted(m.alive) if m.handles.get(h) is not None]
+
     async def metrics_snapshot(self) -> MetricsSnapshot:
         """Per stage: input and processing rates, utilization, backlog, per-slice figures; job
         latency percentiles (since the previous snapshot) and throughput; per host CPU and RSS."""
         m = self.m
         ids: dict[int, list[int]] = {}
+        answering = set(self.answering())
         for c in (c for cs_ in m.placement.containers.values() for c in cs_):
-            if m.host_of[c] in m.alive:
+            if m.host_of[c] in answering:
                 ids.setdefault(m.host_of[c], []).append(c)
         parts = await asyncio.gather(*[m.handles[h].metrics.remote(cs_) for h, cs_ in ids.items()],
                                      return_exceptions=True)
@@ -88,7 +95,7 @@ class RayReads:
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Latest statistics of every live container (fresh from the hosts)."""
         m = self.m
-        hosts = sorted(m.alive)
+        hosts = self.answering()
         fresh = await asyncio.gather(*[m.handles[h].statistics.remote() for h in hosts], return_exceptions=True)
         out = {}
         for r in fresh:
@@ -106,7 +113,7 @@ class RayReads:
         m = self.m
         events = list(m.timeline)
         recovered = {info["container"] for _, kind, info in events if kind == "slices_restored"}
-        infos = await asyncio.gather(*[m.handles[h].recovery_info.remote() for h in sorted(m.alive)],
+        infos = await asyncio.gather(*[m.handles[h].recovery_info.remote() for h in self.answering()],
                                      return_exceptions=True)
         for info in infos:
             if isinstance(info, BaseException):
@@ -184,7 +191,7 @@ class RayReads:
             raise KeyError(f"no sink named {sink_name!r}; sinks: {[s.name for s in m.plan.sinks]}")
         out: dict[tuple[int, int], float] = {}
         for part in await asyncio.gather(*[m.handles[h].sink_write_times.remote(sink.sink_id)
-                                           for h in sorted(m.alive)], return_exceptions=True):
+                                           for h in self.answering()], return_exceptions=True):
             if isinstance(part, dict):
                 for k, t in part.items():
                     out[k] = min(t, out.get(k, t))
@@ -193,7 +200,7 @@ class RayReads:
     async def backup_catalog(self) -> dict[int, list[tuple[int, int, int]]]:
         """Host id -> (stage, slice, epoch) of the backups it holds."""
         m = self.m
-        hosts = sorted(m.alive)
+        hosts = self.answering()
         return dict(zip(hosts, await asyncio.gather(*[m.handles[h].backups_held.remote() for h in hosts])))
 
     async def placement_view(self) -> PlacementView:

@@ -181,6 +181,11 @@ class RayRecovery:
                 damaged.setdefault((st, sl), []).append(f"host {h}: {error}")
         for key, copy in m.savepoints.recovery_copies(lost).items():
             backups.setdefault(key, []).append(copy)
+        on_disk, disk_damaged = await m.disk_copies.recovery_copies(lost)
+        for key, copy in on_disk.items():
+            backups.setdefault(key, []).append(copy)
+        for key, errors in disk_damaged.items():
+            damaged.setdefault(key, []).extend(errors)
         checkpointed = frozenset((st, s) for c, (st, slices) in lost.items()
                                  if c in m.stats and m.stats[c].checkpoints > 0 for s in slices)
         chain = {}
@@ -198,7 +203,7 @@ class RayRecovery:
         m = self.m
         infos = await asyncio.gather(*[m.deployer.add_container(
             a.new_id, a.stage_id, a.slices, {},
-            {s: [(h, m.savepoints.holder(h)) for h in restore_order(a.holders[s], a.host)] for s in a.slices})
+            {s: [(h, m.disk_copies.holder(h)) for h in restore_order(a.holders[s], a.host)] for s in a.slices})
             for a in cmd.plan])
         for a, info in zip(cmd.plan, infos):
             for s, h, why in info["rejected"]:

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from chronostream.master.source_copies import SOURCES_DIR
 from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
 from chronostream.master.ray_recovery import kill_host
 from chronostream.master.protocols.job import StopAsked
@@ -51,6 +52,7 @@ class RayStop:
                 # other hosts must not wait on this one.
                 log.warning("host %s: its stop failed (%s); killing it", h, exc)
         m.catalog.close()
+        await m.disk_copies.release()
         if cleanup:
             self.remove_files()
         # Files of pushes that never ran (a host that died, or stopped, with parts in flight to it).
@@ -61,13 +63,15 @@ class RayStop:
 
     def remove_files(self) -> None:
         """Delete what this job made under its work directory: the whole directory when ``run``
-        made it for the job; otherwise only the catalog (``master/``) and each of its hosts'
-        stores (``host-<id>/``; a live host removes its own at its stop, these are the ones of
-        hosts that died): nothing else in a directory the caller gave is touched."""
+        made it for the job; otherwise only the catalog (``master/``), the copies of its in-memory
+        source tables (``sources/``) and each of its hosts' stores (``host-<id>/``; a live host
+        removes its own at its stop, these are the ones of hosts that died): nothing else in a
+        directory the caller gave is touched."""
         m = self.m
         if m.identity.get("made_workdir"):
             shutil.rmtree(m.workdir, ignore_errors=True)
             return
         shutil.rmtree(os.path.join(m.workdir, "master"), ignore_errors=True)
+        shutil.rmtree(os.path.join(m.workdir, SOURCES_DIR), ignore_errors=True)
         for h in sorted(set(m.handles) | set(m.host_of.values()) | m.alive):
             shutil.rmtree(os.path.join(m.workdir, f"host-{int(h)}"), ignore_errors=True)

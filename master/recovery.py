@@ -160,7 +160,10 @@ def plan_recovery(lost: dict[int, tuple[int, list[int]]], backups: dict[SliceKey
                 # Upstream logs still whole from epoch 0 (no GC mark applied to them yet): a
                 # rebuild from the start replays them and is exact, checkpointed or not.
                 logs_whole = floor is not None and floor.get(stage, 0) < 0
-                if ((stage, s) in checkpointed or bad) and not (recompute_lost or logs_whole) \
+                # Logs trimmed: the slice was checkpointed, whether this master saw it or not (a
+                # restarted one has no statistics of the containers that died before it came).
+                trimmed = floor is not None and floor.get(stage, -1) >= 0
+                if ((stage, s) in checkpointed or bad or trimmed) and not (recompute_lost or logs_whole) \
                         and stage not in rebuildable:
                     holders = (chain or {}).get((stage, s), [])
                     why = (f"damaged: {'; '.join(bad)}" if bad

@@ -132,8 +132,8 @@ def test_containers_that_finish_during_deploy_finish_the_job(tmp_path, monkeypat
 def test_hosts_leave_when_their_master_dies(ray_session, tmp_path):
     """Regression (issue 59, orphan hosts): hosts are detached actors; when their master dies for
     good (here ``ray.kill(no_restart=True)``, as when the driver that owned it is killed), every
-    host exits within ``master_lost_s`` (plus a ping period and slack), not never. (Its work
-    directory is the test's: no stop removes it.)"""
+    host exits within ``master_lost_s`` (plus a ping period and slack), not never, and leaves its
+    backup store on disk. (Its work directory is the test's: no stop removes it.)"""
     import ray
     from ray.exceptions import RayActorError
 
@@ -158,6 +158,9 @@ def test_hosts_leave_when_their_master_dies(ray_session, tmp_path):
         alive = still
     assert not alive, (f"{len(alive)} of {len(hosts)} hosts still answer {time.monotonic() - t0:.0f} s "
                        f"after their master died")
+    # Their stores stay: with the catalog, what ``chronostream resume`` goes on from.
+    stores = sorted(p.parent.parent.name for p in (tmp_path / "job").glob("host-*/backups/data.mdb"))
+    assert len(stores) == len(hosts), stores
 
 
 def _listening_off_loopback(pids: set[int]) -> list[tuple[int, str, str]]:

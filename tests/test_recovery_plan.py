@@ -132,3 +132,13 @@ def test_a_checkpointed_slice_with_no_copy_left_after_a_trim_is_a_loss_naming_it
                       chain={(1, s): [3] for s in range(4)})
     with pytest.raises(BackupsLost, match="slice 0"):  # marks unknown (a restarted master): no guess
         plan_recovery(LOST, {}, LIVE, 10, checkpointed=checkpointed, floor=None)
+
+
+def test_a_slice_no_master_saw_checkpointed_is_a_loss_once_its_upstream_logs_were_trimmed():
+    """A restarted master has no statistics of containers that died before it came: a trimmed
+    upstream log says the slice was checkpointed all the same, so a rebuild from the start (which
+    would miss the trimmed rows) is refused, not planned."""
+    with pytest.raises(BackupsLost, match="slice 0"):
+        plan_recovery(LOST, {}, LIVE, 10, floor={0: -1, 1: 4})
+    plan = plan_recovery(LOST, {}, LIVE, 10, floor={0: -1, 1: -1})  # (nothing trimmed: replay from 0)
+    assert all(a.epochs[s] == -1 for a in plan for s in a.slices)
