@@ -301,13 +301,18 @@ def vs_peers(results: list[Result]) -> str:
 
 
 def sink_files(results: list[Result]) -> str:
-    """Staged parts -> committed files of a 10^7-row Parquet sink, and the commit's time against the
-    job's (the medians over the lines)."""
-    row = results[-1].rows[0]
-    job = _median([res.rows[0]["job_s"] for res in results])
-    commit = _median([res.rows[0]["commit_s"] for res in results])
-    return (f"{row['staged_parts']:,} parts -> {row['files']} files ({row['mb']:.0f} MB); "
-            f"commit {commit:.0f} s after a {job:.0f} s job")
+    """Staged parts -> committed files of a 10^7-row Parquet sink, and the last commit's time
+    against the job's: committed only at the end, and (the latest line's second configuration,
+    when it has one) also every ``max_age_s`` while the job runs."""
+    rows = results[-1].rows
+    row = rows[0]
+    text = (f"{row['staged_parts']:,} parts -> {row['files']} files ({row['mb']:.0f} MB); "
+            f"commit {row['commit_s']:.0f} s after a {row['job_s']:.0f} s job")
+    live = next((r for r in rows if r.get("max_age_s")), None)
+    if live is not None:
+        text += (f"; committing every {live['max_age_s']:.0f} s while it runs: {live['files']} files, "
+                 f"last commit {live['commit_s']:.0f} s after a {live['job_s']:.0f} s job")
+    return text
 
 
 def sim_runs(results: list[Result]) -> str:

@@ -104,6 +104,7 @@ class RayChains:
         assert m.gc is not None
         try:
             held = await asyncio.gather(*[m.handles[h].backup_epochs.remote() for h in hosts])
+            m.sinks.commit_due(held)  # (parts of epochs every slice has checkpointed are final)
             for cmd in m.gc.handle(HeldRead(tuple(held))):
                 if isinstance(cmd, SaveMarks):  # (before any host trims to them)
                     m.catalog.save_gc_marks(cmd.marks)

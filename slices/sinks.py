@@ -12,12 +12,10 @@ Knows no Ray.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 from pathlib import Path
@@ -26,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from chronostream.slices.parquet_commit import COMMITTED, STAGING, commit_parquet_sink, read_record
 from chronostream.slices.types import SEQ, SLICE
 
 
@@ -227,13 +226,6 @@ class _MemoryWriter(SinkWriter):
         return pa.concat_tables(tables, promote_options="permissive")
 
 
-#: Where a ParquetSink's writers put their (slice, epoch) parts until the commit: a directory
-#: readers skip (pyarrow, pandas and Spark ignore names starting with "_").
-STAGING = "_staging"
-#: The commit's record: the parts it wrote (a commit that stopped half-way finishes from it).
-COMMITTED = "_committed.json"
-#: A committed file's name (``part-00000.parquet``, ...).
-PART = "part-{:05d}.parquet"
 #: The files and directories a ParquetSink writes under its path (a dead-letter sink's per stage).
 _PARQUET_SINK_ENTRIES = ("part-*.parquet", STAGING, COMMITTED, "slice=*", "stage=*")
 
@@ -246,29 +238,38 @@ class ParquetSink(Sink):
     While the job runs, its writers put one part per slice and epoch in a
     hidden staging directory (``_staging/``): a replayed epoch replaces its
     part, so a recovery, a migration or a resume never writes a row twice.
-    When the job has made every part (it finished; ``job.wait()`` returns
-    after the commit), the parts are committed: merged into the final files,
-    written under temporary names, recorded in ``_committed.json``, renamed
-    into place, and the staging directory removed. A reader of the directory
-    (pyarrow, pandas, Spark: they skip names starting with ``_``) sees the
-    committed files only, each row once; ``read_parquet_sink(path)`` reads
-    them back. A run refuses a directory that holds an earlier run's files,
-    unless ``overwrite`` is set: then the run first deletes them (only the
-    sink's own entries; other files are left alone).
+    Every ``max_age_s`` seconds (on Ray), the master commits the parts of the
+    epochs every slice of the sink's stage has processed and checkpointed:
+    merged into new files, written under temporary names, recorded in
+    ``_committed.json``, renamed into place; a part of a committed epoch made
+    again later (a recovery) is deleted unread. When the job finished
+    (``job.wait()`` returns after it), the last commit takes every part left
+    and removes the staging directory. A reader of the directory (pyarrow,
+    pandas, Spark: they skip names starting with ``_`` or ``.``) sees the
+    committed files only, each row once, while the job runs too;
+    ``read_parquet_sink(path)`` reads them back. A run refuses a directory
+    that holds an earlier run's files, unless ``overwrite`` is set: then the
+    run first deletes them (only the sink's own entries; other files are left
+    alone). ``slices.parquet_commit`` has the commit's steps.
 
-    >>> ParquetSink("/tmp/out", name="counts", overwrite=True).target_file_bytes
-    134217728
+    >>> s = ParquetSink("/tmp/out", name="counts", overwrite=True)
+    >>> s.target_file_bytes, s.max_age_s
+    (134217728, 60.0)
     """
 
     path: str
     name: str = "out"
     overwrite: bool = False
     target_file_bytes: int = 128 << 20
+    max_age_s: float = 60.0  # the longest a row waits in staging while the job runs (0: until it ends)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target_file_bytes, int) or self.target_file_bytes < 1:
             raise ValueError(f"ParquetSink {self.name!r}: target_file_bytes must be a positive int, "
                              f"got {self.target_file_bytes!r}")
+        if not isinstance(self.max_age_s, (int, float)) or self.max_age_s < 0:
+            raise ValueError(f"ParquetSink {self.name!r}: max_age_s must be a number of seconds >= 0 "
+                             f"(0: commit only when the job ends), got {self.max_age_s!r}")
 
     def prepare(self) -> None:
         """Before a run: refuse (``FileExistsError``) or, with ``overwrite``, delete an earlier
@@ -289,12 +290,14 @@ class ParquetSink(Sink):
                 p.unlink()
 
     def committed(self) -> bool:
-        """Whether the directory holds a committed run's files (a resume cannot add to them)."""
-        return (Path(self.path) / COMMITTED).exists()
+        """Whether the directory holds a finished run's files (a resume cannot add to them; it
+        goes on from a stopped or dead run's commits)."""
+        return bool(read_record(self.path)["final"])
 
-    def commit(self) -> list[str]:
-        """Commit the staged parts into the final files (``commit_parquet_sink``); their names."""
-        return commit_parquet_sink(self.path, self.target_file_bytes)
+    def commit(self, through: int | None = None) -> list[str]:
+        """Commit the staged parts of epochs up to ``through`` (None: all, the job's last commit)
+        into the final files (``commit_parquet_sink``); every committed file's name."""
+        return commit_parquet_sink(self.path, self.target_file_bytes, through)
 
     def writer(self, owner: str) -> SinkWriter:
         return _ParquetWriter(Path(self.path) / STAGING)
@@ -319,71 +322,6 @@ class _ParquetWriter(SinkWriter):
         tmp = d / f".tmp-{uuid.uuid4().hex}"
         pq.write_table(table, tmp)
         os.replace(tmp, final)
-
-
-def commit_parquet_sink(path: str | os.PathLike, target_file_bytes: int = 128 << 20) -> list[str]:
-    """Merge the staged parts under ``path`` (``_staging/slice=*/epoch-*.parquet``, in slice then
-    epoch order: identity order) into files of about ``target_file_bytes`` of Arrow data each,
-    typed as one (a column null in one part and typed in another, ints and floats: Arrow's
-    permissive promotion). Idempotent: a commit that stopped half-way (``_committed.json``
-    written) finishes its renames and writes nothing again; with nothing staged, nothing
-    happens. Returns the committed files' names.
-
-    >>> import tempfile; root = Path(tempfile.mkdtemp())
-    >>> w = ParquetSink(str(root)).writer("c0")
-    >>> w.write(0, 1, pa.table({"x": [1, 2]})); w.write(0, 0, pa.table({"x": [None]}))
-    >>> w.write(1, 0, pa.table({"x": [0.5]}))
-    >>> commit_parquet_sink(root), sorted(p.name for p in root.iterdir())
-    (['part-00000.parquet'], ['_committed.json', 'part-00000.parquet'])
-    >>> pq.read_table(root).column("x").to_pylist(), commit_parquet_sink(root)
-    ([None, 0.5, 1.0, 2.0], ['part-00000.parquet'])
-    """
-    root = Path(path)
-    mark = root / COMMITTED
-    if not mark.exists():
-        staged = sorted((root / STAGING).glob("slice=*/epoch-*.parquet"))
-        if not staged:
-            return []
-        schema = pa.unify_schemas([pq.read_schema(f) for f in staged], promote_options="permissive")
-        names, writer, size = [], None, 0
-        for table in _read_in_order(staged):
-            if writer is None or size >= target_file_bytes:
-                if writer is not None:
-                    writer.close()
-                names.append(PART.format(len(names)))
-                writer, size = pq.ParquetWriter(root / f".{names[-1]}.tmp", schema), 0
-            table = _conform(table, schema)
-            writer.write_table(table)
-            size += table.nbytes
-        writer.close()
-        tmp = root / f".{COMMITTED}.tmp"
-        tmp.write_text(json.dumps({"parts": names, "staged_parts": len(staged)}))
-        os.replace(tmp, mark)  # the commit point: from here on it only finishes
-    names = json.loads(mark.read_text())["parts"]
-    for name in names:
-        if (root / f".{name}.tmp").exists():
-            os.replace(root / f".{name}.tmp", root / name)
-    shutil.rmtree(root / STAGING, ignore_errors=True)
-    return names
-
-
-#: Staged parts read at once by the commit (on ``_READERS`` threads: reading a Parquet file
-#: releases the GIL; a job's parts are small, and read one by one they were most of its time).
-_READ_AHEAD, _READERS = 64, 4
-
-
-def _read_in_order(files: list[Path]) -> Iterable[pa.Table]:
-    """Each file's table, in ``files``' order, at most ``_READ_AHEAD`` of them in memory."""
-    with ThreadPoolExecutor(_READERS) as pool:
-        for i in range(0, len(files), _READ_AHEAD):
-            yield from pool.map(pq.read_table, files[i:i + _READ_AHEAD])
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``table`` with ``schema``'s columns in its order and types (a missing one all null)."""
-    cols = [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-            for f in schema]
-    return pa.table(cols, schema=schema)
 
 
 def commit_file_sinks(sinks: Iterable[Any]) -> None:

@@ -25,10 +25,12 @@ import msgpack
 import numpy as np
 import psutil
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import chronostream as cs
 from chronostream.master.ray_disk_copies import DISK_HOLDER
+from chronostream.slices.parquet_commit import read_record
 
 EPOCH = 250
 
@@ -45,13 +47,13 @@ class RunningSum(cs.Operator):
         self.produce("out", {"user": event["user"], "total": total})
 
 
-def _query(out: Path, n: int = 12_000, parquet_sums: bool = False) -> cs.Query:
+def _query(out: Path, n: int = 12_000, parquet_sums: bool = False, max_age_s: float = 60.0) -> cs.Query:
     rng = np.random.default_rng(11)
     words = pa.table({"word": [f"w{i}" for i in rng.zipf(1.5, n) % 300]})
     payments = pa.table({"user": rng.integers(0, 200, n), "amount": rng.integers(1, 100, n)})
     q = cs.Query(epoch_events=EPOCH)
     q.source("words", words, slices=2).key_by("word").count(slices=4, name="counts") \
-        .sink(cs.ParquetSink(str(out / "counts")), name="c")
+        .sink(cs.ParquetSink(str(out / "counts"), max_age_s=max_age_s), name="c")
     q.source("payments", payments, slices=2).key_by("user").apply(RunningSum, slices=4, name="sums") \
         .sink(cs.ParquetSink(str(out / "sums")) if parquet_sums else None, name="s")
     return q
@@ -97,13 +99,15 @@ def _restored_from_disk(timeline) -> list[dict]:
 def test_a_job_whose_master_and_hosts_all_died_goes_on_from_its_stores_on_disk(ray_session, tmp_path):
     """On the shared Ray: the master and every host killed for good after the GC trimmed the
     logs; ``cs.resume`` restores every slice (all 12) from the dead hosts' stores and the
-    output of both sinks, a Parquet one and a memory one, equals the serial run's."""
+    output of both sinks, a Parquet one (committing every 0.5 s) and a memory one, equals the
+    serial run's."""
     import ray
 
     workdir = tmp_path / "job"
-    q = _query(tmp_path)
-    job = cs.run(q, containers=2, workdir=str(workdir), source_pace_s=0.15, checkpoint_interval_s=0.3)
-    marks = _wait_for_trimmed_logs(workdir)
+    q = _query(tmp_path, max_age_s=0.5)
+    job = cs.run(q, containers=2, workdir=str(workdir), source_pace_s=0.15, checkpoint_interval_s=0.3,
+                 gc_interval_s=1.0)
+    _wait_for_trimmed_logs(workdir)
     hosts = list(ray.get(job.master.host_handles.remote()).values())
     assert job.status().state == "running"
     ray.kill(job.master, no_restart=True)
@@ -141,8 +145,8 @@ import chronostream as cs
 sys.path.insert(0, sys.argv[3])
 from test_resume import _query
 from pathlib import Path
-job = cs.run(_query(Path(sys.argv[2]), parquet_sums=True), containers=1, workdir=sys.argv[1], source_pace_s=0.15,
-             checkpoint_interval_s=0.3)
+job = cs.run(_query(Path(sys.argv[2]), 16_000, parquet_sums=True, max_age_s=0.5), containers=1, workdir=sys.argv[1],
+             source_pace_s=0.15, checkpoint_interval_s=0.3, gc_interval_s=1.0)
 print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
 time.sleep(600)
 '''
@@ -172,23 +176,31 @@ def test_kill_9_of_every_process_of_the_cluster_then_chronostream_resume_gives_t
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(workdir), str(out), str(Path(__file__).parent)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    serial = cs.run(_query(tmp_path / "serial", 16_000, parquet_sums=True), executor="serial")
     try:
         session = driver.stdout.readline().strip()
         assert session, "the driver did not start its job"
         _wait_for_trimmed_logs(workdir)
+        # A reader of the sink's directory while the job runs: committed files only, each row once.
+        deadline = time.monotonic() + 60
+        while not list((out / "counts").glob("part-*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = pq.read_table(out / "counts")
     finally:
         killed = _kill_tree(driver.pid)
+    ids = list(zip(seen["_slice"].to_pylist(), seen["_seq"].to_pylist()))
+    assert 0 < len(ids) == len(set(ids)) < serial.results("c").num_rows
+    assert set(ids) <= set(zip(serial.results("c")["_slice"].to_pylist(), serial.results("c")["_seq"].to_pylist()))
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if session in " ".join(p.info["cmdline"] or [])]
     assert not left, f"processes of the killed Ray still run: {left}"
     assert len(killed) >= 5  # (the driver, Ray's own processes, the master and hosts)
     assert list((out / "counts" / "_staging").rglob("*.parquet")), "the dead run staged no part"
-    assert not list((out / "counts").glob("part-*.parquet"))  # (nothing committed: the job did not finish)
+    assert not read_record(out / "counts")["final"]  # (the job did not finish)
 
     done = subprocess.run([sys.executable, "-m", "chronostream", "resume", str(workdir)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    serial = cs.run(_query(tmp_path / "serial", parquet_sums=True), executor="serial")
     for sink, path in (("c", "counts"), ("s", "sums")):
         got, expected = cs.read_parquet_sink(str(out / path)), serial.results(sink)
         assert summary[sink] == got.num_rows == expected.num_rows > 0
