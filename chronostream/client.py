@@ -281,7 +281,8 @@ def resume(workdir: str | os.PathLike, *, address: str | None = None) -> Job:
     if not identity:
         raise WorkdirError(f"resume: {workdir} holds no job catalog (its master/ directory) to resume")
     launch = JobLaunch.unpack(saved_launch(os.path.join(workdir, "master")))
-    sources = load_source_tables(workdir, launch.source_stages)
+    sources: dict[int, Any] = dict(launch.source_readers)
+    sources.update(load_source_tables(workdir, [s for s in launch.source_stages if s not in sources]))
     per_stage = {launch.plan.stages[s].name: n for s, n in launch.containers_per_stage.items()}
     address = address or os.environ.get("RAY_ADDRESS")
     submitted = address is not None and not cluster.started_here()
@@ -326,7 +327,7 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
                            "choose another name")
     _pickle_user_code_by_value(plan)
     if identity is None:  # (so that a job whose every process died can go on: ``resume``)
-        save_source_tables(workdir, sources)
+        save_source_tables(workdir, {s: t for s, t in sources.items() if isinstance(t, pa.Table)})
     holder = None
     if submitted:  # the tables must outlive this process: an actor of the cluster owns them
         holder = SourceHolder.options(name=holder_name(key), namespace=RAY_NAMESPACE, lifetime="detached").remote()
@@ -335,7 +336,8 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
         refs = {sid: [ray.put(t)] for sid, t in sources.items()}
     # The job goes to deploy, not the constructor: Ray restarts the master with its constructor's
     # arguments, which must hold nothing from the object store (master.launch).
-    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs), restore_from, drop_states).pack()
+    launch = JobLaunch(plan, per_stage, options, autoscale, sorted(refs), restore_from, drop_states,
+                       {s: src for s, src in sources.items() if not isinstance(src, pa.Table)}).pack()
     master = JobMaster.options(max_concurrency=1000, name=master_name(key), namespace=RAY_NAMESPACE,
                                lifetime="detached" if submitted else None).remote(workdir, key)
     try:

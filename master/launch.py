@@ -37,6 +37,9 @@ class JobLaunch:
     source_stages: list[int] = field(default_factory=list)  # stages reading in-memory tables
     restore_from: str | None = None  # a savepoint directory every slice starts from (``slices.savepoint``)
     drop_states: dict[str, list[str]] | None = None  # stage name -> savepoint states the restore leaves behind
+    # Stage id -> a source that is no table (a ``LogSource``: where to read), kept for a resume;
+    # tables are copied into the work directory instead (``master.source_copies``).
+    source_readers: dict[int, Any] = field(default_factory=dict)
 
     def pack(self) -> bytes:
         """The launch as bytes (the catalog checksums them)."""

@@ -1,7 +1,8 @@
-"""Owns the commit of a Parquet sink's staged parts into its final files (``ParquetSink``).
+"""Owns a Parquet sink's staged parts and their commit into its final files (``ParquetSink``).
 
 A sink's writers stage one part per slice and epoch under ``<path>/_staging/``
-(``slice=NNNNN/epoch-NNNNNNNNNN.parquet``); a part made again (a recovery, a
+(``slice=NNNNN/epoch-NNNNNNNNNN.arrow``: an Arrow IPC file, cheap to write and
+to map back, for the commit only); a part made again (a recovery, a
 migration, a resume replaying an epoch) replaces itself with the same rows.
 A commit merges the staged parts of epochs up to a bound into a few files of
 about ``target_file_bytes`` (``part-NNNNN.parquet``, numbered on from the
@@ -36,10 +37,12 @@ or null}``. Knows no Ray.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +58,30 @@ COMMITTED = "_committed.json"
 #: Committed files' names.
 PART = "part-{:05d}.parquet"
 
-_EPOCH = re.compile(r"epoch-(\d+)\.parquet$")
+_EPOCH = re.compile(r"epoch-(\d+)\.arrow$")
+
+
+def stage_part(path: str | os.PathLike, epoch: int, slice_id: int, table: pa.Table) -> None:
+    """Stage the rows slice ``slice_id`` made in ``epoch`` for the sink at ``path``: under a
+    temporary name, then renamed over any earlier copy (a part made again holds the same rows).
+    Empty parts are not staged."""
+    if table.num_rows == 0:
+        return
+    d = Path(path) / STAGING / f"slice={slice_id:05d}"
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"epoch-{epoch:010d}.arrow"
+    tmp = d / f".tmp-{uuid.uuid4().hex}"
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(tmp, final)
+
+
+def _open(part: Path) -> pa.ipc.RecordBatchFileReader:
+    return pa.ipc.open_file(pa.memory_map(str(part)))
+
+
+def _read(part: Path) -> pa.Table:
+    return _open(part).read_all()
 
 #: Staged parts read at once by the commit (on ``_READERS`` threads: reading a Parquet file
 #: releases the GIL; a job's parts are small, and read one by one they were most of its time).
@@ -88,13 +114,11 @@ def commit_parquet_sink(path: str | os.PathLike, target_file_bytes: int = 128 <<
     names of every committed file.
 
     >>> import tempfile; root = Path(tempfile.mkdtemp())
-    >>> from chronostream.slices.sinks import ParquetSink
-    >>> w = ParquetSink(str(root)).writer("c0")
-    >>> w.write(0, 1, pa.table({"x": [1.5, 2.5]})); w.write(0, 0, pa.table({"x": [None]}))
-    >>> w.write(1, 0, pa.table({"x": [0.5]}))
+    >>> stage_part(root, 0, 1, pa.table({"x": [1.5, 2.5]})); stage_part(root, 0, 0, pa.table({"x": [None]}))
+    >>> stage_part(root, 1, 0, pa.table({"x": [0.5]}))
     >>> commit_parquet_sink(root, through=0)
     ['part-00000.parquet']
-    >>> w.write(0, 1, pa.table({"x": [1.5, 2.5]}))  # (epoch 0 made again: committed, dropped unread)
+    >>> stage_part(root, 0, 1, pa.table({"x": [1.5, 2.5]}))  # (epoch 0 made again: committed, dropped unread)
     >>> commit_parquet_sink(root), sorted(p.name for p in root.iterdir())
     (['part-00000.parquet', 'part-00001.parquet'], ['_committed.json', 'part-00000.parquet', 'part-00001.parquet'])
     >>> pq.read_table(root / "part-00001.parquet").column("x").to_pylist(), commit_parquet_sink(root)
@@ -118,14 +142,14 @@ def commit_parquet_sink(path: str | os.PathLike, target_file_bytes: int = 128 <<
     # Every committed file has one schema (a directory reader takes one file's for all): the
     # first commit's. A commit while running waits until its columns are typed and fit it.
     committed = pq.read_schema(root / record["parts"][0]) if record["parts"] else None
-    schema = pa.unify_schemas(([committed] if committed else []) + [pq.read_schema(f) for f in take],
+    schema = pa.unify_schemas(([committed] if committed else []) + [_open(f).schema for f in take],
                               promote_options="permissive")
     if through is not None and (schema != committed if committed else _untyped(schema)):
         return record["parts"]
     # The last commit with a wider schema rewrites the files committed before into it.
     replaces = record["parts"] if committed is not None and schema != committed else []
     first = 1 + max([-1] + [int(n[5:10]) for n in record["parts"]])
-    names = _merge(root, [root / n for n in replaces] + take, first, target_file_bytes, schema)
+    names = _merge(root, replaces, take, first, target_file_bytes, schema)
     new_through = through if through is not None else max([done] + [e for f, e in staged if e > done])
     record["pending"] = {"parts": names, "through": new_through, "final": through is None, "replaces": replaces,
                          "staged_parts": len(take)}
@@ -141,17 +165,19 @@ def _untyped(schema: pa.Schema) -> bool:
 def _staged(root: Path) -> list[tuple[Path, int]]:
     """(part, epoch) of every staged part, in identity order (slice, then epoch)."""
     return [(f, int(_EPOCH.search(f.name).group(1)))
-            for f in sorted((root / STAGING).glob("slice=*/epoch-*.parquet"))]
+            for f in sorted((root / STAGING).glob("slice=*/epoch-*.arrow"))]
 
 
-def _merge(root: Path, parts: list[Path], first: int, target_file_bytes: int, schema: pa.Schema) -> list[str]:
-    """Write ``parts`` merged into temporary files (``.part-NNNNN.parquet.tmp``, numbered from
-    ``first``), typed as ``schema``; their names."""
-    if not parts:
+def _merge(root: Path, replaces: list[str], parts: list[Path], first: int, target_file_bytes: int,
+           schema: pa.Schema) -> list[str]:
+    """Write the committed files ``replaces`` and then the staged ``parts`` merged into temporary
+    files (``.part-NNNNN.parquet.tmp``, numbered from ``first``), typed as ``schema``; their names."""
+    if not parts and not replaces:
         return []
     names: list[str] = []
     writer, size = None, 0
-    for table in _read_in_order(parts):
+    tables = itertools.chain((pq.read_table(root / n) for n in replaces), _read_in_order(parts))
+    for table in tables:
         if writer is None or size >= target_file_bytes:
             if writer is not None:
                 writer.close()
@@ -198,7 +224,7 @@ def _read_in_order(files: list[Path]) -> Iterable[pa.Table]:
     """Each file's table, in ``files``' order, at most ``_READ_AHEAD`` of them in memory."""
     with ThreadPoolExecutor(_READERS) as pool:
         for i in range(0, len(files), _READ_AHEAD):
-            yield from pool.map(pq.read_table, files[i:i + _READ_AHEAD])
+            yield from pool.map(_read, files[i:i + _READ_AHEAD])
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

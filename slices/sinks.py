@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from chronostream.slices.parquet_commit import COMMITTED, STAGING, commit_parquet_sink, read_record
+from chronostream.slices.parquet_commit import COMMITTED, STAGING, commit_parquet_sink, read_record, stage_part
 from chronostream.slices.types import SEQ, SLICE
 
 
@@ -300,12 +300,22 @@ class ParquetSink(Sink):
         return commit_parquet_sink(self.path, self.target_file_bytes, through)
 
     def writer(self, owner: str) -> SinkWriter:
-        return _ParquetWriter(Path(self.path) / STAGING)
+        return _StagingWriter(self.path)
 
     def dead_letter_writer(self, owner: str, stage_id: int) -> SinkWriter:
         # One directory per stage: two stages' dead letters of one slice id and epoch would
         # otherwise be one file, the later write replacing the earlier.
         return _ParquetWriter(Path(self.path) / f"stage={stage_id:04d}")
+
+
+class _StagingWriter(SinkWriter):
+    """A ParquetSink's writer: each part staged for the commit (``slices.parquet_commit``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, epoch: int, slice_id: int, table: pa.Table) -> None:
+        stage_part(self.path, epoch, slice_id, table)
 
 
 class _ParquetWriter(SinkWriter):

@@ -55,11 +55,12 @@ RAY_TIER = {
     "test_migration_ray.py::test_a_master_killed_in_the_middle_of_a_scale_out_settles_it_once_restarted",
     "test_migration_ray.py::test_a_producer_dying_while_a_compaction_waits_undoes_it_and_recovery_gives_the_serial_output",
     "test_migration_ray.py::test_threads_scaled_up_and_down_mid_stream_give_the_serial_output",
-    # savepoints, submitted jobs
+    # savepoints, submitted jobs, resumes (the kill -9 of a whole cluster is test_resume's, beside)
     "test_submit.py::test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name",
     "test_job_records.py::test_a_job_of_another_cluster_is_not_looked_for_on_this_one",
     "test_savepoints.py::test_a_savepoint_mid_run_holds_every_slice_at_one_epoch_and_equals_pandas",
     "test_savepoints.py::test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly",
+    "test_resume.py::test_a_job_tailing_a_source_log_goes_on_from_the_log_after_its_every_process_died",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",
     "test_migration_ray.py::test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full",
     # safety and bounds: loopback, hosts outliving no master, deleting only the job's files, memory

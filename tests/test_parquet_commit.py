@@ -83,7 +83,7 @@ def test_commits_while_the_job_runs_take_each_epoch_once_and_drop_parts_made_aga
     _stage(tmp_path, {k: t for k, t in parts.items() if 2 <= k[1] <= 9})  # epochs 2-3 made again
     second = commit_parquet_sink(tmp_path, through=7)
     assert second[:1] == first and len(second) == 2
-    assert not any(int(p.stem.split("-")[1]) <= 7 for p in (tmp_path / STAGING).rglob("*.parquet"))
+    assert not any(int(p.stem.split("-")[1]) <= 7 for p in (tmp_path / STAGING).rglob("epoch-*.arrow"))
     assert parquet_commit.read_record(tmp_path)["through"] == 7
     _stage(tmp_path, {k: t for k, t in parts.items() if k[1] >= 6})  # a resume from epoch 5
     final = commit_parquet_sink(tmp_path)

@@ -115,7 +115,7 @@ def test_a_job_whose_master_and_hosts_all_died_goes_on_from_its_stores_on_disk(r
         ray.kill(h, no_restart=True)
     if job._ref_keeper is not None:  # (the handle of the dead job: its keeper asks a dead master)
         job._ref_keeper.stop()
-    staged = list((tmp_path / "counts" / "_staging").rglob("*.parquet"))
+    staged = list((tmp_path / "counts" / "_staging").rglob("epoch-*.arrow"))
     assert staged, "the dead run staged no Parquet part: nothing to be counted twice"
 
     again = cs.resume(str(workdir))
@@ -194,7 +194,7 @@ def test_kill_9_of_every_process_of_the_cluster_then_chronostream_resume_gives_t
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if session in " ".join(p.info["cmdline"] or [])]
     assert not left, f"processes of the killed Ray still run: {left}"
     assert len(killed) >= 5  # (the driver, Ray's own processes, the master and hosts)
-    assert list((out / "counts" / "_staging").rglob("*.parquet")), "the dead run staged no part"
+    assert list((out / "counts" / "_staging").rglob("epoch-*.arrow")), "the dead run staged no part"
     assert not read_record(out / "counts")["final"]  # (the job did not finish)
 
     done = subprocess.run([sys.executable, "-m", "chronostream", "resume", str(workdir)], env=env,
@@ -257,3 +257,40 @@ def test_a_host_reports_for_the_gc_only_what_its_store_on_disk_holds(tmp_path):
         assert again.epochs() == reported
     finally:
         again.close(flush=False)
+
+
+def test_a_job_tailing_a_source_log_goes_on_from_the_log_after_its_every_process_died(ray_session, tmp_path):
+    """A job following a source log (not a table: the launch keeps where to read it) loses its
+    master and hosts after the GC trimmed its logs; more input arrives and the log is sealed;
+    ``cs.resume`` reads on from the log and the sums equal the bounded serial run's."""
+    import ray
+    from chronostream.slices.sourcelog import SourceLogWriter
+
+    from test_sourcelog import count_query, rows
+
+    log, workdir = tmp_path / "log", tmp_path / "job"
+    w = SourceLogWriter(log)
+    w.append({"s": rows(0, 0, 640)}, high_water=640)
+    job = cs.run(count_query(log, follow=True), containers=2, workdir=str(workdir), checkpoint_interval_s=0.2,
+                 gc_interval_s=0.5)
+    n, deadline = 640, time.monotonic() + 60
+    while _gc_marks(workdir).get(0, -1) < 1 and time.monotonic() < deadline:
+        w.append({"s": rows(n, n, 64)}, high_water=n + 64)  # (an epoch at a time, as a feeder would)
+        n += 64
+        time.sleep(0.2)
+    assert _gc_marks(workdir).get(0, -1) >= 1, "no output log trimmed"
+    hosts = list(ray.get(job.master.host_handles.remote()).values())
+    ray.kill(job.master, no_restart=True)
+    for h in hosts:
+        ray.kill(h, no_restart=True)
+    assert not list(workdir.glob("sources/*"))  # (a log is read again, not copied)
+    w.append({"s": rows(n, n, 320)}, high_water=n + 320)
+    w.seal()
+    again = cs.resume(str(workdir))
+    try:
+        again.wait(timeout_s=120)
+        _restored_from_disk(again.timeline())
+        got = again.results("sums")
+    finally:
+        again.stop()
+    assert got.to_pylist() == cs.run(count_query(log, follow=False), executor="serial").results("sums").to_pylist()
