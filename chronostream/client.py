@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -327,7 +328,11 @@ def _start_on_ray(plan: JobPlan, sources: dict[int, pa.Table], per_stage: dict[s
                            "choose another name")
     _pickle_user_code_by_value(plan)
     if identity is None:  # (so that a job whose every process died can go on: ``resume``)
-        save_source_tables(workdir, {s: t for s, t in sources.items() if isinstance(t, pa.Table)})
+        try:
+            save_source_tables(workdir, {s: t for s, t in sources.items() if isinstance(t, pa.Table)})
+        except BaseException:  # (a full disk: nothing of the job is left behind)
+            shutil.rmtree(workdir if made else os.path.join(workdir, SOURCES_DIR), ignore_errors=True)
+            raise
     holder = None
     if submitted:  # the tables must outlive this process: an actor of the cluster owns them
         holder = SourceHolder.options(name=holder_name(key), namespace=RAY_NAMESPACE, lifetime="detached").remote()

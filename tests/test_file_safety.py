@@ -275,14 +275,28 @@ def _query(slices: int) -> cs.Query:
     return q
 
 
-def test_a_stop_deletes_only_what_the_job_made_in_a_callers_workdir(ray_session, tmp_path):
+def test_a_stop_deletes_only_what_the_job_made_in_a_callers_workdir(ray_session, tmp_path, monkeypatch):
     """Regression (issue 59, workdir deletion): ``job.stop()`` in a work directory the caller
-    made removes the job's catalog and host stores but keeps the caller's files and
-    directories; before, the whole directory went."""
+    made removes the job's catalog, source copies and host stores but keeps the caller's files
+    and directories; before, the whole directory went. A start that fails writing its source
+    copies (a full disk) leaves nothing either."""
+    import chronostream.client as client
+
     mine = tmp_path / "mine"
     (mine / "data").mkdir(parents=True)
     (mine / "keep.txt").write_text("the caller's")
     (mine / "data" / "x.bin").write_bytes(b"\x00" * 10)
+    real = client.save_source_tables
+
+    def full_disk(workdir, tables):
+        real(workdir, tables)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(client, "save_source_tables", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        cs.run(_query(2), workdir=str(mine), containers=1)
+    assert sorted(p.name for p in mine.iterdir()) == ["data", "keep.txt"]
+    monkeypatch.setattr(client, "save_source_tables", real)
     job = cs.run(_query(2), workdir=str(mine), containers=1)
     assert job.results("c").num_rows == 60
     assert (mine / "master").is_dir()
