@@ -388,7 +388,8 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
     a kill or a scale-in takes one; the master refuses to remove a stage's
     last host). A ``compact`` needs a host with two containers of the stage
     to merge: a kill (its recovery adopts slices onto the stage's other
-    hosts) or a scale-in since the stage's last compaction. ``roles``
+    hosts) or a scale-in since the stage's last compaction, scale-out or
+    migration (either may move the adopted slices away). ``roles``
     (stage -> the ``master.recovery.RECOVERY_ROLES`` it has: a stage with
     no stage downstream has no consumer) limits the roles a
     ``kill_in_recovery`` draws, so the second host it kills exists. A
@@ -449,7 +450,9 @@ def random_faults(seed: int, n: int, stages: list[str], max_epoch: int, containe
         hosts[stage] += _HOSTS_ADDED.get(kind, -cost)
         if cost or kind == "scale_in":
             mergeable.add(stage)
-        if kind == "compact":
+        if kind in ("compact", "scale_out", "migrate"):
+            # (a scale-out or a migration may move the adopted slices off the host that held two
+            # containers: only a later kill or scale-in surely makes one again)
             mergeable.discard(stage)
         index = rng.randrange(containers)
         if kind == "kill_master_in_recovery":  # (drawn only for this kind: other schedules stay as they were)
