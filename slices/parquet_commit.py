@@ -180,7 +180,7 @@ def _merge(root: Path, replaces: list[str], parts: list[Path], first: int, targe
     tables = itertools.chain((pq.read_table(root / n) for n in replaces), _read_in_order(parts))
     # Parts are small (a slice's rows of one epoch): written one by one, each was a row group of
     # its own (38,400 of ~256 rows for 10^7 rows), slow to write and to read back.
-    for group in _row_groups(tables, schema):
+    for group in _row_groups(tables, schema, min(ROW_GROUP_BYTES, target_file_bytes)):
         if writer is None or size >= target_file_bytes:
             if writer is not None:
                 writer.close()
@@ -197,15 +197,15 @@ def _merge(root: Path, replaces: list[str], parts: list[Path], first: int, targe
 ROW_GROUP_ROWS, ROW_GROUP_BYTES = 1 << 20, 64 << 20
 
 
-def _row_groups(tables: Iterable[pa.Table], schema: pa.Schema) -> Iterable[pa.Table]:
+def _row_groups(tables: Iterable[pa.Table], schema: pa.Schema, max_bytes: int) -> Iterable[pa.Table]:
     """``tables`` conformed to ``schema`` and gathered, in order, into tables of about
-    ``ROW_GROUP_ROWS`` rows or ``ROW_GROUP_BYTES`` (the last one smaller)."""
+    ``ROW_GROUP_ROWS`` rows or ``max_bytes`` (the last one smaller)."""
     held: list[pa.Table] = []
     rows = nbytes = 0
     for table in tables:
         held.append(_conform(table, schema))
         rows, nbytes = rows + table.num_rows, nbytes + table.nbytes
-        if rows >= ROW_GROUP_ROWS or nbytes >= ROW_GROUP_BYTES:
+        if rows >= ROW_GROUP_ROWS or nbytes >= max_bytes:
             yield pa.concat_tables(held).combine_chunks()
             held, rows, nbytes = [], 0, 0
     if held:
