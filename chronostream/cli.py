@@ -317,7 +317,7 @@ def job_status(job: "cs.Job") -> dict:
     return {"name": job.key, "state": str(s.state), "containers": s.containers, "done_containers": s.done_containers,
             "epochs": p["epochs"], "min_epoch": p["min_epoch"], "elapsed_s": round(s.elapsed_s, 3),
             "recoveries": p["recoveries"], "error": None if s.error is None else str(s.error),
-            "address": connected_address(), "workdir": job.workdir}
+            "address": connected_address(), "workdir": job.workdir, "metrics_url": s.metrics_url}
 
 
 def follow(job: "cs.Job", timeout_s: float | None) -> int:

@@ -67,6 +67,7 @@ class JobStatus:
     done_containers: int
     elapsed_s: float
     error: BaseException | None = None
+    metrics_url: str = ""  # the job's Prometheus endpoint (``JobOptions.metrics_port``)
 
 
 class Job:
@@ -115,7 +116,7 @@ class Job:
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
         s = self._master_status()
-        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error)
+        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url)
 
     def progress(self) -> dict[str, Any]:
         """State (a ``JobState``), epochs of the input, the lowest epoch every container has

@@ -20,6 +20,7 @@ from chronostream.slices.errors import SinkRowsLost
 from chronostream.containers.core import ContainerStatistics
 from chronostream.containers.sink_parts import PackedSinkParts
 from chronostream.containers.metrics import LatencyHistogram, MetricsSnapshot
+from chronostream.master.ray_prometheus import MetricsEndpoint
 from chronostream.master.autoscaler import build_snapshot
 from chronostream.master.job_state import JobState
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
@@ -33,6 +34,7 @@ class RayReads:
 
     def __init__(self, master: Any) -> None:
         self.m = master
+        self.endpoint = MetricsEndpoint(master)  # the job's Prometheus /metrics (master.ray_prometheus)
 
     def answering(self) -> list[int]:
         """The live hosts that have a handle to ask (not those a restarted master did not find:
@@ -90,6 +92,7 @@ class RayReads:
             stale_backups_dropped=m.stale_backups_dropped,
             # (the client's Job handle answers with give_source_refs)
             wants_source_refs=m.sources.wanted(),
+            metrics_url=self.endpoint.url,
         )
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
