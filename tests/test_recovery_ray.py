@@ -186,8 +186,9 @@ def test_large_seeded_campaign_with_master_deaths_in_recoveries(ray_session, see
 
 
 def test_a_seeded_campaign_of_kills_rescaling_and_compactions_ends_with_exact_output(ray_session):
-    """One run of 6: a kill, three compactions, a scale-in and a migration (seed 311), so the
-    compactions' handovers merge containers a kill and a scale-in left, between other faults."""
+    """One run of 6 (seed 311): a kill, a compaction, a scale-in, a master kill, a migration and a
+    compaction, so the compactions' handovers merge containers a kill and a scale-in left, between
+    other faults."""
     report = campaign(311, 6, ELASTIC_KINDS + ("compact", "compact"), source_delay_s=0.15)
     merged = [i for _, k, i in report.timeline if k == "migration_end" and i["reason"].startswith("compact")]
     assert len(merged) >= 2 and all(t["phase"] == "done" for i in merged for t in i["transfers"]), merged
