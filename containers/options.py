@@ -46,7 +46,10 @@ class JobOptions:
     garbage collections; ``background_niceness`` lowers its background threads'
     priority; ``shm_transport`` sends large parts between hosts of one node as
     files in ``/dev/shm``; a host whose master is gone exits after
-    ``master_lost_s``.
+    ``master_lost_s`` (leaving its store for ``chronostream resume``).
+
+    **Metrics.** The master serves Prometheus metrics on 127.0.0.1 at
+    ``metrics_port`` (0: a free port; -1: none; ``Job.status().metrics_url``).
 
     **Sources.** A followed source log is tailed every ``source_poll_s``;
     ``source_pace_s`` slows every source by that long per epoch (demos and tests
