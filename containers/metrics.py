@@ -88,6 +88,25 @@ class LatencyHistogram:
         lo, hi = _LO_MS * _RATIO ** (b - 1), _LO_MS * _RATIO ** b
         return min(math.sqrt(lo * hi), self.max_ms) if self.max_ms else math.sqrt(lo * hi)
 
+    def counts_at_or_below(self, bounds_ms: list[float]) -> list[int]:
+        """Rows recorded at or below each bound (ms, ascending): a bucket counts under the first
+        bound its upper edge does not exceed (so within a bucket's 5% of the bound); the
+        cumulative counts of a Prometheus histogram.
+
+        >>> h = LatencyHistogram(); h.add(3.0, 2); h.add(40.0)
+        >>> h.counts_at_or_below([1.0, 5.0, 50.0])
+        [0, 2, 3]
+        """
+        upper = _LO_MS * _RATIO ** np.arange(_BUCKETS)  # (bucket b holds (upper[b-1], upper[b]])
+        cum = np.cumsum(self.counts)
+        return [int(cum[int(np.searchsorted(upper, bound, side="right")) - 1]) if bound >= upper[0] else 0
+                for bound in bounds_ms]
+
+    def approximate_sum_ms(self) -> float:
+        """The rows' total latency in ms, each taken at its bucket's geometric middle."""
+        mid = _LO_MS * _RATIO ** (np.arange(_BUCKETS) - 0.5)
+        return float((self.counts * mid).sum())
+
     def summary(self) -> dict[str, float]:
         """``{"count", "p50_ms", "p99_ms", "p999_ms", "max_ms"}``."""
         return {"count": self.count, "p50_ms": round(self.percentile(50), 2), "p99_ms": round(self.percentile(99), 2),

@@ -13,8 +13,9 @@ counters, base units): per container, labelled ``job``, ``stage`` and
 migration's new container starts from zero, as a restarted process would):
 events in and out, busy and CPU seconds, checkpoints, duplicates dropped; its
 backlog, buffered bytes and resident memory as gauges. Per job: its state, the
-recoveries ended and the output-log entries GC trimmed. The server stops with
-the job. Knows nothing of the hosts' calls.
+recoveries ended, the output-log entries GC trimmed, and the end-to-end latency
+of the rows its sinks wrote as a histogram (``histogram_quantile`` gives its
+percentiles). The server stops with the job. Knows nothing of the hosts' calls.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from chronostream.containers.metrics import LatencyHistogram
 from chronostream.master.job_state import JobState
 
 log = logging.getLogger("chronostream.master")
@@ -77,6 +79,32 @@ class JobCollector(Collector):
                                       labels=["job"])
         trimmed.add_metric([m.job_key], float(m.gc_dropped))
         yield trimmed
+        yield latency_family(m.job_key, [st.latency for st in stats.values() if st.latency])
+
+
+#: The latency histogram's buckets, in seconds (``le``); ``+Inf`` follows.
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def latency_family(job: str, histograms: list[dict]) -> HistogramMetricFamily:
+    """``chronostream_latency_seconds``: the end-to-end latency of every row the job's sinks wrote,
+    from its epoch's ingest (the containers' ``LatencyHistogram``s, plain, merged; their 5%-wide
+    buckets counted under ``LATENCY_BUCKETS_S``).
+
+    >>> h = LatencyHistogram(); h.add(3.0, 2); h.add(40.0)
+    >>> fam = latency_family("j", [h.to_plain()])
+    >>> [(s.labels["le"], s.value) for s in fam.samples if s.name.endswith("_bucket")][:4]
+    [('0.001', 0.0), ('0.005', 2.0), ('0.01', 2.0), ('0.025', 2.0)]
+    """
+    merged = LatencyHistogram()
+    for plain in histograms:
+        merged = merged.merge(LatencyHistogram.from_plain(plain))
+    counts = merged.counts_at_or_below([b * 1000 for b in LATENCY_BUCKETS_S])
+    family = HistogramMetricFamily("chronostream_latency_seconds", "End-to-end latency of the rows sinks wrote",
+                                   labels=["job"])
+    family.add_metric([job], [(str(b), float(c)) for b, c in zip(LATENCY_BUCKETS_S, counts)]
+                      + [("+Inf", float(merged.count))], sum_value=merged.approximate_sum_ms() / 1000)
+    return family
 
 
 class MetricsEndpoint:

@@ -1,6 +1,7 @@
 """A job's Prometheus endpoint: ``/metrics`` on loopback, scraped with Prometheus' own text
 parser while the job runs and after it finished; its counters move with the job and end at the
-input's row count; the endpoint goes with the job's stop."""
+input's row count, its latency histogram holds every row written; the endpoint goes with the
+job's stop."""
 
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ def test_the_metrics_endpoint_counts_with_the_job_and_goes_with_it(ray_session):
         assert _state(last) == "finished"
         assert _total(last, "chronostream_events_in", "count") == ROWS
         assert _total(last, "chronostream_events_out", "count") == ROWS
+        # Every row the sink wrote is in the latency histogram once; its buckets are cumulative.
+        latency = last["chronostream_latency_seconds"]
+        (count,) = [s.value for s in latency if s.name == "chronostream_latency_seconds_count"]
+        buckets = [s.value for s in latency if s.name == "chronostream_latency_seconds_bucket"]
+        assert count == ROWS and buckets[-1] == ROWS and buckets == sorted(buckets) and buckets[0] < ROWS
     finally:
         job.stop()
     with pytest.raises(urllib.error.URLError):
