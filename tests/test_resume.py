@@ -145,7 +145,7 @@ import chronostream as cs
 sys.path.insert(0, sys.argv[3])
 from test_resume import _query
 from pathlib import Path
-job = cs.run(_query(Path(sys.argv[2]), 16_000, parquet_sums=True, max_age_s=0.5), containers=1, workdir=sys.argv[1],
+job = cs.run(_query(Path(sys.argv[2]), 10_000, parquet_sums=True, max_age_s=0.5), containers=1, workdir=sys.argv[1],
              source_pace_s=0.15, checkpoint_interval_s=0.3, gc_interval_s=1.0)
 print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
 time.sleep(600)
@@ -176,7 +176,7 @@ def test_kill_9_of_every_process_of_the_cluster_then_chronostream_resume_gives_t
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(workdir), str(out), str(Path(__file__).parent)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    serial = cs.run(_query(tmp_path / "serial", 16_000, parquet_sums=True), executor="serial")
+    serial = cs.run(_query(tmp_path / "serial", 10_000, parquet_sums=True), executor="serial")
     try:
         session = driver.stdout.readline().strip()
         assert session, "the driver did not start its job"
