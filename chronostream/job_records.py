@@ -88,12 +88,13 @@ def write_record(record: JobRecord) -> Path:
 def read_record(name: str) -> JobRecord | None:
     """The record of job ``name``, or None when this machine has none (or it is unreadable).
 
-    >>> import tempfile; before = os.environ.get(HOME_ENV); os.environ[HOME_ENV] = tempfile.mkdtemp()
+    >>> import tempfile, shutil; before = os.environ.get(HOME_ENV); os.environ[HOME_ENV] = home = tempfile.mkdtemp()
     >>> _ = write_record(JobRecord("j1", "127.0.0.1:6379", "/tmp/w"))
     >>> read_record("j1").address, read_record("j2")
     ('127.0.0.1:6379', None)
     >>> remove_record("j1"); read_record("j1") is None
     True
+    >>> shutil.rmtree(home)
     >>> os.environ.pop(HOME_ENV) if before is None else os.environ.update({HOME_ENV: before})
     """
     try:

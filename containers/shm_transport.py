@@ -85,6 +85,7 @@ class ShmSender:
     >>> out = unpack(msg)
     >>> out.parts[0][0].equals(t), out.parts[0][1].dtype, out.end, os.path.exists(paths[0])
     (True, dtype('int64'), 5, False)
+    >>> os.rmdir(d)
     """
 
     def __init__(self, job_tag: str, host_id: int, directory: str = SHM_DIR,

@@ -269,13 +269,13 @@ class MasterCatalog:
     def load_progress(self) -> dict[str, Any]:
         """The saved job state (see ``save_progress``), its ``state`` read back as a ``JobState``.
 
-        >>> import tempfile
-        >>> cat = MasterCatalog(tempfile.mkdtemp())
+        >>> import tempfile, shutil
+        >>> cat = MasterCatalog(d := tempfile.mkdtemp())
         >>> cat.save_progress(JobState.FINISHED, {1, 0}, 1.0, 2.0)
         >>> prog = cat.load_progress()
         >>> prog["state"] is JobState.FINISHED, prog["done"]
         (True, [0, 1])
-        >>> cat.close()
+        >>> cat.close(); shutil.rmtree(d)
         """
         prog = self._get(b"progress", {"state": "running", "done": [], "started_at": 0.0, "finished_at": 0.0})
         return {**prog, "state": JobState(prog["state"])}

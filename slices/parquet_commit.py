@@ -123,6 +123,7 @@ def commit_parquet_sink(path: str | os.PathLike, target_file_bytes: int = 128 <<
     (['part-00000.parquet', 'part-00001.parquet'], ['_committed.json', 'part-00000.parquet', 'part-00001.parquet'])
     >>> pq.read_table(root / "part-00001.parquet").column("x").to_pylist(), commit_parquet_sink(root)
     ([0.5], ['part-00000.parquet', 'part-00001.parquet'])
+    >>> shutil.rmtree(root)
     """
     root = Path(path)
     record = read_record(root)

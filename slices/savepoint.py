@@ -37,6 +37,7 @@ master; ``write_savepoint`` takes encoded frames, ``read_state`` reads files.
 4
 >>> read_state(path, "counts").to_pylist()
 [{'slice': 0, 'word': 'a', 'count': 3, 'state': '__op__aggregate'}]
+>>> shutil.rmtree(os.path.dirname(path))
 """
 
 from __future__ import annotations
