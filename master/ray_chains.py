@@ -100,9 +100,9 @@ class RayChains:
         m = self.m
         if not m.opts.checkpointing or m.opts.recompute_lost or m.control_lock.locked():
             return  # (recomputing a lost slice from the start needs every log from epoch 0)
-        hosts = sorted(m.alive)
-        if any(m.handles.get(h) is None for h in hosts):
+        if m.hosts.not_found():
             return  # (hosts a restarted master did not find: their recovery comes first)
+        hosts = sorted(m.alive)
         assert m.gc is not None
         try:
             held = await asyncio.gather(*[m.handles[h].backup_epochs.remote() for h in hosts])

@@ -124,8 +124,8 @@ class DiskCopies:
         if self.copies is not None:
             return
         self.copies = {}
-        paths = {h: str(store_path(m.workdir, h)) for h in sorted(self.found_dead)
-                 if (store_path(m.workdir, h) / "data.mdb").exists()}
+        stores = {h: store_path(m.workdir, h) for h in sorted(self.found_dead)}
+        paths = {h: str(p) for h, p in stores.items() if (p / "data.mdb").exists()}
         if not paths:
             return
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

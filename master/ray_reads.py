@@ -40,7 +40,7 @@ class RayReads:
         """The live hosts that have a handle to ask (not those a restarted master did not find:
         a finished job's, or ones its watch loop is about to recover)."""
         m = self.m
-        return [h for h in sorted(m.alive) if m.handles.get(h) is not None]
+        return sorted(m.alive - m.hosts.not_found())
 
     async def metrics_snapshot(self) -> MetricsSnapshot:
         """Per stage: input and processing rates, utilization, backlog, per-slice figures; job

@@ -31,20 +31,9 @@ import pytest
 import chronostream as cs
 from chronostream.master.ray_disk_copies import DISK_HOLDER
 from chronostream.slices.parquet_commit import read_record
+from test_savepoints import RunningSum
 
 EPOCH = 250
-
-
-class RunningSum(cs.Operator):
-    """Per-event running sum of ``amount`` per ``user`` in a registered key-value state."""
-
-    def setup(self):
-        self.sums = self.register_state("sums")
-
-    def consume(self, stream_id, event):
-        total = self.sums.get(event["user"], 0) + event["amount"]
-        self.sums.set(event["user"], total)
-        self.produce("out", {"user": event["user"], "total": total})
 
 
 def _query(out: Path, n: int = 12_000, parquet_sums: bool = False, max_age_s: float = 60.0) -> cs.Query:
