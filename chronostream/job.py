@@ -67,7 +67,8 @@ class JobStatus:
     done_containers: int
     elapsed_s: float
     error: BaseException | None = None
-    metrics_url: str = ""  # the job's Prometheus endpoint (``JobOptions.metrics_port``)
+    metrics_url: str = ""  # the job's Prometheus endpoint (``JobOptions.http_port``; "" without one)
+    dashboard_url: str = ""  # the job's live dashboard, on loopback (``chronostream ui NAME`` opens it)
 
 
 class Job:
@@ -95,6 +96,7 @@ class Job:
         self.key = key  # the job's name on the Ray cluster (``Job.attach(key)``, ``chronostream jobs``)
         self._placement = placement
         self._result_cache: dict[str, pa.Table] = {}
+        self._window = uuid.uuid4().hex  # this handle's own rate window of ``metrics()``
 
     @staticmethod
     def attach(key: str, address: str | None = None) -> "Job":
@@ -116,7 +118,7 @@ class Job:
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
         s = self._master_status()
-        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url)
+        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url, s.dashboard_url)
 
     def progress(self) -> dict[str, Any]:
         """State (a ``JobState``), epochs of the input, the lowest epoch every container has
@@ -339,10 +341,12 @@ class Job:
 
     def metrics(self) -> dict[str, Any]:
         """Live metrics: ``snapshot`` (per stage input/processing rate, utilization, backlog,
-        threads, per-slice figures; latency percentiles since the previous call; throughput;
-        per-host CPU and RSS), ``latency_total`` (p50/p99/p99.9/max over the whole run)."""
+        threads, per-slice figures; latency percentiles and rates since this handle's previous
+        call, the first call's rates 0.0; throughput; per-host CPU and RSS), ``latency_total``
+        (p50/p99/p99.9/max over the whole run). Each handle has its own interval: another
+        caller's reads (the autoscaler's, another process's) do not shorten it."""
 
-        return ray.get(self.master.metrics.remote())
+        return ray.get(self.master.metrics.remote(self._window))
 
     def autoscale_trace(self) -> list[Any]:
         """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from chronostream.containers.metrics import CHECKPOINT_BYTES_BOUNDS, CHECKPOINT_SECONDS_BOUNDS, BoundedHistogram
 from chronostream.containers.thread_priority import background_pool
 from chronostream.slices.checkpoint import CarriedOutputs, SliceCheckpoint, capture, encode, encode_outputs
 from chronostream.slices.slice import SliceRuntime
@@ -49,6 +50,9 @@ class CheckpointPhase(enum.Enum):
 
 #: One slice's capture: checkpoint, carried outputs, peers, seed frames to ship first (``seed``).
 Captured = tuple[SliceCheckpoint, "CarriedOutputs | None", list[int], list[bytes]]
+#: One encoded round: (peer, frame) in shipping order, encoding seconds, capture and encoding
+#: seconds, encoded bytes (one copy of each slice's frames).
+EncodedRound = tuple[list[tuple[int, bytes]], float, float, int]
 
 #: (slice, full, checkpoint epoch, previous checkpoint epoch) -> the outputs to carry, or None.
 CarryOutputs = Callable[[int, bool, int, int], "CarriedOutputs | None"]
@@ -105,7 +109,11 @@ class SliceCheckpointer:
         # ``max_pending`` rounds queue before capture waits (backpressure).
         self.max_pending = max(1, max_pending)
         self._pending: deque[Future] = deque()
-        self._encoded: list[tuple[list[tuple[int, bytes]], float]] = []  # rounds waited for by backpressure
+        self._encoded: list[EncodedRound] = []  # rounds waited for by backpressure
+        # Each round's capture and encoding seconds, and its encoded bytes (one copy of each
+        # slice's frames): Prometheus' checkpoint histograms (master.ray_prometheus).
+        self.round_seconds = BoundedHistogram(CHECKPOINT_SECONDS_BOUNDS)
+        self.round_bytes = BoundedHistogram(CHECKPOINT_BYTES_BOUNDS)
         self._pool = background_pool(1, "checkpoint-encode") if async_encode else None
         # slice -> the encoded frames it was restored from, to ship before its first delta (seed()).
         self._seeds: dict[int, list[bytes]] = {}
@@ -237,14 +245,16 @@ class SliceCheckpointer:
         """
         if self.due(epoch, last):
             self._last_round_at = time.monotonic()
+            t0 = time.perf_counter()
             captured = self._capture_round(epoch, carry)
+            capture_s = time.perf_counter() - t0
             if captured:
                 if self._pool is None:
-                    self._pending.append(_done(_encode_round(captured)))
+                    self._pending.append(_done(_encode_round(captured, capture_s)))
                 else:
                     while len(self._pending) >= self.max_pending:  # backpressure: encoding fell behind
                         self._encoded.append(self._pending.popleft().result())
-                    self._pending.append(self._pool.submit(_encode_round, captured))
+                    self._pending.append(self._pool.submit(_encode_round, captured, capture_s))
         return self.ready(wait=last)
 
     def _capture_round(self, epoch: int, carry: CarryOutputs | None) -> list[Captured]:
@@ -279,8 +289,10 @@ class SliceCheckpointer:
         rounds, self._encoded = self._encoded, []  # (older than every pending round)
         while self._pending and (wait or self._pending[0].done()):
             rounds.append(self._pending.popleft().result())
-        for blobs, seconds in rounds:
+        for blobs, seconds, round_s, nbytes in rounds:
             self.encode_s += seconds
+            self.round_seconds.observe(round_s)
+            self.round_bytes.observe(nbytes)
             for peer, data in blobs:
                 self.bytes_out += len(data)
                 out.setdefault(peer, []).append(data)
@@ -303,10 +315,11 @@ def _done(value: object) -> Future:
     return f
 
 
-def _encode_round(captured: list[Captured]) -> tuple[list[tuple[int, bytes]], float]:
+def _encode_round(captured: list[Captured], capture_s: float = 0.0) -> EncodedRound:
     """ENCODE phase of one round: bytes per peer (seed frames, checkpoint frame, then its carried outputs)."""
     t0 = time.perf_counter()
     blobs: list[tuple[int, bytes]] = []
+    nbytes = 0
     for ckpt, carried, peers, seed in captured:
         log.debug("checkpoint %s: %s", ckpt.describe(), CheckpointPhase.ENCODE.value)
         data = encode(ckpt)
@@ -316,6 +329,8 @@ def _encode_round(captured: list[Captured]) -> tuple[list[tuple[int, bytes]], fl
             blobs.append((p, data))
             if extra is not None:
                 blobs.append((p, extra))
-        log.debug("checkpoint %s: %s (%d bytes per peer)", ckpt.describe(), CheckpointPhase.SHIP.value,
-                  len(data) + (len(extra) if extra is not None else 0))
-    return blobs, time.perf_counter() - t0
+        size = len(data) + (len(extra) if extra is not None else 0)
+        nbytes += size
+        log.debug("checkpoint %s: %s (%d bytes per peer)", ckpt.describe(), CheckpointPhase.SHIP.value, size)
+    seconds = time.perf_counter() - t0
+    return blobs, seconds, capture_s + seconds, nbytes

@@ -110,6 +110,11 @@ class ContainerStatistics:
     # Routed parts sent through Ray's object store because the receiving host's node was not known
     # yet (it is asked when the peer is made known: ``HostPushes.learn_nodes``).
     parts_node_unknown: int = 0
+    # Seconds its epoch loop waited for receivers to acknowledge pushes beyond the window
+    # (``max_inflight_epochs``): held back by a slower downstream (the dashboard's "backpressured").
+    backpressured_s: float = 0.0
+    checkpoint_seconds: dict = field(default_factory=dict)  # its checkpoint rounds' durations (``BoundedHistogram``, plain)
+    checkpoint_bytes: dict = field(default_factory=dict)  # their encoded sizes (``BoundedHistogram``, plain)
 
 
 class ContainerCore:
@@ -178,6 +183,7 @@ class ContainerCore:
         # outside ``busy_s`` (on Ray each ``push.remote`` serializes the message into the object
         # store: a few ms an epoch, up to 40% of a source's CPU; the metrics count it as busy).
         self.send_s = 0.0
+        self.backpressured_s = 0.0  # waiting for receivers' acknowledgements (the epoch loop adds it)
         self.shm_parts = 0  # parts of its messages sent through shared memory (containers/shm_transport.py)
         self.parts_node_unknown = 0  # parts sent through Ray before the receiver's node was known
         self.dead_letter_rows = 0
@@ -1099,7 +1105,9 @@ class ContainerCore:
             tuple(sorted(self.released)), self.threads.threads, self.latency.to_plain(), self.backlog_events(),
             self.source_lag(), *self.host_gc_figures(),
             self.checkpointer.seeded if self.checkpointer is not None else 0, self.send_s, self.shm_parts,
-            self.parts_node_unknown)
+            self.parts_node_unknown, self.backpressured_s,
+            self.checkpointer.round_seconds.to_plain() if self.checkpointer is not None else {},
+            self.checkpointer.round_bytes.to_plain() if self.checkpointer is not None else {})
 
     def host_gc_figures(self) -> tuple[int, float]:
         """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""

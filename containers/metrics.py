@@ -22,7 +22,10 @@ Definitions (docs/design.md section 7g):
   up to 40% of a source's CPU, ``ContainerStatistics.send_s``);
   **backlog**: events received but not processed; **upstream lag**:
   events readable in the stage's sources and not read yet (backpressure
-  keeps a slow stage's own backlog small: the excess waits there).
+  keeps a slow stage's own backlog small: the excess waits there);
+  **backpressured** share: seconds a stage's containers waited for their
+  receivers to acknowledge epochs beyond the in-flight window, per wall
+  second per host (a stage held back by a slower downstream one).
 """
 
 from __future__ import annotations
@@ -125,6 +128,48 @@ class LatencyHistogram:
         return h
 
 
+#: Upper bounds of a checkpoint round's duration (capture and encoding), in seconds.
+CHECKPOINT_SECONDS_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Upper bounds of a checkpoint round's encoded size (one copy of each slice's frames), in bytes.
+CHECKPOINT_BYTES_BOUNDS = (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9)
+
+
+class BoundedHistogram:
+    """Counts of observations under fixed upper bounds (Prometheus' buckets), with their sum.
+
+    A few counters whatever the job's length; mergeable by adding plain forms.
+
+    >>> h = BoundedHistogram((1.0, 10.0)); h.observe(0.5); h.observe(7.0); h.observe(70.0)
+    >>> h.to_plain()
+    {'counts': [1, 1, 1], 'sum': 77.5}
+    >>> BoundedHistogram.cumulative([h.to_plain(), h.to_plain()])
+    ([2, 4, 6], 155.0)
+    """
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = np.asarray(bounds, dtype=np.float64)
+        self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[int(np.searchsorted(self.bounds, value, side="left"))] += 1
+        self.sum += float(value)
+
+    def to_plain(self) -> dict[str, Any]:
+        """Plain form (``ContainerStatistics`` carries it)."""
+        return {"counts": self.counts.tolist(), "sum": round(self.sum, 6)}
+
+    @staticmethod
+    def cumulative(plains: list[dict[str, Any]]) -> tuple[list[int], float]:
+        """Several plain forms of one bounds' histograms merged: counts at or below each bound
+        (the last: all of them) and the sum."""
+        if not plains:
+            return [], 0.0
+        counts = np.sum([np.asarray(p["counts"], dtype=np.int64) for p in plains], axis=0)
+        return np.cumsum(counts).tolist(), float(sum(p["sum"] for p in plains))
+
+
 @dataclass(frozen=True)
 class SliceMetrics:
     """One slice over the last interval: events in, busy time, backlog, state size."""
@@ -156,6 +201,7 @@ class StageMetrics:
     threads: int
     per_slice: tuple[SliceMetrics, ...] = ()
     upstream_lag_events: int = 0  # events waiting in the sources this stage reads from (directly or not)
+    backpressured: float = 0.0  # seconds held back by receivers per wall second, averaged over its hosts
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ class JobOptions:
     files in ``/dev/shm``; a host whose master is gone exits after
     ``master_lost_s`` (leaving its store for ``chronostream resume``).
 
-    **Metrics.** The master serves Prometheus metrics on 127.0.0.1 at
-    ``metrics_port`` (0: a free port; -1: none; ``Job.status().metrics_url``).
+    **Dashboard and metrics.** The master serves the job's live dashboard (``/``)
+    and Prometheus metrics (``/metrics``) on 127.0.0.1 at ``http_port`` (0: a free
+    port; -1: none; ``Job.status().dashboard_url`` and ``metrics_url``).
 
     **Sources.** A followed source log is tailed every ``source_poll_s``;
     ``source_pace_s`` slows every source by that long per epoch (demos and tests
@@ -96,9 +97,10 @@ class JobOptions:
     # was killed) and unheard of this long exits itself (0: ``max(3 x heartbeat_s, 60 s)``);
     # a master that restarts is waited for, however long.
     master_lost_s: float = 0.0
-    # The master's Prometheus endpoint, on 127.0.0.1 (0: a free port; -1: none); its address is
-    # in ``Job.status().metrics_url`` and ``chronostream status`` (master/ray_prometheus.py).
-    metrics_port: int = 0
+    # The master's HTTP port on 127.0.0.1, the dashboard at / and Prometheus at /metrics (0: a
+    # free port; -1: none); its addresses are in ``Job.status()`` and ``chronostream status``
+    # (master/ray_http.py).
+    http_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_inflight_epochs",):
@@ -114,8 +116,8 @@ class JobOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.checkpoint_interval_s is not None and self.checkpoint_interval_s < 0:
             raise ValueError(f"checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be a port, 0 (any free one) or -1 (none), got {self.metrics_port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be a port, 0 (any free one) or -1 (none), got {self.http_port}")
         for name in ("full_gc_interval_s", "migration_warm_up_s", "source_pace_s",
                      "master_lost_s"):
             if getattr(self, name) < 0:

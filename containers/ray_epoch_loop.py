@@ -74,9 +74,11 @@ class EpochLoop:
                 parts, backups = core.take_sink_parts(), core.take_backups()
                 if parts or backups:  # (the shipping machine decides when they leave: containers.shipping)
                     h.shipping.take_round(cid, epoch, [r for dq in inflight.values() for r in dq], parts, backups)
+                t0 = time.perf_counter()
                 for dq in inflight.values():
                     while len(dq) > h.window:
                         await h.pushes.acknowledged(*dq.popleft())
+                core.backpressured_s += time.perf_counter() - t0
                 await asyncio.sleep(0)
             notice = core.take_end_notice()
             if notice is not None and not h.stopped:  # the input was sealed after its last epoch

@@ -367,9 +367,9 @@ class JobMaster:
         """Per stage rates, utilization, backlog and per-slice figures; latency; per host CPU and RSS."""
         return await self.reads.metrics_snapshot()
 
-    async def metrics(self) -> dict[str, Any]:
-        """A fresh snapshot (plain), the end-to-end latency over the whole run, and autoscaler ticks so far."""
-        return await self.reads.metrics()
+    async def metrics(self, window: str = "") -> dict[str, Any]:
+        """A fresh snapshot (plain; rates since ``window``'s previous call), the whole run's latency, autoscaler ticks."""
+        return await self.reads.metrics(window)
 
     async def statistics(self) -> dict[int, ContainerStatistics]:
         """Latest statistics of every live container (fresh from the hosts)."""

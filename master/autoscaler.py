@@ -27,6 +27,7 @@ class Counters:
     host_cpu: dict[int, float] = field(default_factory=dict)  # host -> process CPU seconds
     latency: dict[int, np.ndarray] = field(default_factory=dict)  # container -> histogram counts
     source_in: int = 0
+    backpressured: dict[int, float] = field(default_factory=dict)  # container -> seconds held back by receivers
 
 
 def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int], stats: dict[int, Any],
@@ -47,6 +48,7 @@ def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int],
     host_rss: dict[int, float] = {}
     for c, s in stats.items():
         now.container[c] = (s.events_in, s.busy_s + s.send_s)  # busy: processing and sending
+        now.backpressured[c] = getattr(s, "backpressured_s", 0.0)
         h = host_of.get(c)
         if h is not None:
             now.host_cpu[h] = s.cpu_s
@@ -65,12 +67,13 @@ def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int],
     for st in plan.stages:
         ids = [c for c in placement.containers[st.stage_id] if c in stats]
         hosts = len({host_of[c] for c in ids}) or 1
-        d_in = d_busy = 0.0
+        d_in = d_busy = d_held = 0.0
         for c in ids:
             e, b = now.container[c]
             e0, b0 = base.container.get(c, (0, 0.0))
             d_in += max(0, e - e0)
             d_busy += max(0.0, b - b0)
+            d_held += max(0.0, now.backpressured[c] - base.backpressured.get(c, 0.0))
         per = []
         for c in ids:
             for m in slices.get(c, []):
@@ -89,7 +92,8 @@ def build_snapshot(t: float, plan: Any, placement: Any, host_of: dict[int, int],
             backlog_epochs=int(sum(stats[c].buffered_epochs for c in ids)),
             threads=int(sum(stats[c].threads for c in ids)),
             per_slice=tuple(sorted(per, key=lambda m: m.slice_id)),
-            upstream_lag_events=int(sum(lag.get(a, 0) for a in _sources_of(plan, st.stage_id))))
+            upstream_lag_events=int(sum(lag.get(a, 0) for a in _sources_of(plan, st.stage_id))),
+            backpressured=round(min(d_held / dt / hosts, 1.0), 3) if prev else 0.0)
     throughput = round(max(0, now.source_in - base.source_in) / dt, 1) if prev else 0.0
     snap = MetricsSnapshot(round(t, 3), stages, recent.summary() if recent.count else {}, throughput,
                            host_cpu, host_rss)

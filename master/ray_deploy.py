@@ -44,7 +44,7 @@ class RayDeploy:
         m.source_refs = dict(source_refs)
         if m.resumed or m.handles:  # a retried call after a restart: already deployed
             m._ensure_watching()
-            m.reads.endpoint.start()
+            await m.reads.endpoint.start()
             return m.placement.as_dict(m.plan)
         job = JobLaunch.unpack(launch)
         m._launch(job)
@@ -89,7 +89,7 @@ class RayDeploy:
         # awaited: a failed job stays failed, and a finish that came early is taken now.
         m._job(Deployed(m._live(), {"containers": len(m.host_of), "nodes": len(set(m.nodes.values()))}))
         m._ensure_watching()
-        m.reads.endpoint.start()
+        await m.reads.endpoint.start()
         if m.policy is not None:
             m._in_background(m.scaling.autoscale())
         return m.placement.as_dict(m.plan)

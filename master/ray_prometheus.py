@@ -1,42 +1,40 @@
-"""Owns a job's Prometheus endpoint: ``/metrics`` served by its master on loopback.
+"""Owns a job's Prometheus metrics: what ``/metrics`` of the job's HTTP server says.
 
-The master starts one HTTP server (``prometheus_client.start_http_server``, a
-thread of its process) when the job runs, on ``JobOptions.metrics_port`` (0: a
-free port; -1: none), bound to 127.0.0.1 like every port the project opens; its
-address is in ``Job.status()`` (``metrics_url``) and ``chronostream status``. A
-scrape reads the master's books as they are (the containers' counters from
-their last heartbeat, every ``heartbeat_s``); it never waits on a host.
+The server (``master.ray_http``) asks ``JobCollector`` at each scrape; it reads
+the master's books as they are (the containers' counters from their last
+heartbeat, every ``heartbeat_s``) and never waits on a host.
 
 Names follow Prometheus' conventions (``chronostream_`` prefix, ``_total`` for
 counters, base units): per container, labelled ``job``, ``stage`` and
 ``container`` (a container's counters start at its birth: a recovery's or a
 migration's new container starts from zero, as a restarted process would):
-events in and out, busy and CPU seconds, checkpoints, duplicates dropped; its
-backlog, buffered bytes and resident memory as gauges. Per job: its state, the
-recoveries ended, the output-log entries GC trimmed, and the end-to-end latency
-of the rows its sinks wrote as a histogram (``histogram_quantile`` gives its
-percentiles). The server stops with the job. Knows nothing of the hosts' calls.
+events in and out, busy, backpressured and CPU seconds, checkpoints, duplicates
+dropped; its backlog, buffered bytes and resident memory as gauges. Per job: its
+state, the recoveries ended, the output-log entries GC trimmed; histograms of
+the end-to-end latency of the rows its sinks wrote, of its checkpoint rounds'
+durations and sizes (the live containers'), of each migrated slice's pause and
+of each recovery's duration (``EventHistograms``, fed by the timeline); and the
+whole run's latency quantiles as gauges. Knows nothing of the hosts' calls.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from chronostream.containers.metrics import LatencyHistogram
+from chronostream.containers.metrics import (CHECKPOINT_BYTES_BOUNDS, CHECKPOINT_SECONDS_BOUNDS, BoundedHistogram,
+                                             LatencyHistogram)
 from chronostream.master.job_state import JobState
-
-log = logging.getLogger("chronostream.master")
 
 #: Per-container counters: (metric name, ``ContainerStatistics`` field, help).
 COUNTERS = (("chronostream_events_in", "events_in", "Events a container consumed"),
             ("chronostream_events_out", "events_out", "Events a container produced"),
             ("chronostream_busy_seconds", "busy_s", "Seconds a container spent processing epochs"),
+            ("chronostream_backpressured_seconds", "backpressured_s",
+             "Seconds a container waited for its receivers to take its epochs"),
             ("chronostream_cpu_seconds", "cpu_s", "CPU seconds of a container's epochs"),
             ("chronostream_checkpoints", "checkpoints", "Slice checkpoints a container took"),
             ("chronostream_duplicates_dropped", "duplicates_dropped", "Replayed events a container dropped"))
@@ -48,11 +46,44 @@ GAUGES = (("chronostream_backlog_events", "backlog_events", "Input events receiv
 STATES = tuple(s.value for s in JobState)
 
 
+#: Buckets of a migrated slice's pause and of a recovery's duration, in seconds.
+PAUSE_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RECOVERY_BOUNDS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EventHistograms:
+    """Histograms of what the timeline tells: each migrated slice's pause (``migration_end``'s
+    transfers: slice -> ms) and each recovery's duration (``recovery_end``). Fed every event once
+    (``observe``: the timeline's listener), so they count past the timeline's bound.
+
+    >>> h = EventHistograms()
+    >>> h.observe((0.0, "migration_end", {"transfers": [{"pause_ms": {3: 30.0, 4: 700.0}}]}))
+    >>> h.observe((1.0, "recovery_end", {"seconds": 2.0}))
+    >>> h.pause.to_plain()["counts"][:9], h.recovery.to_plain()["sum"]
+    ([0, 0, 0, 1, 0, 0, 0, 1, 0], 2.0)
+    """
+
+    def __init__(self) -> None:
+        self.pause = BoundedHistogram(PAUSE_BOUNDS)
+        self.recovery = BoundedHistogram(RECOVERY_BOUNDS)
+
+    def observe(self, event: tuple[float, str, dict[str, Any]]) -> None:
+        """Count one timeline event (other kinds: nothing)."""
+        _, kind, info = event
+        if kind == "migration_end":
+            for t in info.get("transfers", []):
+                for ms in (t.get("pause_ms") or {}).values() if isinstance(t, dict) else ():
+                    self.pause.observe(float(ms) / 1000)
+        elif kind == "recovery_end" and info.get("seconds") is not None:
+            self.recovery.observe(float(info["seconds"]))
+
+
 class JobCollector(Collector):
     """The metrics of one ``JobMaster`` (``master``), made at each scrape from its books."""
 
-    def __init__(self, master: Any) -> None:
+    def __init__(self, master: Any, events: EventHistograms) -> None:
         self.m = master
+        self.events = events
 
     def collect(self) -> Iterable[Any]:
         m = self.m
@@ -80,6 +111,16 @@ class JobCollector(Collector):
         trimmed.add_metric([m.job_key], float(m.gc_dropped))
         yield trimmed
         yield latency_family(m.job_key, [st.latency for st in stats.values() if st.latency])
+        yield quantiles_family(m.job_key, [st.latency for st in stats.values() if st.latency])
+        yield bounded_family("chronostream_checkpoint_seconds", "Durations of checkpoint rounds (capture and "
+                             "encoding)", m.job_key, CHECKPOINT_SECONDS_BOUNDS,
+                             [st.checkpoint_seconds for st in stats.values() if st.checkpoint_seconds])
+        yield bounded_family("chronostream_checkpoint_bytes", "Encoded sizes of checkpoint rounds", m.job_key,
+                             CHECKPOINT_BYTES_BOUNDS, [st.checkpoint_bytes for st in stats.values() if st.checkpoint_bytes])
+        yield bounded_family("chronostream_migration_pause_seconds", "Pause of each migrated slice",
+                             m.job_key, PAUSE_BOUNDS, [self.events.pause.to_plain()])
+        yield bounded_family("chronostream_recovery_seconds", "Duration of each recovery", m.job_key,
+                             RECOVERY_BOUNDS, [self.events.recovery.to_plain()])
 
 
 #: The latency histogram's buckets, in seconds (``le``); ``+Inf`` follows.
@@ -107,33 +148,33 @@ def latency_family(job: str, histograms: list[dict]) -> HistogramMetricFamily:
     return family
 
 
-class MetricsEndpoint:
-    """The ``/metrics`` server of one ``JobMaster`` (``master``)."""
+def quantiles_family(job: str, histograms: list[dict]) -> GaugeMetricFamily:
+    """``chronostream_latency_quantile_seconds``: p50, p99 and p99.9 of the whole run's end-to-end
+    latency (from the containers' fine histograms; ``histogram_quantile`` over the coarser
+    buckets of ``chronostream_latency_seconds`` gives any quantile over any window)."""
+    merged = LatencyHistogram()
+    for plain in histograms:
+        merged = merged.merge(LatencyHistogram.from_plain(plain))
+    family = GaugeMetricFamily("chronostream_latency_quantile_seconds", "End-to-end latency quantiles of the run",
+                               labels=["job", "quantile"])
+    if merged.count:
+        for q in (0.5, 0.99, 0.999):
+            family.add_metric([job, str(q)], merged.percentile(q * 100) / 1000)
+    return family
 
-    def __init__(self, master: Any) -> None:
-        self.m = master
-        self.server: Any = None
-        self.url = ""
 
-    def start(self) -> None:
-        """Serve the job's metrics (once; nothing when ``metrics_port`` is -1). A port that cannot
-        be bound is logged: the job runs without the endpoint."""
-        m = self.m
-        if self.server is not None or m.opts.metrics_port < 0:
-            return
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(JobCollector(m))
-        try:
-            self.server, _thread = start_http_server(m.opts.metrics_port, addr="127.0.0.1", registry=registry)
-        except OSError as exc:
-            log.warning("job %s: no Prometheus endpoint on port %s: %s", m.job_key, m.opts.metrics_port, exc)
-            return
-        self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
-        m._event("metrics_endpoint", url=self.url)
+def bounded_family(name: str, text: str, job: str, bounds: tuple[float, ...],
+                   plains: list[dict]) -> HistogramMetricFamily:
+    """A Prometheus histogram of ``BoundedHistogram``s' plain forms (one bounds), merged.
 
-    def stop(self) -> None:
-        """The job stops: so does the server."""
-        server, self.server = self.server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+    >>> h = BoundedHistogram((1.0,)); h.observe(0.5); h.observe(3.0)
+    >>> [(s.name, s.labels.get("le"), s.value) for s in bounded_family("x", "", "j", (1.0,), [h.to_plain()]).samples]
+    [('x_bucket', '1.0', 1.0), ('x_bucket', '+Inf', 2.0), ('x_count', None, 2.0), ('x_sum', None, 3.5)]
+    """
+    cumulative, total = BoundedHistogram.cumulative(plains)
+    if not cumulative:
+        cumulative = [0] * (len(bounds) + 1)
+    family = HistogramMetricFamily(name, text, labels=["job"])
+    family.add_metric([job], [(str(b), float(c)) for b, c in zip(bounds, cumulative)]
+                      + [("+Inf", float(cumulative[-1]))], sum_value=total)
+    return family

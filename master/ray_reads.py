@@ -9,6 +9,7 @@ nothing but the host books of such a host.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any
@@ -20,13 +21,16 @@ from chronostream.slices.errors import SinkRowsLost
 from chronostream.containers.core import ContainerStatistics
 from chronostream.containers.sink_parts import PackedSinkParts
 from chronostream.containers.metrics import LatencyHistogram, MetricsSnapshot
-from chronostream.master.ray_prometheus import MetricsEndpoint
-from chronostream.master.autoscaler import build_snapshot
+from chronostream.master.ray_http import JobHttp
+from chronostream.master.autoscaler import Counters, build_snapshot
 from chronostream.master.job_state import JobState
 from chronostream.master.results import SinkPartRefs, memory_sink_ids
 from chronostream.master.rpc_results import MasterStatus, PlacementView
 
 log = logging.getLogger("chronostream.master")
+
+#: Callers' rate windows kept (``metrics_snapshot(window=...)``); the oldest used goes first.
+WINDOWS_KEPT = 64
 
 
 class RayReads:
@@ -34,7 +38,10 @@ class RayReads:
 
     def __init__(self, master: Any) -> None:
         self.m = master
-        self.endpoint = MetricsEndpoint(master)  # the job's Prometheus /metrics (master.ray_prometheus)
+        self.endpoint = JobHttp(master)  # the job's dashboard and Prometheus /metrics (master.ray_http)
+        # Each caller's counters at its previous snapshot (its rates are over its own interval:
+        # one caller's read never shortens another's); the autoscaler's are ``master._counters``.
+        self.windows: collections.OrderedDict[str, Counters] = collections.OrderedDict()
 
     def answering(self) -> list[int]:
         """The live hosts that have a handle to ask (not those a restarted master did not find:
@@ -42,9 +49,11 @@ class RayReads:
         m = self.m
         return sorted(m.alive - m.hosts.not_found())
 
-    async def metrics_snapshot(self) -> MetricsSnapshot:
+    async def metrics_snapshot(self, window: str | None = None) -> MetricsSnapshot:
         """Per stage: input and processing rates, utilization, backlog, per-slice figures; job
-        latency percentiles (since the previous snapshot) and throughput; per host CPU and RSS."""
+        latency percentiles and throughput; per host CPU and RSS. Rates and latency are over the
+        interval since the previous snapshot of the same ``window`` (a caller's name; None: the
+        autoscaler's); a window's first snapshot has no rates."""
         m = self.m
         ids: dict[int, list[int]] = {}
         answering = set(self.answering())
@@ -59,14 +68,21 @@ class RayReads:
                 for c, (st, sl) in part.items():
                     stats[c], slices[c] = st, sl
         t = time.time() - m.started_at if m.started_at else 0.0
-        snap, m._counters = build_snapshot(t, m.plan, m.placement, m.host_of, stats, slices,
-                                           m._counters)
+        if window is None:
+            snap, m._counters = build_snapshot(t, m.plan, m.placement, m.host_of, stats, slices, m._counters)
+            return snap
+        snap, self.windows[window] = build_snapshot(t, m.plan, m.placement, m.host_of, stats, slices,
+                                                    self.windows.get(window))
+        self.windows.move_to_end(window)
+        while len(self.windows) > WINDOWS_KEPT:
+            self.windows.popitem(last=False)
         return snap
 
-    async def metrics(self) -> dict[str, Any]:
-        """A fresh snapshot (plain), the end-to-end latency over the whole run, and autoscaler ticks so far."""
+    async def metrics(self, window: str = "") -> dict[str, Any]:
+        """A fresh snapshot (plain; rates since ``window``'s previous call), the end-to-end latency
+        over the whole run, and autoscaler ticks so far."""
         m = self.m
-        snap = await self.metrics_snapshot()
+        snap = await self.metrics_snapshot(window)
         total = LatencyHistogram()
         for st in (await self.statistics()).values():
             if st is not None and st.latency:
@@ -93,6 +109,7 @@ class RayReads:
             # (the client's Job handle answers with give_source_refs)
             wants_source_refs=m.sources.wanted(),
             metrics_url=self.endpoint.url,
+            dashboard_url=self.endpoint.base_url,
         )
 
     async def statistics(self) -> dict[int, ContainerStatistics]:

@@ -41,7 +41,7 @@ class RayStop:
             task.cancel()  # (a probe left pending at the hosts' kill: "Task was destroyed but it is pending")
         await asyncio.gather(*m._background, return_exceptions=True)
         await m.sinks.quiet()
-        m.reads.endpoint.stop()
+        await m.reads.endpoint.stop()
         for h in sorted(m.alive):
             if m.handles.get(h) is None:
                 continue  # (a host a restarted master did not find: dead, nothing to stop)

@@ -39,7 +39,8 @@ class MasterStatus:
     gc_dropped: int  # output-log entries the master's GC trimmed so far
     stale_backups_dropped: int  # backup copies off their slice's chain, dropped by GC
     wants_source_refs: bool  # a restarted master waits for the client's source table references
-    metrics_url: str = ""  # the job's Prometheus endpoint ("" when it has none: master.ray_prometheus)
+    metrics_url: str = ""  # the job's Prometheus endpoint ("" when it has none: master.ray_http)
+    dashboard_url: str = ""  # the job's live dashboard ("" when it has none)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ master uses (a few dozen), so the timeline holds at most that many times ``per_k
 events, and a rare kind (the job's state changes ``job_running``, ``job_failed``, ...) is
 never pushed out by a frequent one. Each event has a sequence number (its key in the
 master's catalog, ``master.catalog``); ``add`` says which event it pushed out, so the
-catalog's copy keeps the same bound. Knows no Ray.
+catalog's copy keeps the same bound; ``listeners`` see every event added (the job's metrics
+count from them past the bound). Knows no Ray.
 
 >>> t = Timeline(per_kind=2)
 >>> for i in range(3):
@@ -22,10 +23,13 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 Event = tuple[float, str, dict[str, Any]]
+
+log = logging.getLogger("chronostream.master")
 
 #: Events kept per kind (the latest): with a few dozen kinds, a timeline holds tens of
 #: thousands of events at most, whatever the job's length.
@@ -42,6 +46,7 @@ class Timeline:
         self._by_kind: dict[str, collections.deque[tuple[int, Event]]] = {}
         self._counts: collections.Counter[str] = collections.Counter()
         self.next_seq = 1
+        self.listeners: list[Callable[[Event], None]] = []  # called with each event added
 
     def add(self, event: Event, seq: int | None = None) -> tuple[int, int | None]:
         """Keep ``event`` (numbered ``seq``, default the next number). Returns its number and
@@ -52,6 +57,11 @@ class Timeline:
         dropped = kept.popleft()[0] if len(kept) == self.per_kind else None
         kept.append((seq, event))
         self._counts[event[1]] += 1
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - a listener (metrics) must never fail the master
+                log.exception("timeline listener %r failed on %s", listener, event[1])
         return seq, dropped
 
     def extend(self, numbered: Iterable[tuple[int, Event]]) -> list[int]:

@@ -114,7 +114,7 @@ def test_chains_handed_to_another_checkpointer_go_on_with_deltas_after_the_giver
             rt.feed(e, rng)
         ship(giver.after_epoch(e))
     import unittest.mock as mock
-    with mock.patch.object(checkpointing, "_encode_round", lambda c: (gate.wait(10), real(c))[1]):
+    with mock.patch.object(checkpointing, "_encode_round", lambda c, s=0.0: (gate.wait(10), real(c, s))[1]):
         for rt in rts.values():
             rt.feed(2, rng)
         ship(giver.after_epoch(2))  # captured, still encoding when handed over
@@ -150,7 +150,7 @@ def test_a_captured_checkpoint_holds_the_state_of_its_epoch_though_encoded_later
     """The CAPTURE phase takes a frozen copy: updates made while the encoder waits do not leak in."""
     gate = threading.Event()
     real = checkpointing._encode_round
-    monkeypatch.setattr(checkpointing, "_encode_round", lambda captured: (gate.wait(10), real(captured))[1])
+    monkeypatch.setattr(checkpointing, "_encode_round", lambda captured, s=0.0: (gate.wait(10), real(captured, s))[1])
     rt, rng = _Slice(), np.random.default_rng(1)
     ck = SliceCheckpointer({0: rt}, {0: [3]}, every_epochs=1, async_encode=True)
     rt.feed(0, rng)
@@ -203,7 +203,7 @@ def test_when_encoding_falls_behind_capture_waits_and_nothing_is_lost_or_reorder
     import time as _time
 
     real = checkpointing._encode_round
-    monkeypatch.setattr(checkpointing, "_encode_round", lambda captured: (_time.sleep(0.02), real(captured))[1])
+    monkeypatch.setattr(checkpointing, "_encode_round", lambda captured, s=0.0: (_time.sleep(0.02), real(captured, s))[1])
     rt, rng = _Slice(), np.random.default_rng(2)
     ck = SliceCheckpointer({0: rt}, {0: [4]}, every_epochs=1, async_encode=True, max_pending=1)
     shipped: list[bytes] = []

@@ -38,6 +38,7 @@ def test_the_wheel_holds_only_the_chronostream_package(tmp_path):
     assert "chronostream/slices/group.py" in names and "chronostream/master/actor.py" in names
     assert "chronostream/sim/queries.py" in names
     assert "chronostream/py.typed" in names
+    assert "chronostream/master/dashboard.html" in names  # (the job serves it: master.ray_http)
     top_level = zipfile.ZipFile(wheel).read(f"chronostream-{cs.__version__}.dist-info/top_level.txt").decode()
     assert top_level.split() == ["chronostream"]
 

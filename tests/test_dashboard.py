@@ -1,0 +1,143 @@
+"""A job's live dashboard, loaded in a real browser (headless Chromium) while the job runs: after a
+slice migrated and a host was killed and recovered, the rendered page places the slice on its new
+host, in the placement map and its table, and its timeline and events show the migration and the
+recovery; a screenshot is kept (``tests/artifacts/dashboard.png``). The same job's ``/metrics``
+counts the migration's pause and the recovery in their histograms.
+
+Chromium is Debian's package (``.ci/run`` installs it); without it the test is skipped, except
+under CI, where it fails."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import chronostream as cs
+from chronostream.chaos import Fault, inject
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
+#: Chromium as root in a closed network: no sandbox, no GPU, no background connections.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--virtual-time-budget=4000")
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("no Chromium: .ci/run installs Debian's chromium package")
+        pytest.skip("no Chromium (apt-get install chromium) for the dashboard's browser test")
+    return found
+
+
+def _browse(chromium: str, url: str, profile: Path, *args: str) -> str:
+    out = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+class _Page(html.parser.HTMLParser):
+    """The rendered page's table rows (their ``data-*`` attributes and cells) and SVG texts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[str, list[tuple[dict[str, str], list[str]]]] = {}
+        self.svg_texts: list[str] = []
+        self._table = ""
+        self._row: tuple[dict[str, str], list[str]] | None = None
+        self._in: str = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "table":
+            self._table = a.get("id", "")
+        elif tag == "tr" and self._table:
+            self._row = ({k[5:]: v for k, v in a.items() if k.startswith("data-")}, [])
+            if self._row[0]:  # (a header row has none)
+                self.rows.setdefault(self._table, []).append(self._row)
+        self._in = tag
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self._table = ""
+        self._in = ""
+
+    def handle_data(self, data: str) -> None:
+        if self._in == "td" and self._row is not None:
+            self._row[1].append(data)
+        elif self._in in ("text", "tspan") and data.strip():
+            self.svg_texts.append(data.strip())
+
+
+def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_session, tmp_path):
+    chromium = _chromium()
+    q = cs.Query(epoch_events=100)
+    q.source("events", [{"k": i % 17, "v": i} for i in range(40_000)]).key_by("k") \
+        .count(slices=6, name="count").sink(name="c")
+    job = cs.run(q, containers=2, source_pace_s=0.05, checkpoint_every=2)
+    try:
+        status = job.status()
+        url = status.dashboard_url
+        assert url.startswith("http://127.0.0.1:") and status.metrics_url == url + "metrics"
+        deadline = time.monotonic() + 60
+        while not job.statistics() or min(s.next_epoch for s in job.statistics().values()) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        moved = job.migrate("count", 1)["transfers"][0]
+        killed = inject(job, Fault("kill", at_epoch=0, stage="count", index=0))
+        assert killed["container"] != moved["to"]
+        deadline = time.monotonic() + 60
+        while not any(k == "recovery_end" for _, k, _ in job.timeline()):
+            assert time.monotonic() < deadline, "no recovery"
+            time.sleep(0.2)
+        assert job.status().state is cs.JobState.RUNNING  # (the page is of a running job)
+
+        page = _Page()
+        page.feed(_browse(chromium, url, tmp_path / "profile", "--dump-dom"))
+        # The placement table (the map's text form): slice 1 of count on the host it moved to.
+        placed = {(int(a["host"]), a["stage"]): a["slices"].split() for a, _ in page.rows["hosts"]}
+        assert "1" in placed[(moved["host"], "count")], placed
+        assert all("1" not in sl for (h, st), sl in placed.items() if st == "count" and h != moved["host"])
+        assert killed["host"] not in {h for h, _ in placed}  # the dead host runs nothing
+        # The map itself (Plotly's SVG): the new host's column and its container's label.
+        assert f"host {moved['host']}" in page.svg_texts and f"c{moved['to']}" in page.svg_texts
+        # The timeline's lanes and the events table: the migration and the recovery.
+        assert {"migrations", "recoveries", "faults"} <= set(page.svg_texts)
+        kinds = [a["kind"] for a, _ in page.rows["events"]]
+        assert {"migration_start", "migration_end", "fault_detected", "recovery_start", "slices_restored",
+                "recovery_end"} <= set(kinds), kinds
+        (text,) = [cells for a, cells in page.rows["events"] if a["kind"] == "migration_end"]
+        assert f"to {moved['to']} on host {moved['host']}" in text[-1]
+        stages = {a["stage"]: cells for a, cells in page.rows["stages"]}
+        assert set(stages) == {"events", "count"}
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        shot.unlink(missing_ok=True)
+        _browse(chromium, url, tmp_path / "profile", "--window-size=1400,1800", f"--screenshot={shot}")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
+
+        # /metrics: the migration's pause and the recovery, counted once each.
+        with urllib.request.urlopen(status.metrics_url, timeout=10) as r:
+            families = {f.name: f.samples for f in text_string_to_metric_families(r.read().decode())}
+        count = {name: next(s.value for s in families[name] if s.name == f"{name}_count")
+                 for name in ("chronostream_migration_pause_seconds", "chronostream_recovery_seconds",
+                              "chronostream_checkpoint_seconds", "chronostream_checkpoint_bytes")}
+        assert count["chronostream_migration_pause_seconds"] == len(moved["slices"]) == 1
+        assert count["chronostream_recovery_seconds"] == 1
+        assert count["chronostream_checkpoint_seconds"] == count["chronostream_checkpoint_bytes"] > 0
+        api = json.load(urllib.request.urlopen(url + "api/dashboard", timeout=10))
+        assert api["headline"]["migrations"] == 1 and api["headline"]["recoveries"] == 1
+    finally:
+        job.stop()
