@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import webbrowser
 from dataclasses import asdict
 from pathlib import Path
 import ray
@@ -31,6 +32,7 @@ from chronostream.client import Job, keep_warm_hosts
 from chronostream.cluster import connected_address, ensure_ray, probe
 from chronostream.job import job_states, same_cluster
 from chronostream.job_records import all_records, read_record, remove_record
+from chronostream.live_view import EpochBar, top
 from chronostream.demo import run_demo
 from chronostream.master.migration import MigrationError
 from chronostream.master.policies import BUILTIN, read_trace, simulate
@@ -119,6 +121,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option),
                      restore_from=args.restore, drop_states=parse_drops(args.drop_state))
+        if isinstance(job, Job) and job.status().dashboard_url:
+            print(f"{job.key}: dashboard at {job.status().dashboard_url}", file=sys.stderr)
         try:
             job.wait()
             summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}
@@ -317,7 +321,8 @@ def job_status(job: "cs.Job") -> dict:
     return {"name": job.key, "state": str(s.state), "containers": s.containers, "done_containers": s.done_containers,
             "epochs": p["epochs"], "min_epoch": p["min_epoch"], "elapsed_s": round(s.elapsed_s, 3),
             "recoveries": p["recoveries"], "error": None if s.error is None else str(s.error),
-            "address": connected_address(), "workdir": job.workdir, "metrics_url": s.metrics_url}
+            "address": connected_address(), "workdir": job.workdir, "dashboard_url": s.dashboard_url,
+            "metrics_url": s.metrics_url}
 
 
 def follow(job: "cs.Job", timeout_s: float | None) -> int:
@@ -325,18 +330,24 @@ def follow(job: "cs.Job", timeout_s: float | None) -> int:
     ends, then each sink's rows as JSON; 0 when it finished, 1 otherwise. Ctrl-C leaves the
     job running."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        st = job_status(job)
-        print(f"{job.key}: {st['state']}, epoch {st['min_epoch']} of {st['epochs']}, {st['done_containers']}/"
-              f"{st['containers']} containers done, {st['recoveries']} recoveries, {st['elapsed_s']:.0f} s",
-              file=sys.stderr)
-        if cs.JobState(st["state"]).terminal:
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            print(f"chronostream attach: {job.key} still {st['state']} after {timeout_s} s; it runs on",
-                  file=sys.stderr)
-            return 1
-        time.sleep(ATTACH_EVERY_S)
+    bar = EpochBar(job.key)  # (a terminal: a bar; otherwise a line every ATTACH_EVERY_S)
+    try:
+        while True:
+            st = job_status(job)
+            if bar.bar.disable:
+                print(f"{job.key}: {st['state']}, epoch {st['min_epoch']} of {st['epochs']}, {st['done_containers']}/"
+                      f"{st['containers']} containers done, {st['recoveries']} recoveries, {st['elapsed_s']:.0f} s",
+                      file=sys.stderr)
+            bar.update(st)
+            if cs.JobState(st["state"]).terminal:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"chronostream attach: {job.key} still {st['state']} after {timeout_s} s; it runs on",
+                      file=sys.stderr)
+                return 1
+            time.sleep(ATTACH_EVERY_S if bar.bar.disable else 0.2)
+    finally:
+        bar.close()
     if st["state"] != "finished":
         print(f"chronostream attach: {job.key} {st['state']}" + (f": {st['error']}" if st["error"] else ""),
               file=sys.stderr)
@@ -362,6 +373,25 @@ def stop_job(args: argparse.Namespace) -> dict:
     job.stop(cleanup=not args.keep_files)
     out["stopped"] = True
     return out
+
+
+#: Commands against a job (or the list of them), with their help: ``cmd_control``.
+CONTROL_COMMANDS = [("jobs", "list the jobs started from this machine (or running on --address's cluster)"),
+                    ("status", "a job's state and progress"),
+                    ("attach", "follow a job to its end, then print each sink's row count"),
+                    ("stop", "stop a job (after a savepoint with --savepoint) and release what it holds"),
+                    ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
+                    ("top", "a live table of a running job's stages and hosts"),
+                    ("ui", "open a running job's live dashboard in the browser (prints its address)"),
+                    ("log-floor", "the order below which a running job will not read its source log again "
+                                  "(what its feeder may trim the log to)"),
+                    ("scale-out", "add hosts to a stage of a running job"),
+                    ("scale-in", "remove hosts from a stage of a running job"),
+                    ("migrate", "move slices of a stage of a running job"),
+                    ("compact", "merge a stage's containers on each host of a running job into one"),
+                    ("savepoint", "write every slice's state of a running job to a new directory"),
+                    ("scale-up", "give a container of a running job more threads"),
+                    ("scale-down", "take threads from a container of a running job")]
 
 
 def cmd_control(args: argparse.Namespace) -> int:
@@ -401,7 +431,21 @@ def _control(args: argparse.Namespace) -> int:
     elif args.command == "placement":
         out = asdict(job.placement())
     elif args.command == "metrics":
+        if args.summary:
+            print(job.metrics_summary())
+            return 0
         out = job.metrics()
+    elif args.command == "top":
+        state = top(job, args.interval, args.count)
+        return 1 if state is cs.JobState.FAILED else 0
+    elif args.command == "ui":
+        url = job.status().dashboard_url
+        if not url:
+            raise ValueError(f"job {job.key} serves no dashboard (it runs with http_port=-1)")
+        print(url)
+        if not args.no_open:
+            webbrowser.open(url)
+        return 0
     elif args.command == "log-floor":
         out = {"floor": job.source_log_floor()}
     elif args.command == "scale-out":
@@ -514,20 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--settle-pace", type=float, default=0.0,
                    help="while a fault applies and settles, slow the sources to S seconds per epoch "
                         "(so the job does not end before the later faults)")
-    for name, help_ in [("jobs", "list the jobs started from this machine (or running on --address's cluster)"),
-                        ("status", "a job's state and progress"),
-                        ("attach", "follow a job to its end, then print each sink's row count"),
-                        ("stop", "stop a job (after a savepoint with --savepoint) and release what it holds"),
-                        ("placement", "a running job's placement"), ("metrics", "a running job's metrics"),
-                        ("log-floor", "the order below which a running job will not read its source log again "
-                                      "(what its feeder may trim the log to)"),
-                        ("scale-out", "add hosts to a stage of a running job"),
-                        ("scale-in", "remove hosts from a stage of a running job"),
-                        ("migrate", "move slices of a stage of a running job"),
-                        ("compact", "merge a stage's containers on each host of a running job into one"),
-                        ("savepoint", "write every slice's state of a running job to a new directory"),
-                        ("scale-up", "give a container of a running job more threads"),
-                        ("scale-down", "take threads from a container of a running job")]:
+    for name, help_ in CONTROL_COMMANDS:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--address", default=None,
                        help="the Ray cluster's address (default: the job's record on this machine)")
@@ -536,6 +567,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("job", help="the job's name (chronostream jobs)")
         if name == "attach":
             p.add_argument("--timeout", type=float, default=None, help="give up following after S seconds")
+        if name == "metrics":
+            p.add_argument("--summary", action="store_true", help="a readable summary instead of JSON")
+        if name == "top":
+            p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (default 1)")
+            p.add_argument("-n", "--count", type=int, default=None, help="redraw N times, then exit (default: "
+                                                                        "until the job ends)")
+        if name == "ui":
+            p.add_argument("--no-open", action="store_true", help="only print the dashboard's address")
         if name == "stop":
             p.add_argument("--savepoint", default=None, metavar="PATH",
                            help="write a savepoint to PATH (a new directory) first")
@@ -562,8 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--policy", default="rate", choices=["rate", "utilization", "latency"])
     a.add_argument("--param", action="append", default=[], help="policy parameter NAME=VALUE (repeatable)")
     args = parser.parse_args(argv)
-    if args.command in ("jobs", "status", "attach", "stop", "placement", "metrics", "log-floor", "scale-out",
-                        "scale-in", "migrate", "compact", "savepoint", "scale-up", "scale-down"):
+    if args.command in dict(CONTROL_COMMANDS):
         return cmd_control(args)
     if args.command == "submit":
         return cmd_submit(args)

@@ -145,7 +145,8 @@ class CompletedJob:
 def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int] = 2,
         options: JobOptions | None = None, address: str | None = None, workdir: str | None = None,
         autoscale: Any = None, resume: bool = False, seed: int = 0, restore_from: str | os.PathLike | None = None,
-        drop_states: dict[str, list[str]] | None = None, **knobs: Any) -> Job | CompletedJob:
+        drop_states: dict[str, list[str]] | None = None, progress: bool | None = None,
+        **knobs: Any) -> Job | CompletedJob:
     """Run ``query`` and return its job handle.
 
     ``executor``: ``"ray"`` (the runtime; Ray starts in this process, listening on
@@ -163,7 +164,9 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
     ``autoscale``: a policy (``cs.UtilizationPolicy``, ``cs.Policies`` ...) the
     master asks every ``autoscale_interval_s`` with ``job.metrics()``.
     ``seed``: the local executor's interleaving of containers (any seed gives the
-    same output).
+    same output). ``progress``: the handle's ``wait()`` draws a bar of the job's epochs
+    on stderr (default None: on a terminal only; False: never). The job's live dashboard
+    is at ``job.status().dashboard_url``.
 
     ``restore_from``: a savepoint (``Job.savepoint``) every slice starts from: the
     job goes on from the epoch after the savepoint's, with any number of containers,
@@ -221,8 +224,10 @@ def run(query: Query, *, executor: str = "ray", containers: int | dict[str, int]
                             lambda: collect(plan, cores, plan.dead_letter_sink.name))
 
 
-    return _start_on_ray(plan, sources, per_stage, options, autoscale, restore_from, address, workdir, resume,
-                         drop_states=drop_states)
+    job = _start_on_ray(plan, sources, per_stage, options, autoscale, restore_from, address, workdir, resume,
+                        drop_states=drop_states)
+    job.progress_bar = progress
+    return job
 
 
 def submit(query: Query, *, address: str | None = None, containers: int | dict[str, int] = 2,

@@ -7,6 +7,7 @@ Must not touch: jobs (``client``), their records (``job_records``).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import ipaddress
 import os
 import socket
@@ -42,8 +43,13 @@ RAY_NAMESPACE = "chronostream"
 RAY_SYSTEM_CONFIG = {"oom_grace_period_s": 0}
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, ray_dashboard: bool | None = None) -> None:
     """Start Ray in this process (default) or connect to ``address`` / ``$RAY_ADDRESS``.
+
+    ``ray_dashboard`` (default: ``$CHRONOSTREAM_RAY_DASHBOARD`` is ``1``) turns on Ray's own
+    dashboard, on 127.0.0.1, in a Ray started here (it needs ``ray[default]``: ``pip install
+    'chronostream[ray-dashboard]'``; ``ClusterError`` says so before Ray starts). Each job's own
+    dashboard needs nothing of it (``Job.status().dashboard_url``).
 
     Ray started here gets ``RAY_SYSTEM_CONFIG`` and an object store of
     ``$CHRONOSTREAM_OBJECT_STORE_BYTES`` (default 1 GiB); a cluster you connect to keeps its own.
@@ -70,12 +76,31 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         with _ray_on_loopback() if _on_loopback(address) else contextlib.nullcontext():
             ray.init(address=address, logging_level="WARNING", log_to_driver=True, namespace=RAY_NAMESPACE)
         return
+    if ray_dashboard is None:
+        ray_dashboard = os.environ.get(RAY_DASHBOARD_ENV, "") == "1"
+    if ray_dashboard:
+        _check_ray_dashboard_installed()
     with _ray_on_loopback():
         _started_here = True
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
-                 logging_level="WARNING", namespace=RAY_NAMESPACE,
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=ray_dashboard,
+                 dashboard_host="127.0.0.1", logging_level="WARNING", namespace=RAY_NAMESPACE,
                  object_store_memory=int(os.environ.get("CHRONOSTREAM_OBJECT_STORE_BYTES", 1 << 30)),
                  log_to_driver=True, _system_config=dict(RAY_SYSTEM_CONFIG))
+
+
+#: Turns Ray's own dashboard on in a Ray this project starts (``ensure_ray``).
+RAY_DASHBOARD_ENV = "CHRONOSTREAM_RAY_DASHBOARD"
+
+
+def _check_ray_dashboard_installed() -> None:
+    """Ray's dashboard needs ``ray[default]``'s packages; without them Ray starts without it
+    and says so only in its logs."""
+    try:
+        importlib.import_module("ray.dashboard.optional_deps")
+    except ImportError as exc:
+        raise ClusterError(f"Ray's dashboard needs ray[default] ({exc}): pip install "
+                           f"'chronostream[ray-dashboard]', or leave it off (each job serves its own "
+                           f"dashboard: Job.status().dashboard_url)") from None
 
 
 #: Ray's switch between a node reachable from other machines (its default on Linux: servers on

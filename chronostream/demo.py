@@ -15,7 +15,6 @@ only the moving slices notice). The output must still validate.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -51,12 +50,6 @@ def expected_route_delays(flights_df):
                           F.count(F.lit(1)).over(w).alias("count"),
                           F.avg("dep_delay").over(w).alias("mean_dep_delay"),
                           F.max("dep_delay").over(w).alias("max_dep_delay"))
-
-
-def _bar(done: int, total: int | None, width: int = 30) -> str:
-    total = total or max(done, 1)
-    k = int(width * done / max(total, 1))
-    return "[" + "#" * k + "." * (width - k) + f"] {done}/{total} epochs"
 
 
 def _recovery_lines(timeline: list, applied: list) -> list[tuple[str, str]]:
@@ -145,17 +138,10 @@ def run_demo(containers: int = 2, rows: int = 0, out: Path = Path("out/demo"), k
             schedule += [Fault("scale_out", at_epoch=max(2, epochs // 2), stage="route_delays"),
                          Fault("scale_in", at_epoch=max(3, 2 * epochs // 3), stage="route_delays"),
                          Fault("compact", at_epoch=max(4, 5 * epochs // 6), stage="route_delays")]
+        print(f"      dashboard: {job.status().dashboard_url}", flush=True)
         applied = [a for a in apply_schedule(job, schedule) if a[1].kind == "kill"]
-        while True:
-            info = job.progress()
-            sys.stdout.write("\r      " + _bar(info["min_epoch"], info["epochs"]))
-            sys.stdout.flush()
-            if info["state"] is not cs.JobState.RUNNING:
-                break
-            time.sleep(0.2)
-        job.wait()
+        job.wait()  # (a bar of its epochs on a terminal)
         elapsed = time.perf_counter() - t0
-        sys.stdout.write("\r      " + _bar(info["epochs"] or 0, info["epochs"]) + "\n")
         placement = job.placement()
         timeline = job.timeline()
     finally:

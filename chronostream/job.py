@@ -22,6 +22,7 @@ import ray
 from chronostream.cluster import RAY_NAMESPACE, connected_address, ensure_ray
 from chronostream.containers.shm_transport import remove_job_files, shm_job_tag
 from chronostream.job_records import JobRecord, read_record, records_dir, remove_record
+from chronostream.live_view import EpochBar, metrics_summary
 from chronostream.master.job_state import JobState
 from chronostream.master.policies import Decision
 from chronostream.master.results import packed_sink_table
@@ -97,6 +98,7 @@ class Job:
         self._placement = placement
         self._result_cache: dict[str, pa.Table] = {}
         self._window = uuid.uuid4().hex  # this handle's own rate window of ``metrics()``
+        self.progress_bar: bool | None = None  # ``wait``'s bar: None draws it on a terminal only (``run(progress=)``)
 
     @staticmethod
     def attach(key: str, address: str | None = None) -> "Job":
@@ -137,12 +139,22 @@ class Job:
             ray.get(self.master.give_source_refs.remote(self._source_refs))
         return s
 
-    def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> JobStatus:
+    def wait(self, timeout_s: float | None = None, poll_s: float = 0.05, progress: bool | None = None) -> JobStatus:
         """Block until the job finishes (and its Parquet sinks' files are committed); raise
-        ``JobFailed`` (with the cause) if it failed."""
+        ``JobFailed`` (with the cause) if it failed. ``progress``: a bar of the job's epochs on
+        stderr (default: ``run(progress=)``'s choice, else on a terminal only)."""
+        bar = EpochBar(self.key, self.progress_bar if progress is None else progress)
+        try:
+            return self._wait(timeout_s, poll_s, bar)
+        finally:
+            bar.close()
+
+    def _wait(self, timeout_s: float | None, poll_s: float, bar: EpochBar) -> JobStatus:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            st = self.status()
+            s = self._master_status()
+            st = JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url, s.dashboard_url)
+            bar.update({"state": s.state, "epochs": s.epochs, "min_epoch": s.min_epoch, "recoveries": s.recoveries})
             if st.state is JobState.FAILED:
                 err = st.error
                 raise JobFailed(f"job failed: {err}", err) from err
@@ -347,6 +359,11 @@ class Job:
         caller's reads (the autoscaler's, another process's) do not shorten it."""
 
         return ray.get(self.master.metrics.remote(self._window))
+
+    def metrics_summary(self) -> str:
+        """``metrics()`` as text a person reads: throughput and latency, a table of stages (events/s,
+        busy and backpressured shares, backlog, threads) and one of hosts (CPU, memory)."""
+        return metrics_summary(self.metrics())
 
     def autoscale_trace(self) -> list[Any]:
         """The autoscaler's latest ticks (at most ``master.actor.DECISIONS_KEPT``), as

@@ -10,6 +10,7 @@ under CI, where it fails."""
 from __future__ import annotations
 
 import html.parser
+import importlib
 import json
 import os
 import shutil
@@ -23,6 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import chronostream as cs
 from chronostream.chaos import Fault, inject
+from chronostream.cluster import _check_ray_dashboard_installed
+from chronostream.containers.metrics import MetricsSnapshot
+from chronostream.master.dashboard_view import EVENTS_LISTED, Dashboard, JobView, StageNode
+from chronostream.slices.errors import ClusterError
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 #: Chromium as root in a closed network: no sandbox, no GPU, no background connections.
@@ -141,3 +146,30 @@ def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_se
         assert api["headline"]["migrations"] == 1 and api["headline"]["recoveries"] == 1
     finally:
         job.stop()
+
+
+def test_rays_own_dashboard_asks_for_its_packages_before_ray_starts():
+    """``CHRONOSTREAM_RAY_DASHBOARD=1`` without ``ray[default]``: one clear error naming the extra
+    (Ray itself would start without a dashboard and say so only in its logs)."""
+    try:
+        importlib.import_module("ray.dashboard.optional_deps")
+    except ImportError:
+        with pytest.raises(ClusterError, match=r"pip install 'chronostream\[ray-dashboard\]'"):
+            _check_ray_dashboard_installed()
+    else:
+        _check_ray_dashboard_installed()  # (installed: nothing to say)
+
+
+def test_the_dashboard_view_escapes_names_and_bounds_its_lists():
+    """A stage named like markup reaches Plotly's labels escaped; the history and the events listed
+    keep their bounds however long the job."""
+    view = JobView("j", "running", 1.0, [StageNode(0, "<b>x</b>", "source", 1, ())], {("<b>x</b>", 0): (0, 0)},
+                   {}, None, {}, [(float(i), "autoscale_decision", {"action": f"a{i}"}) for i in range(500)], 0.0)
+    board = Dashboard(kept=5)
+    for t in range(20):
+        board.sample(MetricsSnapshot(float(t), {}, {"p50_ms": 1.0, "p99_ms": 2.0}, 10.0), checkpoints=t)
+    out = board.render(view)
+    assert out["figures"]["graph"]["data"][0]["text"] == ["&lt;b&gt;x&lt;/b&gt;"]
+    assert out["figures"]["placement"]["data"][0]["y"] == ["&lt;b&gt;x&lt;/b&gt;/0"]
+    assert len(board.history) == 5 and out["figures"]["throughput"]["data"][0]["x"] == [15.0, 16.0, 17.0, 18.0, 19.0]
+    assert len(out["events"]) == EVENTS_LISTED and out["events"][0]["text"] == "autoscaler: a499"

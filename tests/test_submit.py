@@ -113,6 +113,12 @@ def test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name(cluste
     # Found by name with no address given (this machine's record), token authentication on.
     status = _json(_cli(env, "status", name))
     assert status["state"] == "running" and status["address"] == address, status
+    # Its dashboard's address (loopback), and a live table of its stages.
+    ui = _cli(env, "ui", name, "--no-open")
+    assert ui.stdout.strip() == status["dashboard_url"] and ui.stdout.startswith("http://127.0.0.1:"), ui.stderr
+    shown = _cli(env, "top", name, "-n", "1")
+    assert shown.returncode == 0 and f"{name}: running" in shown.stdout, shown.stderr[-2000:]
+    assert all(word in shown.stdout for word in ("count", "events/s", "backpressured")), shown.stdout
     listed = _json(_cli(env, "jobs"))
     assert [(j["name"], j["state"], j["submitted"]) for j in listed] == [(name, "running", True)], listed
     moved = _json(_cli(env, "scale-out", name, "count"))
