@@ -94,7 +94,7 @@ def test_the_client_reads_the_master_s_status_by_field(monkeypatch):
                           min_epoch=12, recoveries=2, gc_dropped=9, stale_backups_dropped=1, wants_source_refs=False)
     monkeypatch.setattr(ray, "get", lambda what: what)
     job = Job.__new__(Job)  # (no plan or actors: only the reading path runs)
-    job.master, job._source_refs = _FakeMaster(status), None
+    job.master, job._source_refs, job.key, job.progress_bar = _FakeMaster(status), None, "j", False
     st = job.status()
     assert st == cs.JobStatus(JobState.FAILED, 5, 3, 7.5, error)
     assert st.state is JobState.FAILED

@@ -27,7 +27,7 @@ def test_run_takes_few_keywords_and_the_rest_as_job_options():
     params = inspect.signature(cs.run).parameters
     named = [p for p in params if params[p].kind is not inspect.Parameter.VAR_KEYWORD]
     assert named == ["query", "executor", "containers", "options", "address", "workdir", "autoscale",
-                     "resume", "seed", "restore_from", "drop_states"]
+                     "resume", "seed", "restore_from", "drop_states", "progress"]
 
 
 def test_a_keyword_overrides_the_field_of_options():
