@@ -55,16 +55,15 @@ def read_results(paths: list[Path]) -> list[Result]:
     return out
 
 
-def newest(results: list[Result], benchmark: str, needs: Callable[[Result], bool]) -> Result | None:
-    """The last line of ``benchmark`` whose rows ``needs`` accepts."""
-    return next((r for r in reversed(results) if r.get("benchmark") == benchmark and r.get("rows") and needs(r)),
-                None)
+def newest(results: list[Result], benchmark: str, *fields: str, sweep: str = "") -> Result | None:
+    """The last line of ``benchmark`` whose every row has ``fields`` (not null), preferring one whose
+    rows take two values of ``sweep`` at least (a curve; a quick run may have one point)."""
+    def has(r: Result) -> bool:
+        return bool(r.get("rows")) and all(row.get(f) is not None for row in r["rows"] for f in fields)
 
-
-def _has(*fields: str, sweep: str = "") -> Callable[[Result], bool]:
-    """Every row has ``fields`` (not null); with ``sweep``, the rows take two values of it at least."""
-    return lambda r: (all(all(row.get(f) is not None for f in fields) for row in r["rows"])
-                      and (not sweep or len({row[sweep] for row in r["rows"]}) > 1))
+    found = [r for r in results if r.get("benchmark") == benchmark and has(r)]
+    curves = [r for r in found if not sweep or len({row[sweep] for row in r["rows"]}) > 1]
+    return (curves or found or [None])[-1]
 
 
 def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -81,7 +80,7 @@ def _source(fig: Any, result: Result) -> None:
 
 
 def migration_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "migration", _has("state_mb", "reconstruct_delay_ms", "stop_copy_delay_ms", sweep="state_mb"))
+    r = newest(results, "migration", "state_mb", "reconstruct_delay_ms", "stop_copy_delay_ms", sweep="state_mb")
     if r is None:
         return None
     rows = sorted(r["rows"], key=lambda x: x["state_mb"])
@@ -98,8 +97,8 @@ def migration_figure(results: list[Result]) -> tuple[Any, Result] | None:
 
 
 def checkpoint_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "checkpoint", _has("state_mb", "delta_throughput_ratio", "delta_max_over_no_ckpt_max",
-                                           sweep="state_mb"))
+    r = newest(results, "checkpoint", "state_mb", "delta_throughput_ratio", "delta_max_over_no_ckpt_max",
+               sweep="state_mb")
     if r is None:
         return None
     rows = sorted(r["rows"], key=lambda x: x["state_mb"])
@@ -115,7 +114,7 @@ def checkpoint_figure(results: list[Result]) -> tuple[Any, Result] | None:
 
 
 def recovery_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "recovery", _has("target_mb", "peers", "recovery_s", sweep="peers"))
+    r = newest(results, "recovery", "target_mb", "peers", "recovery_s", sweep="peers")
     if r is None:
         return None
     fig, ax = _axes("Recovery time against peers", "peers rebuilding the lost slices", "recovery (s)")
@@ -129,7 +128,7 @@ def recovery_figure(results: list[Result]) -> tuple[Any, Result] | None:
 
 
 def slices_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "slices", _has("slices", "overhead_pct", sweep="slices"))
+    r = newest(results, "slices", "slices", "overhead_pct", sweep="slices")
     if r is None:
         return None
     rows = sorted(r["rows"], key=lambda x: x["slices"])
@@ -142,7 +141,7 @@ def slices_figure(results: list[Result]) -> tuple[Any, Result] | None:
 
 
 def latency_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "latency", _has("window", "p50_ms", "p99_ms", "p999_ms", sweep="window"))
+    r = newest(results, "latency", "window", "p50_ms", "p99_ms", "p999_ms", sweep="window")
     if r is None:
         return None
     fig, ax = _axes("End-to-end latency against window length", "window", "latency (ms)")
@@ -155,7 +154,7 @@ def latency_figure(results: list[Result]) -> tuple[Any, Result] | None:
 
 
 def peers_figure(results: list[Result]) -> tuple[Any, Result] | None:
-    r = newest(results, "peers", _has("query", "system", "config", "words_per_s"))
+    r = newest(results, "peers", "query", "system", "config", "words_per_s")
     if r is None:
         return None
     fig, ax = _axes("Throughput against the peers (2 cores)", "words/s (millions)", "")

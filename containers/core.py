@@ -115,6 +115,9 @@ class ContainerStatistics:
     backpressured_s: float = 0.0
     checkpoint_seconds: dict = field(default_factory=dict)  # its checkpoint rounds' durations (``BoundedHistogram``, plain)
     checkpoint_bytes: dict = field(default_factory=dict)  # their encoded sizes (``BoundedHistogram``, plain)
+    # Per local slice: (slice, events in, state keys, approximate state bytes): the job's
+    # per-slice metrics (Prometheus, the dashboard's placement map) from the heartbeats alone.
+    slice_figures: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class ContainerCore:
@@ -1107,7 +1110,8 @@ class ContainerCore:
             self.checkpointer.seeded if self.checkpointer is not None else 0, self.send_s, self.shm_parts,
             self.parts_node_unknown, self.backpressured_s,
             self.checkpointer.round_seconds.to_plain() if self.checkpointer is not None else {},
-            self.checkpointer.round_bytes.to_plain() if self.checkpointer is not None else {})
+            self.checkpointer.round_bytes.to_plain() if self.checkpointer is not None else {},
+            tuple((s, rt.events_in, *rt.state_size()) for s, rt in self.slices.items()))
 
     def host_gc_figures(self) -> tuple[int, float]:
         """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""

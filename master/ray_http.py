@@ -11,8 +11,9 @@ the job. Routes:
   (``/plotly.min.js``, from the ``plotly`` package: nothing from the network)
   and asks ``/api/dashboard`` every second;
 - ``/api/dashboard``: ``master.dashboard_view``'s JSON, from the master's
-  books and one call per host for the per-slice figures (at most one every
-  ``FRESH_S``, whatever the number of open pages);
+  books (the heartbeats' statistics carry the per-slice figures), made at
+  most once every ``FRESH_S`` whatever the number of open pages; only the
+  recoveries' first outputs are asked of the hosts, when there were some;
 - ``/metrics``: ``master.ray_prometheus``'s collector, from the books only.
 
 Every ``SAMPLE_S`` the server keeps one point of the dashboard's history
@@ -33,6 +34,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry
 
+from chronostream.containers.metrics import SliceMetrics
 from chronostream.master.autoscaler import Counters, build_snapshot
 from chronostream.master.dashboard_view import Dashboard, JobView, StageNode
 from chronostream.master.ray_prometheus import EventHistograms, JobCollector
@@ -58,6 +60,7 @@ class JobHttp:
         self.dashboard = Dashboard()
         self._sampler: asyncio.Task | None = None
         self._answer: tuple[float, dict[str, Any]] | None = None
+        self._view_counters: Counters | None = None  # the page's rate window
         self._lock = asyncio.Lock()
 
     @property
@@ -146,16 +149,21 @@ class JobHttp:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _api(self, _request: web.Request) -> web.Response:
-        async with self._lock:  # (several pages: one answer a FRESH_S, one host call at a time)
+        async with self._lock:  # (several pages: one answer a FRESH_S)
             if self._answer is None or time.monotonic() - self._answer[0] > FRESH_S:
                 self._answer = (time.monotonic(), self.dashboard.render(await self.view()))
         return web.json_response(self._answer[1])
 
     async def view(self) -> JobView:
-        """What the master knows now, as the dashboard needs it (one call per host for the
-        per-slice figures; the recoveries' first outputs when there were recoveries)."""
+        """What the master knows now, as the dashboard needs it (from its books; the recoveries'
+        first outputs from the hosts, when there were recoveries)."""
         m = self.m
-        snapshot = await m.reads.metrics_snapshot("dashboard")
+        stats = dict(m.stats)
+        slices = {c: [SliceMetrics(s, c, n_in, 0.0, 0, keys, nbytes) for s, n_in, keys, nbytes in st.slice_figures]
+                  for c, st in stats.items()}
+        t = time.time() - m.started_at if m.started_at else 0.0
+        snapshot, self._view_counters = build_snapshot(t, m.plan, m.placement, m.host_of, stats, slices,
+                                                       self._view_counters)
         events = (await m.reads.recovery_timeline() if m.timeline.count("slices_restored")
                   else list(m.timeline))
         slices_at = {}

@@ -9,7 +9,8 @@ counters, base units): per container, labelled ``job``, ``stage`` and
 ``container`` (a container's counters start at its birth: a recovery's or a
 migration's new container starts from zero, as a restarted process would):
 events in and out, busy, backpressured and CPU seconds, checkpoints, duplicates
-dropped; its backlog, buffered bytes and resident memory as gauges. Per job: its
+dropped; its backlog, buffered bytes and resident memory as gauges. Per slice
+(``slice`` for ``container``): events in, state keys and bytes. Per job: its
 state, the recoveries ended, the output-log entries GC trimmed; histograms of
 the end-to-end latency of the rows its sinks wrote, of its checkpoint rounds'
 durations and sizes (the live containers'), of each migrated slice's pause and
@@ -99,6 +100,8 @@ class JobCollector(Collector):
             for c, st in sorted(stats.items()):
                 family.add_metric([m.job_key, st.stage, str(c)], float(getattr(st, field)))
             yield family
+        live = {c for ids in m.placement.containers.values() for c in ids}
+        yield from slice_families(m.job_key, {c: st for c, st in stats.items() if c in live})
         state = GaugeMetricFamily("chronostream_job_state", "1 for the job's current state", labels=["job", "state"])
         for s in STATES:
             state.add_metric([m.job_key, s], 1.0 if m.state.value == s else 0.0)
@@ -178,3 +181,19 @@ def bounded_family(name: str, text: str, job: str, bounds: tuple[float, ...],
     family.add_metric([job], [(str(b), float(c)) for b, c in zip(bounds, cumulative)]
                       + [("+Inf", float(cumulative[-1]))], sum_value=total)
     return family
+
+
+def slice_families(job: str, stats: dict[int, Any]) -> Iterable[Any]:
+    """Per slice, labelled ``job``, ``stage`` and ``slice``: events in (a counter; it starts again
+    where a slice moved), state keys and approximate state bytes (gauges), from the heartbeats."""
+    labels = ["job", "stage", "slice"]
+    events = CounterMetricFamily("chronostream_slice_events_in", "Events a slice consumed", labels=labels)
+    keys = GaugeMetricFamily("chronostream_slice_state_keys", "Keys in a slice's state", labels=labels)
+    size = GaugeMetricFamily("chronostream_slice_state_bytes", "Approximate bytes of a slice's state", labels=labels)
+    for st in stats.values():
+        for s, n_in, n_keys, n_bytes in st.slice_figures:
+            at = [job, st.stage, str(s)]
+            events.add_metric(at, float(n_in))
+            keys.add_metric(at, float(n_keys))
+            size.add_metric(at, float(n_bytes))
+    return events, keys, size

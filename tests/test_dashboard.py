@@ -9,6 +9,7 @@ under CI, where it fails."""
 
 from __future__ import annotations
 
+import collections
 import html.parser
 import importlib
 import json
@@ -28,6 +29,7 @@ from chronostream.cluster import _check_ray_dashboard_installed
 from chronostream.containers.metrics import MetricsSnapshot
 from chronostream.master.dashboard_view import EVENTS_LISTED, Dashboard, JobView, StageNode
 from chronostream.slices.errors import ClusterError
+from chronostream.slices.hashing import slice_of_scalar
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 #: Chromium as root in a closed network: no sandbox, no GPU, no background connections.
@@ -142,6 +144,15 @@ def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_se
         assert count["chronostream_migration_pause_seconds"] == len(moved["slices"]) == 1
         assert count["chronostream_recovery_seconds"] == 1
         assert count["chronostream_checkpoint_seconds"] == count["chronostream_checkpoint_bytes"] > 0
+        # Per slice: each of count's six slices once, wherever it runs now, holding the keys that
+        # hash to it (17 keys in all; slice 0 has none), with bytes where it has keys.
+        keys = {int(s.labels["slice"]): s.value for s in families["chronostream_slice_state_keys"]
+                if s.labels["stage"] == "count"}
+        sizes = {int(s.labels["slice"]): s.value for s in families["chronostream_slice_state_bytes"]
+                 if s.labels["stage"] == "count"}
+        hashed = collections.Counter(slice_of_scalar([k], 6) for k in range(17))
+        assert keys == {s: float(hashed[s]) for s in range(6)}, keys
+        assert sorted(sizes) == list(range(6)) and all((sizes[s] > 0) == (keys[s] > 0) for s in range(6)), sizes
         api = json.load(urllib.request.urlopen(url + "api/dashboard", timeout=10))
         assert api["headline"]["migrations"] == 1 and api["headline"]["recoveries"] == 1
     finally:
