@@ -1,9 +1,9 @@
 """The paper's figures as pictures: PNGs (matplotlib) drawn from the benchmarks' JSON lines.
 
 Reads JSON-lines files of benchmark results (each line one benchmark's last stdout line, as
-``python -m benchmarks.<name> --json`` prints it; default ``benchmarks/results/readme.json`` and
-``benchmarks/results/figures.json``) and draws, from the newest line of each benchmark that has
-what a figure needs:
+``python -m benchmarks.<name> --json`` prints it; default ``benchmarks/results/readme.json``, the
+lines the README's table is made from) and draws, from the newest line of each benchmark that has
+what a figure needs (a sweep preferred):
 
 - ``migration.png``: a migrated slice's output delay against its state size, live migration
   (``reconstruct``) beside stop-copy-restart and no migration (the paper's Fig. 14);
@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.common import emit  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT_RESULTS = (RESULTS / "readme.json", RESULTS / "figures.json")
+DEFAULT_RESULTS = (RESULTS / "readme.json",)
 DEFAULT_OUT = Path(__file__).parent.parent / "docs" / "figures"
 
 Result = dict[str, Any]
@@ -197,7 +197,7 @@ def draw(results: list[Result], out: Path) -> tuple[list[dict[str, Any]], list[s
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", action="append", type=Path, default=None,
-                   help="a JSON-lines file of results (repeatable; default: benchmarks/results/*.json)")
+                   help="a JSON-lines file of results (repeatable; default: benchmarks/results/readme.json)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory of the PNGs (default docs/figures)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line (last line)")
     args = p.parse_args(argv)

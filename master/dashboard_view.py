@@ -165,7 +165,7 @@ class Dashboard:
 
 
 def stage_rows(view: JobView) -> list[dict[str, Any]]:
-    """Per stage: containers, slices, input rate, busy / backpressured / idle shares, backlog."""
+    """Per stage: containers, slices, input rate, busy / backpressured / idle shares, backlog, state."""
     snap = view.snapshot.stages if view.snapshot is not None else {}
     rows = []
     for st in view.stages:
@@ -176,6 +176,7 @@ def stage_rows(view: JobView) -> list[dict[str, Any]]:
                      "containers": len(m.containers) if m else 0, "input_rate": m.input_rate if m else 0.0,
                      "busy": round(busy, 3), "backpressured": round(held, 3),
                      "idle": round(max(0.0, 1.0 - busy - held), 3), "backlog": m.backlog_events if m else 0,
+                     "state_mb": round(sum(x.state_bytes for x in m.per_slice) / 1e6, 2) if m else 0.0,
                      "checkpoints": view.checkpoints.get(st.name, 0)})
     return rows
 
