@@ -62,7 +62,6 @@ RAY_TIER = {
     "test_savepoints.py::test_a_job_resumed_from_a_savepoint_on_other_containers_with_an_upgraded_operator_goes_on_exactly",
     "test_resume.py::test_a_job_tailing_a_source_log_goes_on_from_the_log_after_its_every_process_died",
     # what a running job shows
-    "test_prometheus.py::test_the_metrics_endpoint_counts_with_the_job_and_goes_with_it",
     "test_dashboard.py::test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser",
     "test_migration_ray.py::test_bad_scaling_requests_are_refused_with_a_clear_error",
     "test_migration_ray.py::test_ray_started_for_jobs_allocates_from_the_filesystem_at_once_when_the_object_store_is_full",

@@ -2,7 +2,9 @@
 slice migrated and a host was killed and recovered, the rendered page places the slice on its new
 host, in the placement map and its table, and its timeline and events show the migration and the
 recovery; a screenshot is kept (``tests/artifacts/dashboard.png``). The same job's ``/metrics``
-counts the migration's pause and the recovery in their histograms.
+counts with it, counts the migration's pause and the recovery in their histograms and each
+slice's keys, and goes with the job's stop (``test_prometheus`` checks its counters end at the
+input's rows, in the extended tests).
 
 Chromium is Debian's package (``.ci/run`` installs it); without it the test is skipped, except
 under CI, where it fails."""
@@ -17,6 +19,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import chronostream as cs
+from chronostream import cli
 from chronostream.chaos import Fault, inject
 from chronostream.cluster import _check_ray_dashboard_installed
 from chronostream.containers.metrics import MetricsSnapshot
@@ -35,7 +39,7 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 #: Chromium as root in a closed network: no sandbox, no GPU, no background connections.
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--virtual-time-budget=4000")
+                  "--virtual-time-budget=2500")
 
 
 def _chromium() -> str:
@@ -101,6 +105,11 @@ def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_se
         while not job.statistics() or min(s.next_epoch for s in job.statistics().values()) < 5:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        # /metrics counts with the job: the count stage's events grow between two scrapes.
+        first = _scrape(status.metrics_url)
+        time.sleep(0.8)  # (more than a heartbeat)
+        second = _scrape(status.metrics_url)
+        assert 0 < _events_in(first, "count") < _events_in(second, "count")
         moved = job.migrate("count", 1)["transfers"][0]
         killed = inject(job, Fault("kill", at_epoch=0, stage="count", index=0))
         assert killed["container"] != moved["to"]
@@ -136,8 +145,7 @@ def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_se
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
 
         # /metrics: the migration's pause and the recovery, counted once each.
-        with urllib.request.urlopen(status.metrics_url, timeout=10) as r:
-            families = {f.name: f.samples for f in text_string_to_metric_families(r.read().decode())}
+        families = _scrape(status.metrics_url)
         count = {name: next(s.value for s in families[name] if s.name == f"{name}_count")
                  for name in ("chronostream_migration_pause_seconds", "chronostream_recovery_seconds",
                               "chronostream_checkpoint_seconds", "chronostream_checkpoint_bytes")}
@@ -157,6 +165,18 @@ def test_the_dashboard_shows_a_migration_and_a_recovery_in_a_real_browser(ray_se
         assert api["headline"]["migrations"] == 1 and api["headline"]["recoveries"] == 1
     finally:
         job.stop()
+    with pytest.raises(urllib.error.URLError):  # (the server goes with the job)
+        urllib.request.urlopen(url, timeout=5)
+
+
+def _scrape(url: str) -> dict[str, list]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return {f.name: f.samples for f in text_string_to_metric_families(r.read().decode())}
+
+
+def _events_in(families: dict[str, list], stage: str) -> float:
+    return sum(s.value for s in families["chronostream_events_in"]
+               if s.name == "chronostream_events_in_total" and s.labels["stage"] == stage)
 
 
 def test_rays_own_dashboard_asks_for_its_packages_before_ray_starts():
@@ -184,3 +204,25 @@ def test_the_dashboard_view_escapes_names_and_bounds_its_lists():
     assert out["figures"]["placement"]["data"][0]["y"] == ["&lt;b&gt;x&lt;/b&gt;/0"]
     assert len(board.history) == 5 and out["figures"]["throughput"]["data"][0]["x"] == [15.0, 16.0, 17.0, 18.0, 19.0]
     assert len(out["events"]) == EVENTS_LISTED and out["events"][0]["text"] == "autoscaler: a499"
+
+
+def test_chronostream_ui_prints_the_dashboard_and_opens_a_browser_unless_told_not_to(monkeypatch, capsys):
+    """``chronostream ui NAME`` (the CLI alone: the job handle and the browser are stand-ins)."""
+    opened: list[str] = []
+
+    class _Job:
+        key = "nightly"
+
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+        def status(self) -> cs.JobStatus:
+            return cs.JobStatus(cs.JobState.RUNNING, 2, 0, 1.0, None, self.url + "metrics", self.url)
+
+    monkeypatch.setattr(cli.webbrowser, "open", opened.append)
+    monkeypatch.setattr(cli, "_attach", lambda args: _Job("http://127.0.0.1:8123/"))
+    assert cli.main(["ui", "nightly"]) == 0 and cli.main(["ui", "nightly", "--no-open"]) == 0
+    assert capsys.readouterr().out.split() == ["http://127.0.0.1:8123/"] * 2 and opened == ["http://127.0.0.1:8123/"]
+    monkeypatch.setattr(cli, "_attach", lambda args: _Job(""))
+    assert cli.main(["ui", "nightly"]) == 1
+    assert "serves no dashboard (it runs with http_port=-1)" in capsys.readouterr().err and len(opened) == 1

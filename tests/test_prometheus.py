@@ -47,7 +47,7 @@ def test_the_metrics_endpoint_counts_with_the_job_and_goes_with_it(ray_session):
         while _total(first, "chronostream_events_in", "count") == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
             first = _scrape(url)
-        time.sleep(1.0)
+        time.sleep(0.8)  # (more than a heartbeat)
         second = _scrape(url)
         assert _state(first) == "running"
         assert 0 < _total(first, "chronostream_events_in", "count") < _total(second, "chronostream_events_in", "count")
@@ -56,8 +56,11 @@ def test_the_metrics_endpoint_counts_with_the_job_and_goes_with_it(ray_session):
         assert {"chronostream_busy_seconds", "chronostream_checkpoints", "chronostream_backlog_events",
                 "chronostream_rss_bytes", "chronostream_recoveries", "chronostream_gc_trimmed_entries"} <= set(second)
         job.wait(timeout_s=120)
-        time.sleep(1.5)  # (the containers' last heartbeats)
         last = _scrape(url)
+        deadline = time.monotonic() + 30
+        while _total(last, "chronostream_events_out", "count") < ROWS and time.monotonic() < deadline:
+            time.sleep(0.2)  # (the containers' last heartbeats)
+            last = _scrape(url)
         assert _state(last) == "finished"
         assert _total(last, "chronostream_events_in", "count") == ROWS
         assert _total(last, "chronostream_events_out", "count") == ROWS

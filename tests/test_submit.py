@@ -114,8 +114,7 @@ def test_a_submitted_job_outlives_its_submitter_and_is_controlled_by_name(cluste
     status = _json(_cli(env, "status", name))
     assert status["state"] == "running" and status["address"] == address, status
     # Its dashboard's address (loopback), and a live table of its stages.
-    ui = _cli(env, "ui", name, "--no-open")
-    assert ui.stdout.strip() == status["dashboard_url"] and ui.stdout.startswith("http://127.0.0.1:"), ui.stderr
+    assert status["dashboard_url"].startswith("http://127.0.0.1:"), status
     shown = _cli(env, "top", name, "-n", "1")
     assert shown.returncode == 0 and f"{name}: running" in shown.stdout, shown.stderr[-2000:]
     assert all(word in shown.stdout for word in ("count", "events/s", "backpressured")), shown.stdout
