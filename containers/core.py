@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from chronostream.slices.plan import JobPlan
 from chronostream.slices.errors import QueryError, RecoveryError, SavepointError
-from chronostream.containers.metrics import LatencyHistogram, SliceMetrics
+from chronostream.containers.metrics import LatencyHistogram, SliceMetrics, StateSizes
 from chronostream.slices.readers import SourceReader, make_reader
 from chronostream.slices.sinks import SinkWriter
 from chronostream.slices.types import ORDER, SEQ
@@ -187,6 +187,7 @@ class ContainerCore:
         # store: a few ms an epoch, up to 40% of a source's CPU; the metrics count it as busy).
         self.send_s = 0.0
         self.backpressured_s = 0.0  # waiting for receivers' acknowledgements (the epoch loop adds it)
+        self.state_sizes = StateSizes()  # the per-slice figures of ``statistics`` (keys, bytes)
         self.shm_parts = 0  # parts of its messages sent through shared memory (containers/shm_transport.py)
         self.parts_node_unknown = 0  # parts sent through Ray before the receiver's node was known
         self.dead_letter_rows = 0
@@ -1111,7 +1112,7 @@ class ContainerCore:
             self.parts_node_unknown, self.backpressured_s,
             self.checkpointer.round_seconds.to_plain() if self.checkpointer is not None else {},
             self.checkpointer.round_bytes.to_plain() if self.checkpointer is not None else {},
-            tuple((s, rt.events_in, *rt.state_size()) for s, rt in self.slices.items()))
+            self.state_sizes.figures(self.slices, time.monotonic()))
 
     def host_gc_figures(self) -> tuple[int, float]:
         """(full collections, their total pause in s) of the host's ``CollectorPacing``, if it has one."""

@@ -241,6 +241,13 @@ class SliceRuntime:
             keys, nbytes = keys + k, nbytes + b
         return keys, nbytes
 
+    def state_keys(self) -> int:
+        """Keys of the slice's state (registered states and an operator's own arrays), counted
+        without ``state_size``'s pass over the entries."""
+        keys = sum(len(st) for st in self.ctx.states.values()) if self.ctx is not None else 0
+        own = getattr(self.op, "state_bytes", None)
+        return keys + (own()[0] if callable(own) else 0)
+
     def cold_state_keys(self) -> int:
         """Entries of the slice's registered states in the host's spill store, not in memory."""
         if self.ctx is None:
