@@ -75,6 +75,14 @@ def _axes(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     return fig, ax
 
 
+def _curves(ax: Any, rows: list[dict[str, Any]], x: str, curves: list[tuple[str, str, str]]) -> None:
+    """One line per (field, style, label) of ``rows`` over ``x``, on a log x axis, with a legend."""
+    for field, style, label in curves:
+        ax.plot([r[x] for r in rows], [r[field] for r in rows], style, label=label)
+    ax.set_xscale("log")
+    ax.legend()
+
+
 def _source(fig: Any, result: Result) -> None:
     fig.text(0.01, 0.005, f"{result.get('command', '')} ({result.get('date', '')})", fontsize=6, color="#777")
 
@@ -86,13 +94,11 @@ def migration_figure(results: list[Result]) -> tuple[Any, Result] | None:
     rows = sorted(r["rows"], key=lambda x: x["state_mb"])
     fig, ax = _axes("Migration: output delay of the moved slice", "state of the moved slice (MB)",
                     "output delay during migration (ms)")
-    mb = [x["state_mb"] for x in rows]
-    ax.plot(mb, [x["reconstruct_delay_ms"] for x in rows], "o-", label="live migration (ChronoStream)")
-    ax.plot(mb, [x["stop_copy_delay_ms"] for x in rows], "s--", label="stop, copy, restart")
+    curves = [("reconstruct_delay_ms", "o-", "live migration (ChronoStream)"),
+              ("stop_copy_delay_ms", "s--", "stop, copy, restart")]
     if all(x.get("no_migration_delay_ms") is not None for x in rows):
-        ax.plot(mb, [x["no_migration_delay_ms"] for x in rows], ":", color="#777", label="no migration")
-    ax.set_xscale("log")
-    ax.legend()
+        curves.append(("no_migration_delay_ms", ":", "no migration"))
+    _curves(ax, rows, "state_mb", curves)
     return fig, r
 
 
@@ -104,12 +110,9 @@ def checkpoint_figure(results: list[Result]) -> tuple[Any, Result] | None:
     rows = sorted(r["rows"], key=lambda x: x["state_mb"])
     fig, ax = _axes("Checkpoint interference (delta checkpoints every epoch)", "state (MB)",
                     "with checkpoints / without")
-    mb = [x["state_mb"] for x in rows]
-    ax.plot(mb, [x["delta_throughput_ratio"] for x in rows], "o-", label="throughput")
-    ax.plot(mb, [x["delta_max_over_no_ckpt_max"] for x in rows], "s--", label="slowest epoch")
     ax.axhline(1.0, color="#777", lw=0.8)
-    ax.set_xscale("log")
-    ax.legend()
+    _curves(ax, rows, "state_mb", [("delta_throughput_ratio", "o-", "throughput"),
+                                   ("delta_max_over_no_ckpt_max", "s--", "slowest epoch")])
     return fig, r
 
 

@@ -121,8 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = cs.run(query, executor=args.executor, containers=args.containers, options=parse_options(args.option),
                      restore_from=args.restore, drop_states=parse_drops(args.drop_state))
-        if isinstance(job, Job) and job.status().dashboard_url:
-            print(f"{job.key}: dashboard at {job.status().dashboard_url}", file=sys.stderr)
+        url = job.status().dashboard_url if isinstance(job, Job) else ""
+        if url:
+            print(f"{job.key}: dashboard at {url}", file=sys.stderr)
         try:
             job.wait()
             summary = {s.name: job.results(s.name).num_rows for s in job.plan.sinks}

@@ -72,6 +72,11 @@ class JobStatus:
     dashboard_url: str = ""  # the job's live dashboard, on loopback (``chronostream ui NAME`` opens it)
 
 
+def _job_status(s: MasterStatus) -> JobStatus:
+    """The user's view of the master's status."""
+    return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url, s.dashboard_url)
+
+
 class Job:
     """Handle of a running job.
 
@@ -119,8 +124,7 @@ class Job:
 
     def status(self) -> JobStatus:
         """Current status (one call to the master)."""
-        s = self._master_status()
-        return JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url, s.dashboard_url)
+        return _job_status(self._master_status())
 
     def progress(self) -> dict[str, Any]:
         """State (a ``JobState``), epochs of the input, the lowest epoch every container has
@@ -153,7 +157,7 @@ class Job:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             s = self._master_status()
-            st = JobStatus(s.state, s.containers, s.done, s.elapsed_s, s.error, s.metrics_url, s.dashboard_url)
+            st = _job_status(s)
             bar.update({"state": s.state, "epochs": s.epochs, "min_epoch": s.min_epoch, "recoveries": s.recoveries})
             if st.state is JobState.FAILED:
                 err = st.error

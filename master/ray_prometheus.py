@@ -113,8 +113,9 @@ class JobCollector(Collector):
                                       labels=["job"])
         trimmed.add_metric([m.job_key], float(m.gc_dropped))
         yield trimmed
-        yield latency_family(m.job_key, [st.latency for st in stats.values() if st.latency])
-        yield quantiles_family(m.job_key, [st.latency for st in stats.values() if st.latency])
+        latency = merged_latency([st.latency for st in stats.values() if st.latency])
+        yield latency_family(m.job_key, latency)
+        yield quantiles_family(m.job_key, latency)
         yield bounded_family("chronostream_checkpoint_seconds", "Durations of checkpoint rounds (capture and "
                              "encoding)", m.job_key, CHECKPOINT_SECONDS_BOUNDS,
                              [st.checkpoint_seconds for st in stats.values() if st.checkpoint_seconds])
@@ -130,19 +131,24 @@ class JobCollector(Collector):
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def latency_family(job: str, histograms: list[dict]) -> HistogramMetricFamily:
-    """``chronostream_latency_seconds``: the end-to-end latency of every row the job's sinks wrote,
-    from its epoch's ingest (the containers' ``LatencyHistogram``s, plain, merged; their 5%-wide
-    buckets counted under ``LATENCY_BUCKETS_S``).
-
-    >>> h = LatencyHistogram(); h.add(3.0, 2); h.add(40.0)
-    >>> fam = latency_family("j", [h.to_plain()])
-    >>> [(s.labels["le"], s.value) for s in fam.samples if s.name.endswith("_bucket")][:4]
-    [('0.001', 0.0), ('0.005', 2.0), ('0.01', 2.0), ('0.025', 2.0)]
-    """
+def merged_latency(histograms: list[dict]) -> LatencyHistogram:
+    """The containers' ``LatencyHistogram``s (plain) as one."""
     merged = LatencyHistogram()
     for plain in histograms:
         merged = merged.merge(LatencyHistogram.from_plain(plain))
+    return merged
+
+
+def latency_family(job: str, merged: LatencyHistogram) -> HistogramMetricFamily:
+    """``chronostream_latency_seconds``: the end-to-end latency of every row the job's sinks wrote,
+    from its epoch's ingest (the containers' histograms merged; their 5%-wide buckets counted
+    under ``LATENCY_BUCKETS_S``).
+
+    >>> h = LatencyHistogram(); h.add(3.0, 2); h.add(40.0)
+    >>> fam = latency_family("j", merged_latency([h.to_plain()]))
+    >>> [(s.labels["le"], s.value) for s in fam.samples if s.name.endswith("_bucket")][:4]
+    [('0.001', 0.0), ('0.005', 2.0), ('0.01', 2.0), ('0.025', 2.0)]
+    """
     counts = merged.counts_at_or_below([b * 1000 for b in LATENCY_BUCKETS_S])
     family = HistogramMetricFamily("chronostream_latency_seconds", "End-to-end latency of the rows sinks wrote",
                                    labels=["job"])
@@ -151,13 +157,10 @@ def latency_family(job: str, histograms: list[dict]) -> HistogramMetricFamily:
     return family
 
 
-def quantiles_family(job: str, histograms: list[dict]) -> GaugeMetricFamily:
+def quantiles_family(job: str, merged: LatencyHistogram) -> GaugeMetricFamily:
     """``chronostream_latency_quantile_seconds``: p50, p99 and p99.9 of the whole run's end-to-end
-    latency (from the containers' fine histograms; ``histogram_quantile`` over the coarser
+    latency (from the containers' fine histograms, merged; ``histogram_quantile`` over the coarser
     buckets of ``chronostream_latency_seconds`` gives any quantile over any window)."""
-    merged = LatencyHistogram()
-    for plain in histograms:
-        merged = merged.merge(LatencyHistogram.from_plain(plain))
     family = GaugeMetricFamily("chronostream_latency_quantile_seconds", "End-to-end latency quantiles of the run",
                                labels=["job", "quantile"])
     if merged.count:
